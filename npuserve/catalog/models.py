@@ -1,0 +1,101 @@
+"""Built-in model presets: the published `config.json` numbers of common Llama-family models.
+
+Each entry copies the architecture fields of the model's official Hugging Face `config.json` (the repository is
+named beside it), so the planner can size memory without the weights and `create-dummy` can write a folder of the
+real shape. `tiny` is ours: a few MB, for tests and demos.
+"""
+
+from __future__ import annotations
+
+from npuserve.modelspec import ModelSpec
+
+
+class UnknownPresetError(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def _spec(**fields: object) -> ModelSpec:
+    return ModelSpec.model_validate(fields)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # meta-llama/Llama-2-7b-hf
+    "llama2-7b": _spec(model_type="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=32, head_dim=128, intermediate_size=11008, vocab_size=32000,
+                       max_position_embeddings=4096, dtype="float16", rms_norm_eps=1e-5, rope_theta=10000.0,
+                       bos_token_id=1, eos_token_id=2),
+    # meta-llama/Llama-2-13b-hf
+    "llama2-13b": _spec(model_type="llama", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                        num_key_value_heads=40, head_dim=128, intermediate_size=13824, vocab_size=32000,
+                        max_position_embeddings=4096, dtype="float16", rms_norm_eps=1e-5, rope_theta=10000.0,
+                        bos_token_id=1, eos_token_id=2),
+    # meta-llama/Llama-2-70b-hf
+    "llama2-70b": _spec(model_type="llama", num_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=32000,
+                        max_position_embeddings=4096, dtype="float16", rms_norm_eps=1e-5, rope_theta=10000.0,
+                        bos_token_id=1, eos_token_id=2),
+    # meta-llama/Meta-Llama-3-8B
+    "llama3-8b": _spec(model_type="llama", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=128256,
+                       max_position_embeddings=8192, dtype="bfloat16", rms_norm_eps=1e-5, rope_theta=500000.0,
+                       bos_token_id=128000, eos_token_id=128001),
+    # meta-llama/Meta-Llama-3-70B
+    "llama3-70b": _spec(model_type="llama", num_layers=80, hidden_size=8192, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=28672, vocab_size=128256,
+                        max_position_embeddings=8192, dtype="bfloat16", rms_norm_eps=1e-5, rope_theta=500000.0,
+                        bos_token_id=128000, eos_token_id=128001),
+    # Qwen/Qwen2.5-7B-Instruct
+    "qwen2.5-7b": _spec(model_type="qwen2", num_layers=28, hidden_size=3584, num_attention_heads=28,
+                        num_key_value_heads=4, head_dim=128, intermediate_size=18944, vocab_size=152064,
+                        max_position_embeddings=32768, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                        attention_bias=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen2.5-14B-Instruct
+    "qwen2.5-14b": _spec(model_type="qwen2", num_layers=48, hidden_size=5120, num_attention_heads=40,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=13824, vocab_size=152064,
+                         max_position_embeddings=32768, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         attention_bias=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen2.5-32B-Instruct
+    "qwen2.5-32b": _spec(model_type="qwen2", num_layers=64, hidden_size=5120, num_attention_heads=40,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
+                         max_position_embeddings=32768, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         attention_bias=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen2.5-72B-Instruct
+    "qwen2.5-72b": _spec(model_type="qwen2", num_layers=80, hidden_size=8192, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=128, intermediate_size=29568, vocab_size=152064,
+                         max_position_embeddings=32768, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                         attention_bias=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/QwQ-32B (the Qwen2.5-32B architecture with a 40960-token context)
+    "qwq-32b": _spec(model_type="qwen2", num_layers=64, hidden_size=5120, num_attention_heads=40,
+                     num_key_value_heads=8, head_dim=128, intermediate_size=27648, vocab_size=152064,
+                     max_position_embeddings=40960, dtype="bfloat16", rms_norm_eps=1e-5, rope_theta=1000000.0,
+                     attention_bias=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-8B
+    "qwen3-8b": _spec(model_type="qwen3", num_layers=36, hidden_size=4096, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                      max_position_embeddings=40960, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                      qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-32B
+    "qwen3-32b": _spec(model_type="qwen3", num_layers=64, hidden_size=5120, num_attention_heads=64,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,
+                       max_position_embeddings=40960, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+    # mistralai/Mistral-7B-Instruct-v0.2 (no sliding window from v0.2 on)
+    "mistral-7b": _spec(model_type="mistral", num_layers=32, hidden_size=4096, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=14336, vocab_size=32000,
+                        max_position_embeddings=32768, dtype="bfloat16", rms_norm_eps=1e-5, rope_theta=1000000.0,
+                        bos_token_id=1, eos_token_id=2),
+    # ours: a two-layer model of a few MB, GQA, small enough for unit tests on a CPU
+    "tiny": _spec(model_type="llama", num_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, intermediate_size=256, vocab_size=1024, max_position_embeddings=4096,
+                  dtype="float32", rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2),
+}
+
+
+def get_model_preset(name: str) -> ModelSpec:
+    try:
+        return MODEL_PRESETS[name]
+    except KeyError:
+        raise UnknownPresetError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(MODEL_PRESETS))}"
+        ) from None

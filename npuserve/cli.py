@@ -1,0 +1,83 @@
+"""The `npuserve` command: one entry, a subcommand per part of the system (DESIGN.md 2.3).
+
+Each subcommand lives in the module that owns it and exposes `configure(parser)` and `run(args) -> int`.
+Modules are imported only when their subcommand runs, so `npuserve plan` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    module: str | None  # None: not built yet
+    pending_issue: str = ""
+
+
+# Subcommands not built yet name the issue that brings them and exit non-zero; they print no fake output.
+COMMANDS: tuple[Command, ...] = (
+    Command("serve", "run the engine's HTTP server (OpenAI, TGI, /metrics)", None, "issue 4 (Engine server)"),
+    Command("generate", "offline generation from a model folder, one JSON line per prompt", None,
+            "issue 3 (Engine core)"),
+    Command("plan", "print the plan the operator would compute (MindIE tuning guide, automated)", None,
+            "issue 5 (The plan)"),
+    Command("bench", "the load generator (MindIE Benchmark and vLLM benchmark_serving reports)", None,
+            "a later issue (load generator)"),
+    Command("simulate", "run the scheduler on the simulated cost-model runner", None,
+            "a later issue (simulated runner)"),
+    Command("operator", "run the kopf operator", None, "issue 6 (local cluster, operator, Helm chart)"),
+    Command("tune", "run the tuner (--simulate: against the simulated engine)", None, "a later issue (tuner)"),
+    Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
+            "npuserve.model_cli"),
+)
+
+
+def _pending(command: Command) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(f"npuserve {command.name}: not built yet; it arrives with {command.pending_issue}.", file=sys.stderr)
+        return 2
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="npuserve", description="LLM inference on Kubernetes clusters of Ascend NPUs."
+    )
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        if command.module is None:
+            p.set_defaults(func=_pending(command))
+            continue
+        module = importlib.import_module(command.module)
+        module.configure(p)
+        p.set_defaults(func=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from npuserve import __version__
+
+        print(__version__)
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,263 @@
+"""The MindIE Service `config.json`: the file the operator renders and the engine reads (DESIGN.md 2.1).
+
+Field names are exactly MindIE's (the classes are named `...Section` because MindIE names its
+fields after their sections), so a user's existing MindIE file loads as it is. Sections npuserve does not act on
+(LogConfig, ServerConfig and the TLS fields of BackendConfig) are kept as given, so a file dumps back unchanged.
+Ranges are MindIE's documented ones; a value out of range is refused with the field's path in the message.
+Extensions MindIE lacks live under the top-level `npuserve` key, which MindIE ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# MindIE's shipped defaults (DESIGN.md 2.1).
+DEFAULT_MAX_BATCH_SIZE = 200
+DEFAULT_MAX_PREFILL_BATCH_SIZE = 50
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEFAULT_MAX_SEQ_LEN = 2560
+DEFAULT_MAX_INPUT_TOKEN_LEN = 2048
+
+
+class _MindIEModel(BaseModel):
+    # Unknown MindIE fields are kept (extra="allow") so files of newer MindIE releases still round-trip.
+    model_config = ConfigDict(extra="allow", populate_by_name=True, validate_assignment=True)
+
+
+class ModelSection(_MindIEModel):
+    modelInstanceType: str = "Standard"
+    modelName: str
+    modelWeightPath: str
+    worldSize: int = Field(default=1, ge=1, le=1024)
+    cpuMemSize: int = Field(default=5, ge=0, description="GiB of host memory for swapped-out KV blocks")
+    npuMemSize: int = Field(default=-1, description="GiB of KV cache per card; -1 = auto")
+    backendType: str = "atb"
+    trustRemoteCode: bool = False
+
+    @field_validator("npuMemSize")
+    @classmethod
+    def _npu_mem_size(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError("npuMemSize must be -1 (auto) or a positive number of GiB")
+        return value
+
+
+class ModelDeploySection(_MindIEModel):
+    maxSeqLen: int = Field(default=DEFAULT_MAX_SEQ_LEN, ge=1)
+    maxInputTokenLen: int = Field(default=DEFAULT_MAX_INPUT_TOKEN_LEN, ge=1)
+    truncation: bool = False
+    ModelConfig: list[ModelSection] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _input_fits_sequence(self) -> ModelDeploySection:
+        if self.maxInputTokenLen > self.maxSeqLen:
+            raise ValueError(
+                f"maxInputTokenLen ({self.maxInputTokenLen}) must not exceed maxSeqLen ({self.maxSeqLen})"
+            )
+        return self
+
+
+class ScheduleSection(_MindIEModel):
+    """Batching and scheduling; the tuner's knobs. Every field hot-applies through /admin/schedule."""
+
+    templateType: str = "Standard"
+    templateName: str = "Standard_LLM"
+    cacheBlockSize: int = Field(default=128, ge=1, le=1024)
+    maxPrefillBatchSize: int = Field(default=DEFAULT_MAX_PREFILL_BATCH_SIZE, ge=0, description="0 = maxBatchSize")
+    maxPrefillTokens: int = Field(default=DEFAULT_MAX_PREFILL_TOKENS, ge=1, le=409600)
+    prefillTimeMsPerReq: int = Field(default=150, ge=0, le=1000)
+    prefillPolicyType: int = Field(default=0, ge=0)
+    decodeTimeMsPerReq: int = Field(default=50, ge=0, le=1000)
+    decodePolicyType: int = Field(default=0, ge=0)
+    maxBatchSize: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=5000)
+    maxIterTimes: int = Field(default=512, ge=1)
+    maxPreemptCount: int = Field(default=0, ge=0)
+    supportSelectBatch: bool = False
+    maxQueueDelayMicroseconds: int = Field(default=5000, ge=500, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _batch_limits(self) -> ScheduleSection:
+        if self.maxPrefillBatchSize > self.maxBatchSize:
+            raise ValueError(
+                f"maxPrefillBatchSize ({self.maxPrefillBatchSize}) must not exceed maxBatchSize ({self.maxBatchSize})"
+            )
+        if self.maxPreemptCount > self.maxBatchSize:
+            raise ValueError(
+                f"maxPreemptCount ({self.maxPreemptCount}) must not exceed maxBatchSize ({self.maxBatchSize})"
+            )
+        return self
+
+    @property
+    def effective_max_prefill_batch_size(self) -> int:
+        return self.maxPrefillBatchSize or self.maxBatchSize
+
+
+class BackendSection(_MindIEModel):
+    backendName: str = "mindieservice_llm_engine"
+    modelInstanceNumber: int = Field(default=1, ge=1)
+    npuDeviceIds: list[list[int]] = Field(default_factory=lambda: [[0]])
+    tokenizerProcessNumber: int = Field(default=8, ge=1)
+    multiNodesInferEnabled: bool = False
+    ModelDeployConfig: ModelDeploySection
+    ScheduleConfig: ScheduleSection = Field(default_factory=lambda: ScheduleSection())
+
+    @model_validator(mode="after")
+    def _cross_limits(self) -> BackendSection:
+        deploy, schedule = self.ModelDeployConfig, self.ScheduleConfig
+        if schedule.maxIterTimes > deploy.maxSeqLen:
+            raise ValueError(
+                f"ScheduleConfig.maxIterTimes ({schedule.maxIterTimes}) must not exceed "
+                f"ModelDeployConfig.maxSeqLen ({deploy.maxSeqLen})"
+            )
+        if schedule.maxPrefillTokens < deploy.maxInputTokenLen:
+            raise ValueError(
+                f"ScheduleConfig.maxPrefillTokens ({schedule.maxPrefillTokens}) must be at least "
+                f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen}), or no long prompt could prefill"
+            )
+        return self
+
+
+SchedulePolicy = Literal["fcfs", "priority", "longest-output-first"]
+
+
+class NpuserveExtensions(BaseModel):
+    """What MindIE lacks; stored under the top-level `npuserve` key."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    loadFormat: Literal["auto", "safetensors", "dummy"] = "auto"
+    policy: SchedulePolicy = "fcfs"
+    enablePrefixCaching: bool = True
+    chunkedPrefill: bool = False
+    maxWaitingRequests: int = Field(default=4096, ge=1, description="waiting queue bound; beyond it requests get 429")
+    servedModelName: str | None = None
+
+
+class MindIEConfig(_MindIEModel):
+    Version: str = "1.0.0"
+    LogConfig: dict[str, Any] = Field(default_factory=dict)
+    ServerConfig: dict[str, Any] = Field(default_factory=dict)
+    BackendConfig: BackendSection
+    npuserve: NpuserveExtensions | None = None
+
+    # --- convenience -------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> ModelSection:
+        return self.BackendConfig.ModelDeployConfig.ModelConfig[0]
+
+    @property
+    def schedule(self) -> ScheduleSection:
+        return self.BackendConfig.ScheduleConfig
+
+    @property
+    def deploy(self) -> ModelDeploySection:
+        return self.BackendConfig.ModelDeployConfig
+
+    @property
+    def extensions(self) -> NpuserveExtensions:
+        return self.npuserve or NpuserveExtensions()
+
+    # --- files -------------------------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path) -> MindIEConfig:
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise MindIEConfigError(f"{path}: not valid JSON: {e}") from e
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "config") -> MindIEConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise MindIEConfigError(format_validation_error(e, source)) from e
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's content; fields never set stay out, so a loaded file dumps back as it was."""
+        return self.model_dump(mode="json", exclude_unset=True, exclude_none=False)
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_dict(), indent=4, ensure_ascii=False) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.dumps())
+
+    def with_schedule(self, **changes: Any) -> MindIEConfig:
+        """A copy with ScheduleConfig fields changed, validated as a whole (cross-field rules included)."""
+        data = self.to_dict()
+        data["BackendConfig"].setdefault("ScheduleConfig", {}).update(changes)
+        return type(self).from_dict(data, source="ScheduleConfig update")
+
+
+class MindIEConfigError(ValueError):
+    """A MindIE config.json that does not load; the message names each offending field by its path."""
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid MindIE configuration:"]
+    for item in error.errors():
+        path = ".".join(str(part) for part in item["loc"]) or "(root)"
+        lines.append(f"  {path}: {item['msg']}")
+    return "\n".join(lines)
+
+
+# --- environment overrides ---------------------------------------------------------------------------------------
+
+
+class EngineEnvironment(BaseModel):
+    """The environment variables MindIE reads beside config.json."""
+
+    model_config = ConfigDict(frozen=True)
+
+    recompute_threshold: float = Field(default=0.5, ge=0.0, lt=1.0)
+    use_mb_swapper: bool = False
+    npu_memory_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> EngineEnvironment:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        # The newer name wins when both are set; MindIE kept the older MIES_ spelling working.
+        for name in ("MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD"):
+            if name in env:
+                values["recompute_threshold"] = _parse(name, env[name], float)
+                break
+        if "MIES_USE_MB_SWAPPER" in env:
+            values["use_mb_swapper"] = env["MIES_USE_MB_SWAPPER"].strip().lower() in ("1", "true", "yes", "on")
+        if "NPU_MEMORY_FRACTION" in env:
+            values["npu_memory_fraction"] = _parse("NPU_MEMORY_FRACTION", env["NPU_MEMORY_FRACTION"], float)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as e:
+            raise MindIEConfigError(format_validation_error(e, "environment")) from e
+
+
+def _parse(name: str, raw: str, kind: type[float]) -> float:
+    try:
+        return kind(raw)
+    except ValueError:
+        raise MindIEConfigError(f"environment: {name}={raw!r} is not a number") from None
+
+
+def minimal_config(model_name: str, weight_path: str, **schedule: Any) -> MindIEConfig:
+    """A config for one model with MindIE's defaults; schedule fields override ScheduleConfig."""
+    return MindIEConfig.from_dict(
+        {
+            "BackendConfig": {
+                "ModelDeployConfig": {"ModelConfig": [{"modelName": model_name, "modelWeightPath": weight_path}]},
+                "ScheduleConfig": schedule,
+            }
+        }
+    )

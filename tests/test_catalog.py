@@ -1,0 +1,66 @@
+import pytest
+
+from npuserve.catalog import ACCELERATORS, MODEL_PRESETS, get_accelerator, get_model_preset
+from npuserve.catalog.accelerators import GIB
+from npuserve.catalog.models import UnknownPresetError
+
+# Published parameter counts (model cards / papers).
+PUBLISHED_PARAMETERS = {
+    "llama2-7b": 6.74e9,
+    "llama2-13b": 13.0e9,
+    "llama2-70b": 69.0e9,
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "qwen2.5-7b": 7.61e9,
+    "qwen2.5-14b": 14.7e9,
+    "qwen2.5-32b": 32.5e9,
+    "qwen2.5-72b": 72.7e9,
+    "qwq-32b": 32.8e9,
+    "qwen3-8b": 8.2e9,
+    "qwen3-32b": 32.8e9,
+    "mistral-7b": 7.24e9,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_parameter_count_matches_published_size(name: str) -> None:
+    computed = get_model_preset(name).num_parameters
+    published = PUBLISHED_PARAMETERS[name]
+    assert abs(computed - published) / published < 0.015, f"{name}: {computed:.4g} vs {published:.4g}"
+
+
+def test_every_real_preset_has_a_published_size() -> None:
+    assert set(MODEL_PRESETS) - {"tiny"} == set(PUBLISHED_PARAMETERS)
+
+
+def test_llama3_8b_weights_are_about_15_gb_as_in_the_guide() -> None:
+    # The MindIE guide's worked example counts LLaMA3-8B as 15 GB of bf16 weights.
+    assert round(get_model_preset("llama3-8b").weight_bytes / GIB) == 15
+
+
+def test_tiny_is_small() -> None:
+    assert get_model_preset("tiny").weight_bytes < 10 * 1024**2
+
+
+def test_unknown_preset_names_the_known_ones() -> None:
+    with pytest.raises(UnknownPresetError, match="llama3-8b"):
+        get_model_preset("gpt-5")
+
+
+def test_accelerators_memory_and_idle_figures_from_the_guide() -> None:
+    b3 = get_accelerator("ascend-910b3")
+    assert b3.memory_bytes == 64 * GIB and b3.idle_memory_bytes == int(3.4 * GIB)
+    assert get_accelerator("ascend-910b4").memory_gib == 32
+    assert b3.resource_name == "huawei.com/Ascend910"
+    assert get_accelerator("nvidia-h100-80gb").resource_name == "nvidia.com/gpu"
+
+
+def test_unsourced_figures_are_none_not_guesses() -> None:
+    for name in ("ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4"):
+        acc = ACCELERATORS[name]
+        assert acc.peak_tflops_16bit is None and acc.memory_bandwidth_gbps is None
+
+
+def test_unknown_accelerator() -> None:
+    with pytest.raises(KeyError, match="ascend-910b3"):
+        get_accelerator("tpu-v5")

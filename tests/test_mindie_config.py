@@ -1,0 +1,115 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from npuserve.mindie_config import EngineEnvironment, MindIEConfig, MindIEConfigError, minimal_config
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "mindie" / "config.json"
+
+
+def test_example_round_trips_unchanged(tmp_path: Path) -> None:
+    config = MindIEConfig.load(EXAMPLE)
+    assert config.to_dict() == json.loads(EXAMPLE.read_text())
+    config.save(tmp_path / "out.json")
+    assert json.loads((tmp_path / "out.json").read_text()) == json.loads(EXAMPLE.read_text())
+
+
+def test_example_values_are_read() -> None:
+    config = MindIEConfig.load(EXAMPLE)
+    assert config.model.worldSize == 2 and config.model.npuMemSize == 17
+    assert config.schedule.maxBatchSize == 200 and config.schedule.supportSelectBatch
+    assert config.BackendConfig.npuDeviceIds == [[0, 1]]
+
+
+def test_defaults_are_mindies() -> None:
+    schedule = minimal_config("m", "/w").schedule
+    assert (schedule.maxBatchSize, schedule.maxPrefillBatchSize, schedule.maxPrefillTokens) == (200, 50, 8192)
+    assert (schedule.prefillTimeMsPerReq, schedule.decodeTimeMsPerReq) == (150, 50)
+    assert (schedule.maxIterTimes, schedule.maxPreemptCount, schedule.cacheBlockSize) == (512, 0, 128)
+    assert schedule.maxQueueDelayMicroseconds == 5000
+    deploy = minimal_config("m", "/w").deploy
+    assert (deploy.maxSeqLen, deploy.maxInputTokenLen) == (2560, 2048)
+
+
+def test_max_prefill_batch_size_zero_means_max_batch_size() -> None:
+    schedule = minimal_config("m", "/w", maxPrefillBatchSize=0, maxBatchSize=64).schedule
+    assert schedule.effective_max_prefill_batch_size == 64
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"maxBatchSize": 0}, "ScheduleConfig.maxBatchSize"),
+        ({"maxQueueDelayMicroseconds": 499}, "ScheduleConfig.maxQueueDelayMicroseconds"),
+        ({"maxQueueDelayMicroseconds": 1_000_001}, "ScheduleConfig.maxQueueDelayMicroseconds"),
+        ({"prefillTimeMsPerReq": 1001}, "ScheduleConfig.prefillTimeMsPerReq"),
+        ({"maxPrefillBatchSize": 300}, "maxPrefillBatchSize (300) must not exceed maxBatchSize"),
+        ({"maxIterTimes": 4000}, "maxIterTimes (4000) must not exceed ModelDeployConfig.maxSeqLen"),
+        ({"maxPrefillTokens": 1024}, "maxPrefillTokens (1024) must be at least"),
+    ],
+)
+def test_out_of_range_values_are_refused_naming_the_field(change: dict[str, int], field: str) -> None:
+    config = MindIEConfig.load(EXAMPLE)
+    with pytest.raises(MindIEConfigError) as excinfo:
+        config.with_schedule(**change)
+    assert field in str(excinfo.value)
+    assert config.schedule.maxBatchSize == 200  # the running config is untouched
+
+
+def test_model_config_ranges() -> None:
+    data = json.loads(EXAMPLE.read_text())
+    data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["npuMemSize"] = 0
+    with pytest.raises(MindIEConfigError, match=r"ModelConfig\.0\.npuMemSize"):
+        MindIEConfig.from_dict(data)
+    data = json.loads(EXAMPLE.read_text())
+    data["BackendConfig"]["ModelDeployConfig"]["maxInputTokenLen"] = 4096
+    with pytest.raises(MindIEConfigError, match="maxInputTokenLen"):
+        MindIEConfig.from_dict(data)
+
+
+def test_malformed_json_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(MindIEConfigError, match="not valid JSON"):
+        MindIEConfig.load(bad)
+
+
+def test_npuserve_extensions_live_under_their_own_key() -> None:
+    data = json.loads(EXAMPLE.read_text()) | {"npuserve": {"policy": "longest-output-first", "device": "cpu"}}
+    config = MindIEConfig.from_dict(data)
+    assert config.extensions.policy == "longest-output-first"
+    assert config.to_dict()["npuserve"]["policy"] == "longest-output-first"
+    with pytest.raises(MindIEConfigError, match=r"npuserve\.policy"):
+        MindIEConfig.from_dict(data | {"npuserve": {"policy": "random"}})
+
+
+def test_environment_defaults() -> None:
+    env = EngineEnvironment.from_environ({})
+    assert (env.recompute_threshold, env.use_mb_swapper, env.npu_memory_fraction) == (0.5, False, 0.8)
+
+
+def test_environment_both_recompute_names_and_the_newer_wins() -> None:
+    assert EngineEnvironment.from_environ({"MIES_RECOMPUTE_THRESHOLD": "0.3"}).recompute_threshold == 0.3
+    assert EngineEnvironment.from_environ({"MINDIE_LLM_RECOMPUTE_THRESHOLD": "0.2"}).recompute_threshold == 0.2
+    both = {"MINDIE_LLM_RECOMPUTE_THRESHOLD": "0.2", "MIES_RECOMPUTE_THRESHOLD": "0.3"}
+    assert EngineEnvironment.from_environ(both).recompute_threshold == 0.2
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"MINDIE_LLM_RECOMPUTE_THRESHOLD": "1.0"}, "recompute_threshold"),
+        ({"MIES_RECOMPUTE_THRESHOLD": "-0.1"}, "recompute_threshold"),
+        ({"NPU_MEMORY_FRACTION": "1.5"}, "npu_memory_fraction"),
+        ({"NPU_MEMORY_FRACTION": "lots"}, "NPU_MEMORY_FRACTION"),
+    ],
+)
+def test_environment_out_of_range(environ: dict[str, str], message: str) -> None:
+    with pytest.raises(MindIEConfigError, match=message):
+        EngineEnvironment.from_environ(environ)
+
+
+def test_swapper_flag() -> None:
+    assert EngineEnvironment.from_environ({"MIES_USE_MB_SWAPPER": "1"}).use_mb_swapper
+    assert not EngineEnvironment.from_environ({"MIES_USE_MB_SWAPPER": "0"}).use_mb_swapper
