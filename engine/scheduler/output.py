@@ -1,0 +1,38 @@
+"""What one scheduler step decides; the engine turns it into a model-runner call."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from npuserve.engine.sequence import Sequence
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    IDLE = "idle"  # nothing to run (empty, or waiting for maxQueueDelayMicroseconds)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step.
+
+    PREFILL: for each sequence, compute tokens `num_cached_tokens .. num_tokens - 1` (prefix-cache hits are
+    skipped); its `block_table` already covers all `num_tokens`. DECODE: each sequence computes its last token;
+    its `block_table` covers `num_tokens`. Before running the model the engine copies `swap_out` (device block ->
+    host block) and then `swap_in` (host block -> device block).
+    """
+
+    kind: StepKind
+    seqs: list[Sequence] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # recomputed: back to waiting, blocks freed
+    finished: list[Sequence] = field(default_factory=list)  # ended by this step's scheduling (aborts, errors)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        if self.kind is StepKind.PREFILL:
+            return sum(s.num_tokens - s.num_cached_tokens for s in self.seqs)
+        return len(self.seqs)

@@ -1,0 +1,103 @@
+"""The request as the engine's parts see it: shared by the scheduler, the KV manager and the batch builder.
+
+No torch here. The scheduler owns a sequence's queue state and block table; the engine appends tokens through
+`Scheduler.update`; the batch builder reads token ids, block tables and cached-token counts to make tensors.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, maxIterTimes or maxSeqLen
+    ABORT = "abort"  # client gone or cancelled
+    ERROR = "error"  # the request could not be served (e.g. longer than the whole KV cache)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy (a fused argmax on the device)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    priority: int = 0  # lower is served first under the `priority` policy
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and cache state. Identity is `seq_id`; two sequences are never equal otherwise."""
+
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)  # prompt + output; filled from the prompt
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)  # device blocks, in order
+    host_block_table: list[int] = field(default_factory=list)  # host blocks while swapped out
+    num_cached_tokens: int = 0  # tokens whose KV is already in the cache (prefix hits, or computed before)
+    output_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    # timings (seconds, the engine clock): for TTFT, queue time and the per-request report
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    prefill_batch_size: int = 0
+    decode_batch_size_sum: int = 0  # sum over decode steps, for the mean decode batch size
+    num_decode_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return (self.num_tokens + block_size - 1) // block_size
