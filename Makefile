@@ -12,9 +12,9 @@ setup: $(STAMP)
 
 # Reinstall only when the dependency list changes; the editable install picks up code changes by itself.
 $(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@test -x $(BIN)/python || $(PYTHON) -P -m venv $(VENV)
+	$(BIN)/python -P -m pip install --quiet --upgrade pip
+	$(BIN)/python -P -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
 lint: setup
