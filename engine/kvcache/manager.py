@@ -1,0 +1,260 @@
+"""Paged KV cache bookkeeping for sequences: prefill allocation with prefix hits, one block per appended
+`block_size` tokens, fork, the swap plan between device and host blocks, usage figures. No torch: this only
+decides which block ids a sequence owns; the runner turns block tables into tensors and copies.
+
+Contract with the scheduler (the only caller in the engine):
+- `allocate(seq)` before a prefill: `seq.block_table` covers `seq.num_tokens`; `seq.num_cached_tokens` is the
+  prefix-cache hit (whole blocks, never every token: the last token is always computed so there are logits).
+- `append(seq)` before a decode step: the block table covers `seq.num_tokens` (one new block when the last one
+  is full). Returns False when no block is free.
+- `cache_computed(seq)` after a step: registers the full blocks whose KV is now computed
+  (`seq.num_cached_tokens`), so only computed KV is ever a prefix hit.
+- `swap_out(seq)` / `swap_in(seq)` return (src, dst) block pairs for the runner to copy. Host blocks that
+  `swap_in` empties are released at the next `begin_step()`, so a swap-out in the same step cannot overwrite
+  them before they are copied back.
+"""
+
+from __future__ import annotations
+
+from ..sequence import Sequence
+from .block_pool import BlockPool, chain_hash
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.device = BlockPool(num_device_blocks, enable_prefix_caching)
+        self.host = BlockPool(num_host_blocks, enable_prefix_caching=False)
+        self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
+        self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the prefix cache
+        self._host_pending_release: list[int] = []
+        self.prefix_queries = 0  # blocks looked up in allocate, for a hit-rate figure
+        self.prefix_hits = 0
+
+    # --- figures -----------------------------------------------------------------------------------------------
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.device.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.device.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.device.num_used
+
+    @property
+    def usage(self) -> float:
+        """Fraction of device blocks held by sequences, 0..1 (`npuserve:kv_cache_usage_perc`)."""
+        total = self.device.num_blocks
+        return self.device.num_used / total if total else 0.0
+
+    @property
+    def free_fraction(self) -> float:
+        total = self.device.num_blocks
+        return self.device.num_free / total if total else 0.0
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host.num_free
+
+    @property
+    def host_usage(self) -> float:
+        total = self.host.num_blocks
+        return self.host.num_used / total if total else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether `num_tokens` fit the whole device cache at all (else the request can never run)."""
+        return self.blocks_for(num_tokens) <= self.device.num_blocks
+
+    # --- prefix hashes -----------------------------------------------------------------------------------------
+
+    def _block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of the first `num_blocks` full blocks, extended lazily (tokens only grow)."""
+        hashes = self._hashes.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        tokens = seq.token_ids
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+        return hashes
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        # Never a hit on the block holding the last token: it must be computed to get logits.
+        max_blocks = (seq.num_tokens - 1) // bs
+        if max_blocks <= 0:
+            return []
+        hashes = self._block_hashes(seq, max_blocks)
+        tokens = seq.token_ids
+        hits: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.device.lookup(hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs])
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # --- prefill -----------------------------------------------------------------------------------------------
+
+    def _allocation_cost(self, seq: Sequence, hits: list[int]) -> int:
+        """Free blocks an allocation consumes: new blocks plus hits that sit in the free list."""
+        fresh = self.blocks_for(seq.num_tokens) - len(hits)
+        return fresh + sum(1 for b in hits if self.device.is_free(b))
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._allocation_cost(seq, self._match_prefix(seq)) <= self.device.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Blocks for a prefill of all `seq.num_tokens` (a new prompt, or prompt + output after recompute)."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        hits = self._match_prefix(seq)
+        if self._allocation_cost(seq, hits) > self.device.num_free:
+            raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
+        self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
+        self.prefix_hits += len(hits)
+        for block_id in hits:
+            self.device.share(block_id)
+        table = list(hits)
+        for _ in range(self.blocks_for(seq.num_tokens) - len(hits)):
+            table.append(self.device.allocate())
+        seq.block_table = table
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self._num_registered[seq.seq_id] = len(hits)
+
+    # --- decode ------------------------------------------------------------------------------------------------
+
+    def can_append(self, seq: Sequence) -> bool:
+        return seq.num_tokens <= len(seq.block_table) * self.block_size or self.device.num_free > 0
+
+    def append(self, seq: Sequence) -> bool:
+        """Make the block table cover `seq.num_tokens`; False (nothing changed) when no block is free."""
+        table = seq.block_table
+        if seq.num_tokens <= len(table) * self.block_size:
+            return True
+        if not self.device.num_free:
+            return False
+        table.append(self.device.allocate())
+        return True
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """Register the full blocks whose KV is computed (`seq.num_cached_tokens`) in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        done = self._num_registered.get(seq.seq_id, 0)
+        if full <= done:
+            return
+        hashes = self._block_hashes(seq, full)
+        bs = self.block_size
+        tokens = seq.token_ids
+        for i in range(done, full):
+            self.device.register(
+                seq.block_table[i], hashes[i], hashes[i - 1] if i else None, tokens[i * bs : (i + 1) * bs]
+            )
+        self._num_registered[seq.seq_id] = full
+
+    # --- release -----------------------------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block the sequence holds, device and host. Idempotent."""
+        # Tail first, so the prefix blocks are the most recently freed and the last to be evicted.
+        for block_id in reversed(seq.block_table):
+            self.device.release(block_id)
+        for block_id in seq.host_block_table:
+            self.host.release(block_id)
+        seq.block_table = []
+        seq.host_block_table = []
+        self._hashes.pop(seq.seq_id, None)
+        self._num_registered.pop(seq.seq_id, None)
+
+    # --- fork --------------------------------------------------------------------------------------------------
+
+    def can_fork(self, parent: Sequence) -> bool:
+        return parent.num_tokens % self.block_size == 0 or self.device.num_free > 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Give `child` the parent's tokens and KV: full blocks shared, the partial last block copied.
+
+        Returns the (src, dst) device block copies the runner must make before the child's next step.
+        """
+        if child.block_table or child.host_block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
+        if not parent.block_table:
+            raise RuntimeError(f"sequence {parent.seq_id} holds no device blocks to fork")
+        if not self.can_fork(parent):
+            raise RuntimeError("no free KV block for the fork's partial block")
+        child.token_ids = list(parent.token_ids)
+        child.num_cached_tokens = parent.num_cached_tokens
+        num_full = parent.num_tokens // self.block_size
+        shared = parent.block_table[:num_full]
+        for block_id in shared:
+            self.device.share(block_id)
+        child.block_table = list(shared)
+        copies: list[tuple[int, int]] = []
+        if parent.num_tokens % self.block_size:
+            # Both would write the partial block: the child gets its own copy.
+            new_block = self.device.allocate()
+            child.block_table.append(new_block)
+            copies.append((parent.block_table[num_full], new_block))
+        self._num_registered[child.seq_id] = min(self._num_registered.get(parent.seq_id, 0), num_full)
+        return copies
+
+    # --- swap --------------------------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Release the host blocks emptied by the previous step's swap-ins (their copies have run)."""
+        for block_id in self._host_pending_release:
+            self.host.release(block_id)
+        self._host_pending_release.clear()
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= self.host.num_free
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move the sequence's KV to host blocks; returns (device block, host block) copies."""
+        if not self.can_swap_out(seq):
+            raise RuntimeError(f"not enough free host blocks to swap out sequence {seq.seq_id}")
+        pairs = [(block_id, self.host.allocate()) for block_id in seq.block_table]
+        for block_id in reversed(seq.block_table):
+            self.device.release(block_id)  # a shared prefix block stays with its other owners
+        seq.host_block_table = [host for _, host in pairs]
+        seq.block_table = []
+        self._num_registered.pop(seq.seq_id, None)  # new device blocks after swap-in: register them again
+        return pairs
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        """Room for the host blocks plus the block the next decode token may need."""
+        need = max(len(seq.host_block_table), self.blocks_for(seq.num_tokens))
+        return need <= self.device.num_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring the sequence's KV back; returns (host block, device block) copies."""
+        if not self.can_swap_in(seq):
+            raise RuntimeError(f"not enough free device blocks to swap in sequence {seq.seq_id}")
+        pairs = [(host, self.device.allocate()) for host in seq.host_block_table]
+        self._host_pending_release.extend(seq.host_block_table)
+        seq.block_table = [device for _, device in pairs]
+        seq.host_block_table = []
+        return pairs

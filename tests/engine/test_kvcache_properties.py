@@ -1,0 +1,147 @@
+"""Property test of the KV manager: over random allocate/compute/append/fork/free/swap/abort sequences, no block is
+owned twice (a shared block always holds the same full prefix block for every owner), none leaks, and the pools'
+reference counts and free lists agree with the sequences' block tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
+from npuserve.engine.kvcache import KVCacheManager
+from npuserve.engine.sequence import SamplingParams, Sequence
+
+BS = 3
+# A tiny alphabet and short prompts so prefixes repeat and the prefix cache is hit often.
+tokens = st.lists(st.integers(0, 2), min_size=1, max_size=14)
+
+
+class KVMachine(RuleBasedStateMachine):
+    seqs = Bundle("seqs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(num_device_blocks=12, num_host_blocks=6, block_size=BS)
+        self.live: dict[int, Sequence] = {}
+
+    def _new(self, prompt: list[int]) -> Sequence:
+        return Sequence(prompt_token_ids=prompt, sampling=SamplingParams(), arrival_time=0.0)
+
+    @rule(target=seqs, prompt=tokens)
+    def allocate(self, prompt: list[int]) -> Sequence:
+        s = self._new(prompt)
+        if self.kv.can_allocate(s):
+            self.kv.allocate(s)
+            assert s.num_cached_tokens < s.num_tokens
+            assert s.num_cached_tokens % BS == 0
+            self.live[s.seq_id] = s
+        return s
+
+    @rule(s=seqs)
+    def compute(self, s: Sequence) -> None:
+        if s.seq_id in self.live and s.block_table:
+            s.num_cached_tokens = s.num_tokens
+            self.kv.cache_computed(s)
+
+    @rule(s=seqs, token=st.integers(0, 2))
+    def append(self, s: Sequence, token: int) -> None:
+        if s.seq_id not in self.live or not s.block_table:
+            return
+        s.token_ids.append(token)
+        if not self.kv.append(s):
+            s.token_ids.pop()
+
+    @rule(target=seqs, parent=seqs)
+    def fork(self, parent: Sequence) -> Sequence:
+        child = self._new([0])
+        if parent.seq_id in self.live and parent.block_table and self.kv.can_fork(parent):
+            copies = self.kv.fork(parent, child)
+            for src, dst in copies:
+                assert src in parent.block_table and dst in child.block_table
+            self.live[child.seq_id] = child
+        return child
+
+    @rule(s=seqs)
+    def swap_out(self, s: Sequence) -> None:
+        if s.seq_id in self.live and s.block_table and self.kv.can_swap_out(s):
+            pairs = self.kv.swap_out(s)
+            assert len({h for _, h in pairs}) == len(pairs)
+
+    @rule(s=seqs)
+    def swap_in(self, s: Sequence) -> None:
+        if s.seq_id in self.live and s.host_block_table and self.kv.can_swap_in(s):
+            self.kv.swap_in(s)
+            assert self.kv.append(s)
+
+    @rule(s=consumes(seqs))
+    def free(self, s: Sequence) -> None:
+        # Also an abort: a sequence may be freed in any state, running or swapped.
+        if self.live.pop(s.seq_id, None) is not None:
+            self.kv.free(s)
+
+    @rule()
+    def begin_step(self) -> None:
+        self.kv.begin_step()
+
+    @precondition(lambda self: bool(self.live))
+    @rule()
+    def free_all(self) -> None:
+        for s in self.live.values():
+            self.kv.free(s)
+        self.live.clear()
+        self.kv.begin_step()
+        assert self.kv.num_free_blocks == self.kv.num_device_blocks
+        assert self.kv.num_free_host_blocks == self.kv.num_host_blocks
+
+    @invariant()
+    def device_refs_match_tables(self) -> None:
+        owners: Counter[int] = Counter()
+        for s in self.live.values():
+            assert len(set(s.block_table)) == len(s.block_table), "a block twice in one table"
+            owners.update(s.block_table)
+            if s.block_table:
+                assert len(s.block_table) * BS >= s.num_tokens, "block table does not cover the tokens"
+        for block in self.kv.device.blocks:
+            assert block.ref_count == owners[block.block_id]
+            assert self.kv.device.is_free(block.block_id) == (block.ref_count == 0)
+        assert self.kv.num_free_blocks + len(owners) == self.kv.num_device_blocks
+
+    @invariant()
+    def shared_blocks_hold_one_full_prefix(self) -> None:
+        content: dict[int, set[tuple[int, tuple[int, ...]]]] = {}
+        for s in self.live.values():
+            for i, b in enumerate(s.block_table):
+                if self.kv.device.blocks[b].ref_count > 1:
+                    content.setdefault(b, set()).add((i, tuple(s.token_ids[: (i + 1) * BS])))
+        for b, seen in content.items():
+            assert len(seen) == 1, f"block {b} shared by sequences with different prefixes: {seen}"
+            (i, prefix) = next(iter(seen))
+            assert len(prefix) == (i + 1) * BS, f"shared block {b} is not full"
+
+    @invariant()
+    def host_blocks_owned_once(self) -> None:
+        owners: Counter[int] = Counter()
+        for s in self.live.values():
+            owners.update(s.host_block_table)
+            assert not (s.block_table and s.host_block_table), "a sequence both on device and on host"
+        assert all(n == 1 for n in owners.values()), "a host block owned twice"
+        pending = set(self.kv._host_pending_release)
+        assert not pending & set(owners)
+        for block in self.kv.host.blocks:
+            expected = 1 if block.block_id in owners or block.block_id in pending else 0
+            assert block.ref_count == expected
+
+    def teardown(self) -> None:
+        for s in self.live.values():
+            self.kv.free(s)
+        self.kv.begin_step()
+        assert self.kv.num_free_blocks == self.kv.num_device_blocks, "device block leaked"
+        assert self.kv.num_free_host_blocks == self.kv.num_host_blocks, "host block leaked"
+
+
+KVMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestKVManager = KVMachine.TestCase
