@@ -1,0 +1,102 @@
+"""The device and attention backend interface: what the model runner and the attention layers call.
+
+A backend owns the device: it allocates the paged KV cache (one tensor per layer shaped
+`(2, num_blocks, block_size, num_kv_heads, head_dim)`), writes the new tokens' K and V into their slots, runs
+prefill attention (the new tokens over any prefix-cache hit plus themselves) and decode attention (one token
+over its block table), copies blocks between device and host for swapping, synchronizes and reports memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """The flat batch's layout, built once per step and shared by every layer.
+
+    Tokens of all sequences are concatenated (`num_tokens` rows). For sequence b, its new tokens are rows
+    `query_start[b] .. query_start[b+1]-1`, at positions `context_lens[b] - query_lens[b] .. context_lens[b]-1`.
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # (num_tokens,) int64: block * block_size + offset of each new token
+    block_tables: torch.Tensor  # (batch, max_blocks) int64, padded with 0
+    context_lens: torch.Tensor  # (batch,) int64: tokens in the cache after this step, new ones included
+    query_lens: torch.Tensor  # (batch,) int64: new tokens per sequence (1 in decode)
+    query_start: list[int]  # (batch + 1,) row offsets of each sequence's new tokens
+    max_query_len: int
+    max_context_len: int
+    # Filled lazily by the backend and reused by every layer of the step (masks, gather indices).
+    cache: dict[str, torch.Tensor] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.query_start) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryInfo:
+    free_bytes: int
+    total_bytes: int
+
+
+class Backend(ABC):
+    """One device kind. Instances are cheap; the runner holds one."""
+
+    name: str = "base"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    # --- memory -------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def memory_info(self) -> MemoryInfo: ...
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | None = None,
+    ) -> list[torch.Tensor]:
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        return [torch.zeros(shape, dtype=dtype, device=device or self.device) for _ in range(num_layers)]
+
+    def copy_blocks(self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        """Copies block `s` of every layer of `src` into block `d` of `dst` (swap out: device->host; in: back)."""
+        if not pairs:
+            return
+        src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src[0].device)
+        dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst[0].device)
+        for s, d in zip(src, dst, strict=True):
+            d[:, dst_idx] = s[:, src_idx].to(d.device, non_blocking=True)
+
+    def synchronize(self) -> None:
+        return None
+
+    # --- attention ----------------------------------------------------------------------------------------------
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Stores each new token's K and V (rows of k, v) at its slot."""
+        _, num_blocks, block_size, heads, dim = kv_cache.shape
+        flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
+
+    @abstractmethod
+    def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: (num_tokens, heads, head_dim) of the new tokens, whose K/V are already written. Returns the same shape."""
+
+    @abstractmethod
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: (batch, heads, head_dim), one token per sequence, over its block table. Returns the same shape."""
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.is_prefill:
+            return self.prefill_attention(q, kv_cache, meta)
+        return self.decode_attention(q, kv_cache, meta)

@@ -1,0 +1,114 @@
+"""The `cpu` backend: paged KV cache in host memory, attention on torch SDPA.
+
+Both prefill and decode gather each sequence's blocks into one padded batch and run a single SDPA call for the
+whole batch (no per-sequence loop). Grouped-query attention folds the query heads of a KV head into the query
+axis, so K and V are never repeated: q `(B, kv_heads, group * q_len, d)` against k `(B, kv_heads, L, d)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+
+
+def _meminfo() -> dict[str, int]:
+    values: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                values[key] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return values
+
+
+class CPUBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__(device or torch.device("cpu"))
+
+    def memory_info(self) -> MemoryInfo:
+        info = _meminfo()
+        total = info.get("MemTotal", 0)
+        return MemoryInfo(free_bytes=info.get("MemAvailable", total), total_bytes=total)
+
+    # --- attention ----------------------------------------------------------------------------------------------
+
+    def _gather(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's K and V, padded to the longest context: `(B, kv_heads, L, d)` each."""
+        _, num_blocks, block_size, heads, dim = kv_cache.shape
+        batch, max_blocks = meta.block_tables.shape
+        length = meta.max_context_len
+        flat = kv_cache.view(2, num_blocks, block_size * heads * dim)
+        index = meta.block_tables.reshape(-1)
+        k = flat[0].index_select(0, index).view(batch, max_blocks * block_size, heads, dim)[:, :length]
+        v = flat[1].index_select(0, index).view(batch, max_blocks * block_size, heads, dim)[:, :length]
+        return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _mask(self, meta: AttentionMetadata, key: str, query_len: int) -> torch.Tensor:
+        """Boolean `(B, 1, query_len, L)`: key j is visible to new token i of sequence b when it is in the
+        context and not after the token (`j <= start_b + i`, start_b = context_len - query_len)."""
+        assert meta.cache is not None
+        mask = meta.cache.get(key)
+        if mask is None:
+            keys = torch.arange(meta.max_context_len, device=meta.context_lens.device)
+            queries = torch.arange(query_len, device=meta.context_lens.device)
+            start = (meta.context_lens - meta.query_lens).view(-1, 1, 1)
+            visible = keys.view(1, 1, -1) <= start + queries.view(1, -1, 1)
+            mask = (visible & (keys.view(1, 1, -1) < meta.context_lens.view(-1, 1, 1))).unsqueeze(1)
+            meta.cache[key] = mask
+        return mask
+
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.cache is None:
+            meta.cache = {}
+        batch, heads, dim = q.shape
+        kv_heads = kv_cache.shape[3]
+        k, v = self._gather(kv_cache, meta)
+        mask = self._mask(meta, "decode", 1)  # (B, 1, 1, L): broadcast over kv heads and the group axis
+        qg = q.view(batch, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
+        return out.reshape(batch, heads, dim)
+
+    def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.cache is None:
+            meta.cache = {}
+        _tokens, heads, dim = q.shape
+        kv_heads = kv_cache.shape[3]
+        group = heads // kv_heads
+        batch, max_q = meta.batch_size, meta.max_query_len
+        k, v = self._gather(kv_cache, meta)
+        rows = meta.cache.get("rows")
+        if rows is None:
+            # Row of each new token in the padded (B * max_q) layout.
+            rows = torch.cat([
+                torch.arange(meta.query_start[b], meta.query_start[b + 1]) - meta.query_start[b] + b * max_q
+                for b in range(batch)
+            ]).to(q.device)
+            meta.cache["rows"] = rows
+        if batch == 1:
+            padded = q.view(1, max_q, heads, dim)
+        else:
+            padded = q.new_zeros(batch * max_q, heads, dim)
+            padded.index_copy_(0, rows, q)
+            padded = padded.view(batch, max_q, heads, dim)
+        # (B, max_q, kvh, group, d) -> (B, kvh, group * max_q, d)
+        qg = padded.view(batch, max_q, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(
+            batch, kv_heads, group * max_q, dim
+        )
+        mask = self._mask(meta, "prefill", max_q)  # (B, 1, max_q, L)
+        gmask = meta.cache.get("prefill_group")
+        if gmask is None:
+            gmask = mask.unsqueeze(2).expand(batch, 1, group, max_q, mask.shape[-1]).reshape(
+                batch, 1, group * max_q, mask.shape[-1]
+            )
+            meta.cache["prefill_group"] = gmask
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=gmask)
+        # back to (B * max_q, heads, d), then the real rows
+        out = out.view(batch, kv_heads, group, max_q, dim).permute(0, 3, 1, 2, 4).reshape(batch * max_q, heads, dim)
+        if batch == 1:
+            return out
+        return out.index_select(0, rows)

@@ -1,0 +1,141 @@
+"""The model runner: owns the model and the paged KV cache, runs one scheduler step, samples on the device.
+
+It sees sequences only to read their token ids, block tables and cached-token counts (through `batch.py`);
+everything it hands the model is a tensor. Swaps are block copies between the device cache and a host cache of
+the same layout, done before the model runs (swap out first, then swap in).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+from npuserve.engine.backends.base import Backend
+from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.sampler import Sampler, SamplerOutput
+from npuserve.engine.sequence import SamplingParams, Sequence
+
+from npuserve.modelspec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class KVPlan:
+    num_blocks: int
+    num_host_blocks: int
+    block_size: int
+    bytes_per_block: int
+    source: str  # how num_blocks was chosen, for the log and /info
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, world_size: int = 1) -> int:
+    """`2 x layers x block_size x kv_heads_per_card x head_dim x dtype_bytes` (DESIGN.md 3.2)."""
+    kv_heads = max(1, spec.num_key_value_heads // world_size)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * kv_heads * spec.head_dim * itemsize
+
+
+def plan_kv_blocks(
+    spec: ModelSpec,
+    backend: Backend,
+    *,
+    block_size: int,
+    dtype: torch.dtype,
+    npu_mem_size_gib: int,
+    cpu_mem_size_gib: int,
+    max_batch_size: int,
+    max_seq_len: int,
+    memory_fraction: float = 0.8,
+    weight_bytes: int = 0,
+) -> KVPlan:
+    """KV blocks on the device and on the host.
+
+    `npuMemSize` > 0: that many GiB. -1 (auto): free memory x NPU_MEMORY_FRACTION; on the CPU backend no more
+    than `maxBatchSize x maxSeqLen` tokens can use (plus one block per sequence of slack), and never more than
+    half of the host's available memory, so a development box is not swallowed by the cache. Host (swap) blocks
+    from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use.
+    """
+    per_block = bytes_per_block(spec, block_size, dtype)
+    usable_blocks = max_batch_size * (math.ceil(max_seq_len / block_size) + 1)
+    if npu_mem_size_gib > 0:
+        num_blocks = (npu_mem_size_gib * GiB) // per_block
+        source = f"npuMemSize {npu_mem_size_gib} GiB"
+    else:
+        free = backend.memory_info().free_bytes
+        budget = int(free * memory_fraction)
+        if backend.name == "cpu":
+            budget = min(budget, free // 2)
+        num_blocks = max(0, budget) // per_block
+        source = f"auto: {memory_fraction:.2f} of {free / GiB:.1f} GiB free"
+        if backend.name == "cpu" and num_blocks > usable_blocks:
+            num_blocks = usable_blocks
+            source += f", capped at maxBatchSize x maxSeqLen ({usable_blocks} blocks)"
+    host_blocks = (cpu_mem_size_gib * GiB) // per_block
+    if backend.name == "cpu":
+        host_blocks = min(host_blocks, usable_blocks)
+    if num_blocks < 1:
+        raise MemoryError(f"no room for a single KV block of {per_block} bytes ({source})")
+    return KVPlan(int(num_blocks), int(host_blocks), block_size, per_block, source)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.backend = backend
+        self.block_size = plan.block_size
+        self.num_blocks = plan.num_blocks
+        self.num_host_blocks = plan.num_host_blocks
+        args = (self.spec.num_layers, plan.num_blocks, plan.block_size, self.spec.num_key_value_heads,
+                self.spec.head_dim, kv_dtype)
+        self.kv_caches = backend.allocate_kv_cache(*args)
+        self.host_kv_caches: list[torch.Tensor] = []
+        if plan.num_host_blocks:
+            host_args = (self.spec.num_layers, plan.num_host_blocks, plan.block_size,
+                         self.spec.num_key_value_heads, self.spec.head_dim, kv_dtype)
+            self.host_kv_caches = backend.allocate_kv_cache(*host_args, device=torch.device("cpu"))
+        for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
+            layer.backend = backend
+            layer.kv_cache = cache
+        self.sampler = Sampler()
+
+    # --- one step -----------------------------------------------------------------------------------------------
+
+    def swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
+        if swap_out:
+            self.backend.copy_blocks(self.kv_caches, self.host_kv_caches, list(swap_out))
+        if swap_in:
+            self.backend.copy_blocks(self.host_kv_caches, self.kv_caches, list(swap_in))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+
+    def execute(self, seqs: Seq[Sequence], is_prefill: bool) -> SamplerOutput:
+        """Runs the model over the step's sequences and samples one token for each."""
+        build = build_prefill if is_prefill else build_decode
+        batch = build(seqs, self.block_size, self.backend.device)
+        logits = self.forward_logits(batch)
+        with torch.inference_mode():
+            return self.sampler(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
+
+    # --- warm-up ------------------------------------------------------------------------------------------------
+
+    def warmup(self, num_tokens: int = 16) -> None:
+        """A prefill and a decode over scratch blocks before serving (the cache holds nothing yet)."""
+        num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size - 1))
+        blocks = list(range(math.ceil((num_tokens + 1) / self.block_size)))
+        seq = Sequence([1] * num_tokens, SamplingParams(temperature=0.0), arrival_time=0.0)
+        seq.block_table = blocks
+        self.execute([seq], is_prefill=True)
+        seq.token_ids.append(1)
+        self.execute([seq], is_prefill=False)
+        self.backend.synchronize()
