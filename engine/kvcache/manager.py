@@ -122,6 +122,10 @@ class KVCacheManager:
         fresh = self.blocks_for(seq.num_tokens) - len(hits)
         return fresh + sum(1 for b in hits if self.device.is_free(b))
 
+    def prefix_hit_tokens(self, seq: Sequence) -> int:
+        """Tokens `allocate(seq)` would find in the prefix cache now (whole blocks)."""
+        return len(self._match_prefix(seq)) * self.block_size
+
     def can_allocate(self, seq: Sequence) -> bool:
         return self._allocation_cost(seq, self._match_prefix(seq)) <= self.device.num_free
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from npuserve.engine.sequence import Sequence
+from ..sequence import Sequence
 
 
 class StepKind(enum.Enum):

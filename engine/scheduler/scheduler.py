@@ -1,0 +1,388 @@
+"""Continuous-batching scheduler with MindIE semantics (DESIGN.md 3.1). No torch.
+
+The engine drives it, from the step-loop thread only (it is not thread-safe):
+
+    sched = Scheduler(schedule, kv, policy="fcfs", max_seq_len=2560, eos_token_ids=(2,),
+                      recompute_threshold=env.recompute_threshold, clock=time.monotonic)
+    sched.add(seq)                       # queue a request (ends at once with ERROR if it can never fit)
+    out = sched.schedule()               # one PREFILL or DECODE step (or IDLE); see SchedulerOutput
+    ...copy out.swap_out, then out.swap_in; run the model on out.seqs; sample one token per seq...
+    done = sched.update(out, token_ids, logprobs)   # appends the tokens; returns the sequences that finished
+    sched.finish(seq, FinishReason.STOP)  # a stop string the engine found in the text
+    sched.abort(seq_id)                   # client gone: blocks freed now, reported in the next out.finished
+
+Rules:
+- Queues: waiting (ordered by the policy, see `queues.py`), running (admission order, at most maxBatchSize),
+  swapped (FIFO).
+- Step kind: `stage.py` (DecidePDPriority, or the select-batch cost rule).
+- A prefill batch takes waiting requests in policy order and closes at maxPrefillBatchSize requests
+  (0 = maxBatchSize), maxPrefillTokens uncached tokens, maxBatchSize running, or when the head of the queue cannot
+  get its blocks (strict order: a later, smaller request does not overtake it). A lone request longer than
+  maxPrefillTokens (only a recomputed one can be) still runs alone, so it cannot wait forever.
+- A decode step gives every running request the block its next token needs, oldest first. If blocks run out, the
+  recompute threshold decides (below); when preempting, the victim is the most recently admitted running request:
+  swapped to host if fewer than maxPreemptCount were swapped this step and the host pool has room, else recomputed
+  (blocks freed, back to the front of waiting; its prompt and generated tokens are prefilled again and its output
+  continues). Swapped requests come back (FIFO) in a decode step with no preemption, before any new prefill.
+- Recompute threshold (MINDIE_LLM_RECOMPUTE_THRESHOLD / MIES_RECOMPUTE_THRESHOLD, default 0.5, [0, 1)). MindIE's
+  tuning guide (MindIE Service 2.0, "性能调优流程", table 1) defines it as the share of all blocks held by the
+  requests that can currently be dispatched (block utilisation): when that share is below the threshold,
+  recomputation is triggered, freeing the blocks of a few requests so the others can run; a larger value triggers
+  recomputation more easily. Implemented so: when some running requests cannot get a block, let `held` be the
+  device blocks held by those that can. If `held >= threshold * total blocks`, the decode step runs those and the
+  others stall in place (no preemption; they keep their blocks and go first once blocks free up). Otherwise
+  victims are preempted (swap or recompute, as above) until every remaining request can run. If no request can run
+  at all, preemption happens whatever the threshold, so nothing hangs (MindIE's "0 means no request can be
+  dispatched" is not reproduced). A threshold close to 1 gives vLLM's behaviour: always preempt.
+- Ends: EOS (unless ignore_eos) or a stop token -> STOP; max_tokens, maxIterTimes (output tokens) or maxSeqLen
+  (prompt + output) -> LENGTH. A prompt that can never fit the whole cache, or leaves no room under maxSeqLen,
+  ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
+- Aborts free the request's blocks at once; the next `schedule()` lists it in `finished`.
+- `update_schedule(section)` hot-applies ScheduleConfig fields at the next `schedule()`; cacheBlockSize is fixed
+  by the KV manager and not changed live.
+- Per request: first_scheduled_time (queue time = it - arrival_time), prefill_batch_size (of its first prefill),
+  decode_batch_size_sum and num_decode_steps (mean decode batch size), first_token_time, finished_time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from npuserve.mindie_config import ScheduleSection
+
+from ..kvcache import KVCacheManager
+from ..sequence import FinishReason, Sequence, SequenceStatus
+from .output import SchedulerOutput, StepKind
+from .queues import Policy, WaitingQueue
+from .stage import StageSelector
+
+_RUNNING = SequenceStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        schedule: ScheduleSection,
+        kv: KVCacheManager,
+        *,
+        policy: Policy = "fcfs",
+        max_seq_len: int = 2560,
+        eos_token_ids: Iterable[int] = (),
+        recompute_threshold: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not 0.0 <= recompute_threshold < 1.0:
+            raise ValueError(f"recompute_threshold must be in [0, 1), got {recompute_threshold}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.schedule_config = schedule
+        self.kv = kv
+        self.policy: Policy = policy
+        self.max_seq_len = max_seq_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.recompute_threshold = recompute_threshold
+        self.clock = clock
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions_total = 0
+        self.num_stalled = 0  # running requests left out of the last decode step for want of a block
+        self._seqs: dict[int, Sequence] = {}  # every unfinished request, by id
+        self._pending_finished: list[Sequence] = []  # ended outside a step (add errors, aborts)
+        self._pending_schedule: ScheduleSection | None = None
+        self._stage = StageSelector()
+
+    # --- counters ----------------------------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished(self) -> bool:
+        """True while a request is unfinished or an ended one has not been reported by `schedule()` yet."""
+        return bool(self._seqs) or bool(self._pending_finished)
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    # --- requests ----------------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} was already added")
+        error = self._admission_error(seq)
+        if error is not None:
+            seq.error = error
+            self._end(seq, FinishReason.ERROR, self.clock())
+            self._pending_finished.append(seq)
+            return
+        seq.status = SequenceStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self.waiting.push(seq)
+
+    def _admission_error(self, seq: Sequence) -> str | None:
+        n = seq.num_prompt_tokens
+        if n == 0:
+            return "empty prompt"
+        if n >= self.max_seq_len:
+            return f"prompt of {n} tokens leaves no room for output under maxSeqLen {self.max_seq_len}"
+        if not self.kv.can_ever_fit(n):
+            return (
+                f"prompt of {n} tokens needs {self.kv.blocks_for(n)} KV blocks; "
+                f"the whole cache has {self.kv.num_device_blocks}"
+            )
+        return None
+
+    def abort(self, seq_id: int) -> bool:
+        """End a request now (client gone); False if it is unknown or already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self.finish(seq, FinishReason.ABORT)
+        self._pending_finished.append(seq)
+        return True
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a request from outside a step (a stop string, an abort): blocks freed at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+        self._end(seq, reason, self.clock())
+
+    def _end(self, seq: Sequence, reason: FinishReason, now: float) -> None:
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = now
+        self._seqs.pop(seq.seq_id, None)
+
+    def update_schedule(self, schedule: ScheduleSection) -> None:
+        """Hot-apply new ScheduleConfig values; they take effect at the next `schedule()`."""
+        self._pending_schedule = schedule
+
+    # --- one step ----------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        if self._pending_schedule is not None:
+            self.schedule_config, self._pending_schedule = self._pending_schedule, None
+        self.kv.begin_step()
+        now = self.clock()
+        out = SchedulerOutput(kind=StepKind.IDLE, finished=self._pending_finished)
+        self._pending_finished = []
+        oldest = self.waiting.oldest_arrival()
+        kind = self._stage.choose(
+            self.schedule_config,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
+            num_stalled=self.num_stalled,
+            free_fraction=self.kv.free_fraction,
+            oldest_wait_us=0.0 if oldest is None else (now - oldest) * 1e6,
+        )
+        if kind is StepKind.PREFILL:
+            self._schedule_prefill(out, now)
+            if not out.seqs and (self.running or self.swapped):
+                kind = StepKind.DECODE
+        if kind is StepKind.DECODE:
+            self._schedule_decode(out, now)
+            if not out.seqs and self.waiting and not self.running:
+                # Everything running was preempted or ended: use the step for the front of the queue.
+                self._schedule_prefill(out, now)
+        return out
+
+    def _schedule_prefill(self, out: SchedulerOutput, now: float) -> None:
+        cfg = self.schedule_config
+        kv = self.kv
+        max_reqs = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
+        batch: list[Sequence] = []
+        tokens = 0
+        while len(batch) < max_reqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            if not kv.can_ever_fit(seq.num_tokens):
+                # Only a recomputed request can have grown past the cache: it keeps what it generated.
+                self.waiting.pop()
+                if seq.num_output_tokens:
+                    self._end(seq, FinishReason.LENGTH, now)
+                else:
+                    seq.error = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache"
+                    self._end(seq, FinishReason.ERROR, now)
+                out.finished.append(seq)
+                continue
+            if not kv.can_allocate(seq):
+                break
+            new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
+            if batch and tokens + new_tokens > cfg.maxPrefillTokens:
+                break
+            self.waiting.pop()
+            kv.allocate(seq)
+            tokens += seq.num_tokens - seq.num_cached_tokens
+            seq.status = _RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            batch.append(seq)
+        for seq in batch:
+            if not seq.prefill_batch_size:
+                seq.prefill_batch_size = len(batch)
+        if batch:
+            out.kind = StepKind.PREFILL
+            out.seqs = batch
+
+    def _schedule_decode(self, out: SchedulerOutput, now: float) -> None:
+        kv = self.kv
+        append = kv.append
+        blocked: list[Sequence] = []
+        for seq in self.running:
+            if not append(seq):
+                blocked.append(seq)
+        stalled: set[int] = set()
+        preempted = False
+        if blocked:
+            stalled, preempted = self._resolve_blocked(out, blocked, now)
+        self.num_stalled = len(stalled)
+        batch = [s for s in self.running if s.seq_id not in stalled] if stalled else list(self.running)
+        if not preempted and not stalled:
+            self._swap_in(out, batch, now)
+        n = len(batch)
+        for seq in batch:
+            seq.decode_batch_size_sum += n
+            seq.num_decode_steps += 1
+        if batch:
+            out.kind = StepKind.DECODE
+            out.seqs = batch
+
+    def _resolve_blocked(self, out: SchedulerOutput, blocked: list[Sequence], now: float) -> tuple[set[int], bool]:
+        """Requests that found no block: stall them or preempt (see the recompute threshold in the docstring).
+
+        Returns the ids of the stalled requests and whether anything was preempted.
+        """
+        kv = self.kv
+        still: list[Sequence] = []
+        for seq in blocked:
+            if kv.can_ever_fit(seq.num_tokens):
+                still.append(seq)
+            else:
+                self.running.remove(seq)
+                self._end(seq, FinishReason.LENGTH, now)
+                out.finished.append(seq)
+        blocked = still
+        if not blocked:
+            return set(), False
+        blocked_ids = {s.seq_id for s in blocked}
+        held = sum(len(s.block_table) for s in self.running if s.seq_id not in blocked_ids)
+        can_run = len(self.running) > len(blocked)
+        if can_run and held >= self.recompute_threshold * kv.num_device_blocks:
+            return blocked_ids, False
+        swaps = 0
+        while blocked:
+            victim = self.running.pop()  # the most recently admitted
+            if victim.seq_id in blocked_ids:
+                blocked.remove(victim)
+                blocked_ids.discard(victim.seq_id)
+            swaps += self._preempt(out, victim, swaps)
+            blocked = [s for s in blocked if not kv.append(s)]
+        return set(), True
+
+    def _preempt(self, out: SchedulerOutput, victim: Sequence, swaps_this_step: int) -> int:
+        """Swap the victim out or send it back to be recomputed; returns 1 if it was swapped."""
+        victim.num_preemptions += 1
+        self.num_preemptions_total += 1
+        kv = self.kv
+        if swaps_this_step < self.schedule_config.maxPreemptCount and kv.can_swap_out(victim):
+            out.swap_out.extend(kv.swap_out(victim))
+            victim.status = SequenceStatus.SWAPPED
+            self.swapped.append(victim)
+            return 1
+        kv.free(victim)
+        victim.num_cached_tokens = 0
+        victim.status = SequenceStatus.WAITING
+        self.waiting.push_front(victim)
+        out.preempted.append(victim)
+        return 0
+
+    def _swap_in(self, out: SchedulerOutput, batch: list[Sequence], now: float) -> None:
+        kv = self.kv
+        max_batch = self.schedule_config.maxBatchSize
+        while self.swapped and len(self.running) < max_batch:
+            seq = self.swapped[0]
+            if not kv.can_ever_fit(seq.num_tokens):
+                self.swapped.popleft()
+                self._end(seq, FinishReason.LENGTH, now)
+                out.finished.append(seq)
+                continue
+            if not kv.can_swap_in(seq):
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(kv.swap_in(seq))
+            kv.append(seq)
+            seq.status = _RUNNING
+            self.running.append(seq)
+            batch.append(seq)
+
+    # --- after the model ran -----------------------------------------------------------------------------------
+
+    def update(
+        self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None
+    ) -> list[Sequence]:
+        """Append one sampled token per scheduled sequence (same order as `output.seqs`); return those that ended.
+
+        A sequence that ended while the step ran (aborted, or `finish`ed) is skipped.
+        """
+        seqs = output.seqs
+        if not seqs:
+            return []
+        if len(token_ids) != len(seqs):
+            raise ValueError(f"{len(token_ids)} tokens for {len(seqs)} scheduled sequences")
+        now = self.clock()
+        kv = self.kv
+        cache = kv.cache_computed if kv.enable_prefix_caching else None
+        block_size = kv.block_size
+        prefill = output.kind is StepKind.PREFILL
+        eos = self.eos_token_ids
+        max_iter = self.schedule_config.maxIterTimes
+        max_seq_len = self.max_seq_len
+        finished: list[Sequence] = []
+        for i, seq in enumerate(seqs):
+            if seq.status is not _RUNNING:
+                continue
+            tokens = seq.token_ids
+            n = len(tokens)
+            seq.num_cached_tokens = n  # every token before the new one now has its KV
+            if cache is not None and (prefill or n % block_size == 0):
+                cache(seq)
+            token = token_ids[i]
+            tokens.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs[i])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            sp = seq.sampling
+            num_out = n + 1 - len(seq.prompt_token_ids)
+            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            elif num_out >= sp.max_tokens or num_out >= max_iter or n + 1 >= max_seq_len:
+                reason = FinishReason.LENGTH
+            else:
+                continue
+            self._end(seq, reason, now)
+            finished.append(seq)
+        if finished:
+            self.running = [s for s in self.running if s.status is _RUNNING]
+        return finished
