@@ -1,0 +1,135 @@
+"""Prometheus metrics of the engine (DESIGN.md 2.2): vLLM's names with the `npuserve:` prefix and vLLM's buckets.
+
+The operator's tuner and the Helm chart's dashboard read these names; keep them exactly as written.
+Each engine owns a registry, so several engines in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# vLLM v1's bucket boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+PREFIX = "npuserve:"
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequestSample:
+    """One finished request's figures, in seconds and tokens."""
+
+    finish_reason: str
+    prompt_tokens: int
+    generation_tokens: int
+    queue_time: float
+    prefill_time: float  # first scheduled -> first token
+    decode_time: float  # first token -> last token
+    e2e_latency: float  # arrival -> last token
+    time_to_first_token: float | None  # None when no token was produced
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        if self.generation_tokens < 2:
+            return None
+        return self.decode_time / (self.generation_tokens - 1)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.time_to_first_token = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.time_per_output_token = hist("time_per_output_token_seconds",
+                                          "Mean time per output token of a request, after the first.", TPOT_BUCKETS)
+        self.inter_token_latency = hist("inter_token_latency_seconds", "Gap between consecutive tokens.",
+                                        TPOT_BUCKETS)
+        self.e2e_request_latency = hist("e2e_request_latency_seconds", "End-to-end request latency.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = hist("request_queue_time_seconds", "Time waiting before the first schedule.",
+                                       REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = hist("request_prefill_time_seconds", "First schedule to first token.",
+                                         REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = hist("request_decode_time_seconds", "First token to last token.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_batch_size = hist("prefill_batch_size", "Requests per prefill step.", BATCH_SIZE_BUCKETS)
+        self.decode_batch_size = hist("decode_batch_size", "Requests per decode step.", BATCH_SIZE_BUCKETS)
+
+        self.num_requests_running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", labels,
+                                          registry=r)
+        self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for prefill.", labels,
+                                          registry=r)
+        self.num_requests_swapped = Gauge(PREFIX + "num_requests_swapped", "Requests swapped to host memory.",
+                                          labels, registry=r)
+        self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).",
+                                         labels, registry=r)
+        self.kv_cache_blocks_total = Gauge(PREFIX + "kv_cache_blocks_total", "Device KV blocks allocated.", labels,
+                                           registry=r)
+
+        # prometheus_client appends `_total` to counters.
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
+        self.num_preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (swap or recompute).",
+                                       labels, registry=r)
+        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
+                                       [*labels, "finished_reason"], registry=r)
+        # Export zeros from the start, so rate() and histogram_quantile() work before the first request.
+        for metric in (self.time_to_first_token, self.time_per_output_token, self.inter_token_latency,
+                       self.e2e_request_latency, self.request_queue_time, self.request_prefill_time,
+                       self.request_decode_time, self.prefill_batch_size, self.decode_batch_size,
+                       self.num_requests_running, self.num_requests_waiting, self.num_requests_swapped,
+                       self.kv_cache_usage_perc, self.kv_cache_blocks_total, self.prompt_tokens,
+                       self.generation_tokens, self.num_preemptions):
+            metric.labels(model_name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.request_success.labels(model_name, reason)
+
+    # --- recording ---------------------------------------------------------------------------------------------
+
+    def observe_step(self, kind: str, batch_size: int, preemptions: int = 0) -> None:
+        target = self.prefill_batch_size if kind == "prefill" else self.decode_batch_size
+        target.labels(self.model_name).observe(batch_size)
+        if preemptions:
+            self.num_preemptions.labels(self.model_name).inc(preemptions)
+
+    def observe_inter_token_latency(self, seconds: float) -> None:
+        self.inter_token_latency.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, sample: FinishedRequestSample) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(sample.prompt_tokens)
+        self.generation_tokens.labels(m).inc(sample.generation_tokens)
+        self.request_success.labels(m, sample.finish_reason).inc()
+        self.e2e_request_latency.labels(m).observe(sample.e2e_latency)
+        self.request_queue_time.labels(m).observe(sample.queue_time)
+        if sample.time_to_first_token is not None:
+            self.time_to_first_token.labels(m).observe(sample.time_to_first_token)
+            self.request_prefill_time.labels(m).observe(sample.prefill_time)
+            self.request_decode_time.labels(m).observe(sample.decode_time)
+        tpot = sample.time_per_output_token
+        if tpot is not None:
+            self.time_per_output_token.labels(m).observe(tpot)
+
+    def set_state(self, *, running: int, waiting: int, swapped: int, kv_usage: float, kv_blocks_total: int) -> None:
+        m = self.model_name
+        self.num_requests_running.labels(m).set(running)
+        self.num_requests_waiting.labels(m).set(waiting)
+        self.num_requests_swapped.labels(m).set(swapped)
+        self.kv_cache_usage_perc.labels(m).set(kv_usage)
+        self.kv_cache_blocks_total.labels(m).set(kv_blocks_total)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
