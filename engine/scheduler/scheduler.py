@@ -192,7 +192,8 @@ class Scheduler:
             num_swapped=len(self.swapped),
             num_stalled=self.num_stalled,
             free_fraction=self.kv.free_fraction,
-            oldest_wait_us=0.0 if oldest is None else (now - oldest) * 1e6,
+            # Rounded so float noise in the clock cannot hold a due prefill back one step.
+            oldest_wait_us=0.0 if oldest is None else round((now - oldest) * 1e6, 3),
         )
         if kind is StepKind.PREFILL:
             self._schedule_prefill(out, now)
