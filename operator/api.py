@@ -1,0 +1,623 @@
+"""The `InferenceService` API (group `npuserve.io`, version `v1alpha1`; DESIGN.md 2.4) as pydantic models.
+
+Field names are the API's camelCase names, so an object loads as `kubectl` shows it. These models are the single
+source of the CRD: `crd.py` derives the OpenAPI schema from them, and each CEL rule that the API server enforces
+(`x-kubernetes-validations`) sits beside the pydantic validator that enforces the same thing in Python, with the
+same message. `tests/operator/` checks that both agree on every example and on a list of invalid objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from npuserve.catalog.accelerators import ACCELERATORS
+from npuserve.catalog.models import MODEL_PRESETS
+
+GROUP = "npuserve.io"
+VERSION = "v1alpha1"
+API_VERSION: Final = "npuserve.io/v1alpha1"
+KIND: Final = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("nisvc",)
+
+Objective = Literal["throughput", "decodeLatency", "firstTokenAndDecode"]
+Statistic = Literal["mean", "p90", "p99"]
+Phase = Literal["Pending", "Planned", "Deploying", "Tuning", "Ready", "Degraded", "Failed"]
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX_LENGTH = 45
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+
+
+def cel(
+    rule: str,
+    message: str,
+    *,
+    field_path: str | None = None,
+    reason: str | None = None,
+    message_expression: str | None = None,
+) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry. `message` names the field, as `kubectl` shows it to the user."""
+    entry = {"rule": rule, "message": message}
+    if message_expression:
+        entry["messageExpression"] = message_expression
+    if field_path:
+        entry["fieldPath"] = field_path
+    if reason:
+        entry["reason"] = reason
+    return entry
+
+
+def _rules(*entries: dict[str, str], default: Any = None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"x-kubernetes-validations": list(entries)} if entries else {}
+    if default is not None:
+        extra["default"] = default
+    return extra
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+# --- spec.model --------------------------------------------------------------------------------------------------
+
+ARCHITECTURE_RULES = (
+    cel(
+        "self.numAttentionHeads % self.numKeyValueHeads == 0",
+        "spec.model.architecture.numAttentionHeads must be a multiple of numKeyValueHeads",
+        field_path=".numKeyValueHeads",
+    ),
+)
+
+
+class Architecture(_Model):
+    """An inline architecture, for a model outside the catalog; the numbers of its HF `config.json`."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*ARCHITECTURE_RULES))
+
+    modelType: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(default="llama", description="HF model_type")
+    numLayers: int = Field(ge=1, le=1024, description="num_hidden_layers")
+    hiddenSize: int = Field(ge=1, description="hidden_size")
+    numAttentionHeads: int = Field(ge=1, le=1024, description="num_attention_heads")
+    numKeyValueHeads: int = Field(ge=1, le=1024, description="num_key_value_heads")
+    headDim: int | None = Field(default=None, ge=1, description="head_dim; omitted: hiddenSize / numAttentionHeads")
+    vocabSize: int = Field(ge=1, description="vocab_size")
+    intermediateSize: int = Field(ge=1, description="intermediate_size")
+    maxPositionEmbeddings: int = Field(default=4096, ge=1, description="max_position_embeddings")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(default="bfloat16", description="weight and KV dtype")
+    parameters: int | None = Field(
+        default=None, ge=1, description="total parameter count; omitted: computed from the architecture"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Architecture:
+        if self.numAttentionHeads % self.numKeyValueHeads:
+            _fail(ARCHITECTURE_RULES[0]["message"])
+        return self
+
+
+class PVCWeights(_Model):
+    claimName: str = Field(min_length=1, description="PersistentVolumeClaim holding the HF model folder")
+    subPath: str | None = Field(default=None, description="folder of the model inside the volume")
+
+
+class HostPathWeights(_Model):
+    path: str = Field(min_length=1, pattern=r"^/", description="absolute path of the model folder on every node")
+
+
+WEIGHTS_RULES = (
+    cel(
+        "(has(self.loadFormat) && self.loadFormat == 'dummy') ? !has(self.pvc) && !has(self.hostPath)"
+        " : has(self.pvc) != has(self.hostPath)",
+        "spec.model.weights: set exactly one of pvc or hostPath (none with loadFormat dummy)",
+        reason="FieldValueInvalid",
+    ),
+)
+
+
+class Weights(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*WEIGHTS_RULES))
+
+    pvc: PVCWeights | None = None
+    hostPath: HostPathWeights | None = None
+    loadFormat: Literal["auto", "safetensors", "dummy"] = Field(
+        default="auto", description="dummy: random weights of the architecture, no model files (tests, demos)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> Weights:
+        sources = (self.pvc is not None) + (self.hostPath is not None)
+        if (self.loadFormat == "dummy" and sources) or (self.loadFormat != "dummy" and sources != 1):
+            _fail(WEIGHTS_RULES[0]["message"])
+        return self
+
+
+MODEL_RULES = (
+    cel(
+        "has(self.preset) != has(self.architecture)",
+        "spec.model: set exactly one of preset or architecture",
+        reason="FieldValueInvalid",
+    ),
+)
+
+
+class ModelSource(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*MODEL_RULES))
+
+    name: str = Field(min_length=1, max_length=256, description="the served model name (OpenAI `model`)")
+    preset: str | None = Field(
+        default=None, description="architecture from the built-in catalog",
+        json_schema_extra={"enum": list(MODEL_PRESETS)},
+    )
+    architecture: Architecture | None = None
+    weights: Weights
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in MODEL_PRESETS:
+            _fail(f"spec.model.preset: unknown preset {value!r}; known: {', '.join(MODEL_PRESETS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelSource:
+        if (self.preset is None) == (self.architecture is None):
+            _fail(MODEL_RULES[0]["message"])
+        return self
+
+
+# --- spec.accelerator, workload, slo, capacity ------------------------------------------------------------------
+
+ACCELERATOR_RULES = (
+    cel(
+        "!has(self.memoryGiB) || !has(self.reservedGiB) || self.reservedGiB < self.memoryGiB",
+        "spec.accelerator.reservedGiB must be less than spec.accelerator.memoryGiB",
+        field_path=".reservedGiB",
+    ),
+    cel(
+        "self.type != 'cpu' || has(self.memoryGiB)",
+        "spec.accelerator.memoryGiB is required for type cpu (the memory the KV cache may use)",
+        field_path=".memoryGiB",
+        reason="FieldValueRequired",
+    ),
+)
+
+
+class AcceleratorSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*ACCELERATOR_RULES))
+
+    type: str = Field(
+        description="accelerator from the built-in catalog", json_schema_extra={"enum": list(ACCELERATORS)}
+    )
+    cards: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="cards per replica (worldSize); omitted: the smallest count that fits and divides the heads",
+    )
+    memoryGiB: float | None = Field(default=None, gt=0, description="memory per card; omitted: the catalog's")
+    reservedGiB: float | None = Field(
+        default=None, ge=0, description="memory a card holds at idle (`npu-smi info`); omitted: the catalog's"
+    )
+    memoryFraction: float = Field(
+        default=0.8, gt=0, le=1, description="share of free memory given to the KV cache (NPU_MEMORY_FRACTION)"
+    )
+
+    @field_validator("type")
+    @classmethod
+    def _known_accelerator(cls, value: str) -> str:
+        if value not in ACCELERATORS:
+            _fail(f"spec.accelerator.type: unknown accelerator {value!r}; known: {', '.join(ACCELERATORS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> AcceleratorSpec:
+        if self.memoryGiB is not None and self.reservedGiB is not None and self.reservedGiB >= self.memoryGiB:
+            _fail(ACCELERATOR_RULES[0]["message"])
+        if self.type == "cpu" and self.memoryGiB is None:
+            _fail(ACCELERATOR_RULES[1]["message"])
+        return self
+
+
+WORKLOAD_RULES = (
+    cel(
+        "self.avgOutputTokens <= self.maxOutputTokens",
+        "spec.workload.avgOutputTokens must not exceed spec.workload.maxOutputTokens",
+        field_path=".avgOutputTokens",
+    ),
+    cel(
+        "self.avgInputTokens <= self.maxInputTokens",
+        "spec.workload.avgInputTokens must not exceed spec.workload.maxInputTokens",
+        field_path=".avgInputTokens",
+    ),
+)
+
+
+class WorkloadSpec(_Model):
+    """The traffic shape, as the guide measures it (GSM8K: 186 tokens in, 346 out on average, at most 512)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*WORKLOAD_RULES))
+
+    avgInputTokens: int = Field(ge=1, le=1_000_000)
+    avgOutputTokens: int = Field(ge=1, le=1_000_000)
+    maxOutputTokens: int = Field(default=512, ge=1, le=1_000_000, description="MindIE maxIterTimes")
+    maxInputTokens: int = Field(default=2048, ge=1, le=1_000_000, description="MindIE maxInputTokenLen")
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkloadSpec:
+        if self.avgOutputTokens > self.maxOutputTokens:
+            _fail(WORKLOAD_RULES[0]["message"])
+        if self.avgInputTokens > self.maxInputTokens:
+            _fail(WORKLOAD_RULES[1]["message"])
+        return self
+
+
+SLO_RULES = (
+    cel(
+        "self.objective != 'decodeLatency' || has(self.tpotMs)",
+        "spec.slo.tpotMs is required when spec.slo.objective is decodeLatency",
+        field_path=".tpotMs",
+        reason="FieldValueRequired",
+    ),
+    cel(
+        "self.objective != 'firstTokenAndDecode' || has(self.tpotMs)",
+        "spec.slo.tpotMs is required when spec.slo.objective is firstTokenAndDecode",
+        field_path=".tpotMs",
+        reason="FieldValueRequired",
+    ),
+    cel(
+        "self.objective != 'firstTokenAndDecode' || has(self.ttftMs)",
+        "spec.slo.ttftMs is required when spec.slo.objective is firstTokenAndDecode",
+        field_path=".ttftMs",
+        reason="FieldValueRequired",
+    ),
+)
+
+
+class SLOSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*SLO_RULES))
+
+    objective: Objective = Field(
+        default="throughput",
+        description="throughput: most output tokens/s; decodeLatency: TPOT under tpotMs; "
+        "firstTokenAndDecode: TTFT under ttftMs and TPOT under tpotMs",
+    )
+    ttftMs: float | None = Field(default=None, gt=0, description="time to first token bound, milliseconds")
+    tpotMs: float | None = Field(default=None, gt=0, description="time per output token bound, milliseconds")
+    statistic: Statistic = Field(default="mean", description="which statistic of TTFT/TPOT the bounds apply to")
+
+    @model_validator(mode="after")
+    def _check(self) -> SLOSpec:
+        if self.objective in ("decodeLatency", "firstTokenAndDecode") and self.tpotMs is None:
+            _fail(SLO_RULES[0 if self.objective == "decodeLatency" else 1]["message"])
+        if self.objective == "firstTokenAndDecode" and self.ttftMs is None:
+            _fail(SLO_RULES[2]["message"])
+        return self
+
+
+class CapacitySpec(_Model):
+    targetConcurrentUsers: int = Field(ge=1, description="users in flight at once; replicas are planned to hold them")
+    concurrencyPerReplica: int | None = Field(
+        default=None, ge=1,
+        description="requests one replica holds under the SLO; omitted: the plan's maxBatchSize.min "
+        "(every request at its maximum length, no preemption)",
+    )
+
+
+class AutotuneSpec(_Model):
+    enabled: bool = True
+    mode: Literal["online", "benchmark"] = Field(
+        default="online", description="online: live traffic; benchmark: a load-generator Job"
+    )
+    maxTrials: int = Field(default=8, ge=1, le=100)
+    window: str = Field(default="2m", pattern=DURATION_PATTERN, description="settled window per trial (Go duration)")
+
+
+# --- spec.engine, host, monitoring -------------------------------------------------------------------------------
+
+SCHEDULE_RULES = (
+    cel(
+        "!has(self.maxPrefillBatchSize) || !has(self.maxBatchSize) || self.maxPrefillBatchSize <= self.maxBatchSize",
+        "spec.engine.schedule.maxPrefillBatchSize must not exceed spec.engine.schedule.maxBatchSize",
+        field_path=".maxPrefillBatchSize",
+    ),
+)
+
+
+class ScheduleKnobs(_Model):
+    """MindIE ScheduleConfig values; each one set is pinned (the planner and the tuner leave it alone)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*SCHEDULE_RULES))
+
+    cacheBlockSize: int | None = Field(default=None, ge=1, le=1024)
+    maxBatchSize: int | None = Field(default=None, ge=1, le=5000)
+    maxPrefillBatchSize: int | None = Field(default=None, ge=1, le=5000)
+    maxPrefillTokens: int | None = Field(default=None, ge=1, le=409600)
+    prefillTimeMsPerReq: int | None = Field(default=None, ge=0, le=1000)
+    decodeTimeMsPerReq: int | None = Field(default=None, ge=0, le=1000)
+    maxPreemptCount: int | None = Field(default=None, ge=0, le=5000)
+    supportSelectBatch: bool | None = None
+    maxQueueDelayMicroseconds: int | None = Field(default=None, ge=500, le=1_000_000)
+
+    @model_validator(mode="after")
+    def _check(self) -> ScheduleKnobs:
+        if (
+            self.maxPrefillBatchSize is not None
+            and self.maxBatchSize is not None
+            and self.maxPrefillBatchSize > self.maxBatchSize
+        ):
+            _fail(SCHEDULE_RULES[0]["message"])
+        return self
+
+    def pinned(self) -> dict[str, int | bool]:
+        return {k: v for k, v in self.model_dump(exclude_none=True).items()}
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    tolerationSeconds: int | None = None
+
+
+class EngineSpec(_Model):
+    image: str = Field(default="npuserve/engine:0.1.0", min_length=1)
+    imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    schedule: ScheduleKnobs = Field(default_factory=ScheduleKnobs)
+    policy: Literal["fcfs", "priority", "longest-output-first"] = Field(
+        default="fcfs", description="waiting-queue order"
+    )
+    cpu: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="whole CPUs per pod (requests = limits); omitted: 8 per card, at least 4",
+    )
+    memoryGiB: int | None = Field(
+        default=None, ge=1, description="host memory per pod (requests = limits); omitted: weights + swap + 16 GiB"
+    )
+    nodeSelector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+
+class HostTuning(_Model):
+    """Host tuning of the guide; each switchable. The two that change the node itself are opt-in."""
+
+    cpuPinning: Literal["numa", "none"] = Field(
+        default="numa",
+        description="numa: integer CPU requests = limits (static CPU manager) and the engine bound to the NUMA "
+        "node of its cards",
+    )
+    transparentHugePages: bool = Field(
+        default=False, description="a privileged init container sets THP to `always` (node-wide)"
+    )
+    jemalloc: bool = Field(default=True, description="LD_PRELOAD the image's libjemalloc")
+    cpuPerformanceGovernor: bool = Field(
+        default=False, description="a privileged init container sets the CPU governor to performance (node-wide)"
+    )
+
+
+class MonitoringSpec(_Model):
+    podMonitor: bool = Field(default=False, description="create a PodMonitor (Prometheus Operator)")
+    interval: str = Field(default="15s", pattern=DURATION_PATTERN)
+
+
+SPEC_RULES = (
+    cel(
+        "!(has(self.replicas) && has(self.capacity))",
+        "spec.replicas and spec.capacity are exclusive: set replicas for a fixed count, or "
+        "capacity.targetConcurrentUsers to have the planner size it",
+        field_path=".replicas",
+        reason="FieldValueForbidden",
+    ),
+    cel(
+        "!has(self.accelerator.cards) || !has(self.model.architecture) || "
+        "self.model.architecture.numAttentionHeads % self.accelerator.cards == 0",
+        "spec.accelerator.cards must divide spec.model.architecture.numAttentionHeads",
+        field_path=".accelerator.cards",
+    ),
+)
+
+
+def _preset_heads_rule() -> dict[str, str]:
+    heads = ", ".join(f"'{name}': {spec.num_attention_heads}" for name, spec in MODEL_PRESETS.items())
+    table = "{" + heads + "}"
+    return cel(
+        f"!has(self.accelerator.cards) || !has(self.model.preset) || {table}[self.model.preset] "
+        "% self.accelerator.cards == 0",
+        "spec.accelerator.cards must divide the attention heads of spec.model.preset",
+        message_expression=f"'spec.accelerator.cards (' + string(self.accelerator.cards) + ') must divide the ' "
+        f"+ string({table}[self.model.preset]) + ' attention heads of spec.model.preset ' + self.model.preset",
+        field_path=".accelerator.cards",
+    )
+
+
+PRESET_HEADS_RULE = _preset_heads_rule()
+
+
+class InferenceServiceSpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*SPEC_RULES, PRESET_HEADS_RULE))
+
+    model: ModelSource
+    accelerator: AcceleratorSpec
+    replicas: int | None = Field(
+        default=None, ge=0, le=10000, description="fixed replica count; exclusive with capacity; omitted: 1"
+    )
+    workload: WorkloadSpec
+    slo: SLOSpec = Field(default_factory=SLOSpec, json_schema_extra={"default": {}})
+    capacity: CapacitySpec | None = None
+    autotune: AutotuneSpec = Field(default_factory=AutotuneSpec, json_schema_extra={"default": {}})
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra={"default": {}})
+    host: HostTuning = Field(default_factory=HostTuning, json_schema_extra={"default": {}})
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, json_schema_extra={"default": {}})
+
+    @model_validator(mode="after")
+    def _check(self) -> InferenceServiceSpec:
+        if self.replicas is not None and self.capacity is not None:
+            _fail(SPEC_RULES[0]["message"])
+        cards = self.accelerator.cards
+        if cards is not None:
+            heads = (
+                self.model.architecture.numAttentionHeads
+                if self.model.architecture is not None
+                else MODEL_PRESETS[str(self.model.preset)].num_attention_heads
+            )
+            if heads % cards and self.model.architecture is not None:
+                _fail(SPEC_RULES[1]["message"])
+            if heads % cards:  # the same words as the CEL rule's messageExpression
+                _fail(
+                    f"spec.accelerator.cards ({cards}) must divide the {heads} attention heads of "
+                    f"spec.model.preset {self.model.preset}"
+                )
+        return self
+
+
+# --- status ------------------------------------------------------------------------------------------------------
+
+
+class Range(_Model):
+    min: int
+    avg: int
+    max: int
+
+
+class ExplainEntry(_Model):
+    """One number of the plan: what it is, its value, the formula and the inputs that gave it."""
+
+    step: int = Field(ge=0, description="step of the tuning guide (DESIGN.md 4.1); 0: inputs")
+    name: str = Field(description="JSON path of the number in the plan")
+    value: float | int | bool = Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    unit: str = ""
+    formula: str
+    inputs: dict[str, float] = Field(default_factory=dict)
+    note: str = ""
+
+
+class PlanSchedule(_Model):
+    """The MindIE ScheduleConfig values the plan chose (names exactly MindIE's)."""
+
+    cacheBlockSize: int
+    maxBatchSize: int
+    maxPrefillBatchSize: int
+    maxPrefillTokens: int
+    prefillTimeMsPerReq: int
+    decodeTimeMsPerReq: int
+    maxIterTimes: int
+    maxPreemptCount: int
+    supportSelectBatch: bool
+    maxQueueDelayMicroseconds: int
+
+
+class Plan(_Model):
+    """`npuserve plan --format json`, and `status.plan`: every number of the tuning guide, each explained."""
+
+    model: str
+    preset: str | None = None
+    accelerator: str
+    objective: Objective
+    worldSize: int
+    nodes: int = Field(description="pods per replica: 1, or worldSize / cardsPerNode when the cards span nodes")
+    cardsPerPod: int
+    cardMemoryGiB: float
+    reservedGiB: float
+    memoryFraction: float
+    weightsGiB: float
+    npuMemSizeGiB: int
+    cpuMemSizeGiB: int
+    blockBytesPerCard: int
+    totalBlocks: int
+    blocksPerRequest: Range
+    maxBatchSize: Range
+    maxSeqLen: int
+    maxInputTokenLen: int
+    memoryBound: bool
+    schedule: PlanSchedule
+    pinned: list[str] = Field(default_factory=list, description="schedule fields set in spec.engine.schedule")
+    concurrencyPerReplica: int
+    replicas: int
+    explain: list[ExplainEntry]
+    warnings: list[str] = Field(default_factory=list)
+
+    def explained(self, name: str) -> ExplainEntry:
+        for entry in self.explain:
+            if entry.name == name:
+                return entry
+        raise KeyError(name)
+
+
+class Observed(_Model):
+    ttftMs: float | None = None
+    tpotMs: float | None = None
+    outputTokensPerSecond: float | None = None
+    errorRate: float | None = None
+    window: str | None = None
+    kvBlocksAllocated: int | None = Field(default=None, description="blocks the engine allocated (its /info)")
+
+
+class TuningTrial(_Model):
+    trial: int = Field(ge=0)
+    schedule: ScheduleKnobs
+    metrics: dict[str, float] = Field(default_factory=dict)
+    verdict: str = ""
+
+
+class TuningStatus(_Model):
+    phase: Literal["Idle", "Running", "Converged", "Stopped", "Failed"] = "Idle"
+    trial: int = 0
+    best: TuningTrial | None = None
+    history: list[TuningTrial] = Field(default_factory=list)
+
+
+class Condition(_Model):
+    """metav1.Condition."""
+
+    type: str = Field(min_length=1, max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1, max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    lastTransitionTime: str = Field(description="RFC 3339 time")
+    observedGeneration: int | None = Field(default=None, ge=0)
+
+
+class InferenceServiceStatus(_Model):
+    phase: Phase = "Pending"
+    observedGeneration: int | None = None
+    plan: Plan | None = None
+    schedule: ScheduleKnobs | None = Field(
+        default=None, description="the ScheduleConfig now applied to the pods: the plan's, then the tuner's best"
+    )
+    replicas: int | None = Field(default=None, description="replicas running (scale subresource)")
+    selector: str | None = Field(default=None, description="label selector of the engine pods (scale subresource)")
+    observed: Observed | None = None
+    tuning: TuningStatus | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+
+
+class ObjectMeta(_Model):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(
+        min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN,
+        description="a DNS-1035 label short enough for the names derived from it (Service, LeaderWorkerSet pods)",
+    )
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceService(_Model):
+    model_config = ConfigDict(extra="ignore")
+
+    apiVersion: Literal["npuserve.io/v1alpha1"] = API_VERSION
+    kind: Literal["InferenceService"] = KIND
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None

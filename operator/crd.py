@@ -1,0 +1,166 @@
+"""The InferenceService CustomResourceDefinition, derived from the pydantic models of `api.py`.
+
+The models are the one source: their JSON schema is rewritten into a Kubernetes *structural* schema (every node
+typed, `$ref`s inlined, no `anyOf` of types, no `additionalProperties: false`, OpenAPI v3.0 exclusive bounds),
+and the CEL rules declared beside each model's validator travel as `x-kubernetes-validations`. The committed file
+`deploy/crds/inferenceservices.npuserve.io.yaml` must equal `crd_yaml()`; a test checks it, and
+`NPUSERVE_UPDATE_CRD=1 pytest tests/operator/test_crd.py` rewrites it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import yaml
+from npuserve.operator import api
+
+CRD_FILE = "deploy/crds/inferenceservices.npuserve.io.yaml"
+
+# Keys of a JSON schema node that Kubernetes' JSONSchemaProps accepts (plus our x-kubernetes-* ones).
+_DROP = {"title"}
+_KEY_ORDER = ("type", "description", "required", "properties", "additionalProperties", "items")
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            name = node["$ref"].rsplit("/", 1)[-1]
+            target = _resolve(copy.deepcopy(defs[name]), defs)
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return {**target, **_resolve(rest, defs)}
+        return {k: _resolve(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_resolve(v, defs) for v in node]
+    return node
+
+
+def _structural(node: dict[str, Any]) -> dict[str, Any]:
+    """One schema node, rewritten to the structural subset."""
+    node = dict(node)
+    if "anyOf" in node:
+        options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+        if node.get("default", ...) is None:
+            node.pop("default")
+        if len(options) == 1:
+            node = {**options[0], **node}
+        elif node.get("x-kubernetes-preserve-unknown-fields"):
+            pass  # a scalar of several types (number or boolean): kept as is, untyped
+        else:
+            raise ValueError(f"a union of types has no structural form: {options}")
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound, exclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if bound in node and not isinstance(node[bound], bool):
+            node[exclusive] = node.pop(bound)
+            node[bound] = True
+    if node.get("additionalProperties") is False:
+        del node["additionalProperties"]
+    if "properties" in node:
+        node["properties"] = {k: _structural(v) for k, v in node["properties"].items()}
+        node.setdefault("type", "object")
+    if isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = _structural(node["additionalProperties"])
+    if "items" in node:
+        node["items"] = _structural(node["items"])
+    if "enum" in node and "type" not in node:
+        values = node["enum"]
+        node["type"] = "string" if all(isinstance(v, str) for v in values) else "integer"
+    for key in _DROP:
+        node.pop(key, None)
+    first = [k for k in _KEY_ORDER if k in node]
+    return {k: node[k] for k in first + sorted(set(node) - set(first))}
+
+
+def openapi_schema(model: type[api.BaseModel]) -> dict[str, Any]:
+    """The structural OpenAPI v3 schema of one pydantic model."""
+    raw = model.model_json_schema(mode="validation")
+    defs = raw.pop("$defs", {})
+    return _structural(_resolve(raw, defs))
+
+
+def _metadata_schema() -> dict[str, Any]:
+    # Kubernetes allows restrictions on metadata.name only; ours keep derived names (Service, pods) legal.
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": api.NAME_MAX_LENGTH, "pattern": api.NAME_PATTERN},
+        },
+    }
+
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Cards", "type": "integer", "jsonPath": ".status.plan.worldSize",
+     "description": "cards per replica (worldSize)"},
+    {"name": "Replicas", "type": "integer", "jsonPath": ".status.plan.replicas", "priority": 1},
+    {"name": "MaxBatchSize", "type": "integer", "jsonPath": ".status.schedule.maxBatchSize",
+     "description": "maxBatchSize applied now (the plan's, then the tuner's)"},
+    {"name": "TTFT", "type": "number", "jsonPath": ".status.observed.ttftMs", "description": "observed TTFT, ms"},
+    {"name": "TPOT", "type": "number", "jsonPath": ".status.observed.tpotMs", "description": "observed TPOT, ms"},
+    {"name": "SLO Met", "type": "string", "jsonPath": '.status.conditions[?(@.type=="SLOMet")].status'},
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def build_crd() -> dict[str, Any]:
+    spec = openapi_schema(api.InferenceServiceSpec)
+    status = openapi_schema(api.InferenceServiceStatus)
+    spec["description"] = "What to serve, on what, for which traffic and SLO (DESIGN.md 2.4)."
+    status["description"] = "What the operator planned, deployed, observed and tuned."
+    root = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": _metadata_schema(),
+            "spec": spec,
+            "status": status,
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": f"{api.PLURAL}.{api.GROUP}",
+            "labels": {"app.kubernetes.io/part-of": "npuserve"},
+        },
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": list(api.SHORT_NAMES),
+                "categories": ["npuserve"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = (
+        "# Generated from operator/api.py by operator/crd.py; do not edit by hand.\n"
+        "# Regenerate: NPUSERVE_UPDATE_CRD=1 .venv/bin/pytest tests/operator/test_crd.py\n"
+    )
+    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)

@@ -1,0 +1,184 @@
+"""`npuserve plan`: the plan the operator would compute, as the guide's step-by-step table or as JSON.
+
+`--format json` prints exactly the object the operator writes to `status.plan`. The spec comes from flags, from an
+InferenceService file (`--from-file`), or from both: flags given beside a file override its values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from npuserve.operator.api import InferenceService, InferenceServiceSpec, Plan
+from npuserve.operator.planner import PlanError, plan
+from pydantic import ValidationError
+
+from npuserve.catalog.accelerators import ACCELERATORS
+from npuserve.catalog.models import MODEL_PRESETS
+
+DEFAULT_ACCELERATOR = "ascend-910b4"  # the guide's worked example: 32 GB cards
+
+STEP_TITLES = {
+    0: "inputs",
+    1: "cards and KV memory per card",
+    2: "KV blocks",
+    3: "blocks per request",
+    4: "maxBatchSize range",
+    5: "prefill limits and lengths",
+    6: "scheduling policy and swap",
+    7: "capacity",
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--from-file", metavar="ISVC_YAML", help="an InferenceService manifest (or just its spec)")
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model architecture from the catalog")
+    parser.add_argument("--name", help="served model name (default: the preset)")
+    parser.add_argument("--accelerator", choices=sorted(ACCELERATORS),
+                        help=f"card type (default without --from-file: {DEFAULT_ACCELERATOR}, the guide's card)")
+    parser.add_argument("--cards", type=int, help="cards per replica; omitted: the smallest count that fits")
+    parser.add_argument("--card-memory-gib", type=float, help="memory per card (default: the catalog's)")
+    parser.add_argument("--reserved-gib", type=float, help="memory a card holds at idle (default: the catalog's)")
+    parser.add_argument("--memory-fraction", type=float, help="NPU_MEMORY_FRACTION (default 0.8)")
+    parser.add_argument("--avg-input-tokens", type=int)
+    parser.add_argument("--avg-output-tokens", type=int)
+    parser.add_argument("--max-output-tokens", type=int, help="default 512")
+    parser.add_argument("--max-input-tokens", type=int, help="default 2048")
+    parser.add_argument("--objective", choices=["throughput", "decodeLatency", "firstTokenAndDecode"])
+    parser.add_argument("--ttft-ms", type=float, help="TTFT bound (firstTokenAndDecode)")
+    parser.add_argument("--tpot-ms", type=float, help="TPOT bound (decodeLatency, firstTokenAndDecode)")
+    parser.add_argument("--target-concurrent-users", type=int, help="plan replicas to hold this many users")
+    parser.add_argument("--replicas", type=int, help="a fixed replica count")
+    parser.add_argument("--block-size", type=int, help="cacheBlockSize (default 128)")
+    parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    if value is None:
+        return
+    *parents, last = path.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+
+
+def build_spec(args: argparse.Namespace) -> InferenceServiceSpec:
+    data: dict[str, Any] = {}
+    if args.from_file:
+        loaded = yaml.safe_load(Path(args.from_file).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.from_file}: not a YAML mapping")
+        if loaded.get("kind") == "InferenceService":
+            InferenceService.model_validate(loaded)  # the whole object must be valid, metadata included
+            loaded = loaded["spec"]
+        data = loaded
+    else:
+        missing = [flag for flag, value in (("--preset", args.preset), ("--avg-input-tokens", args.avg_input_tokens),
+                                            ("--avg-output-tokens", args.avg_output_tokens)) if value is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required (or --from-file)")
+        data = {"model": {"weights": {"loadFormat": "dummy"}}, "accelerator": {"type": DEFAULT_ACCELERATOR}}
+    if args.preset:
+        data.setdefault("model", {}).pop("architecture", None)
+        _set(data, "model.preset", args.preset)
+        if not args.from_file or args.name:
+            _set(data, "model.name", args.name or args.preset)
+    _set(data, "accelerator.type", args.accelerator)
+    _set(data, "accelerator.cards", args.cards)
+    _set(data, "accelerator.memoryGiB", args.card_memory_gib)
+    _set(data, "accelerator.reservedGiB", args.reserved_gib)
+    _set(data, "accelerator.memoryFraction", args.memory_fraction)
+    _set(data, "workload.avgInputTokens", args.avg_input_tokens)
+    _set(data, "workload.avgOutputTokens", args.avg_output_tokens)
+    _set(data, "workload.maxOutputTokens", args.max_output_tokens)
+    _set(data, "workload.maxInputTokens", args.max_input_tokens)
+    _set(data, "slo.objective", args.objective)
+    _set(data, "slo.ttftMs", args.ttft_ms)
+    _set(data, "slo.tpotMs", args.tpot_ms)
+    _set(data, "engine.schedule.cacheBlockSize", args.block_size)
+    if args.target_concurrent_users is not None:
+        data.pop("replicas", None)
+        _set(data, "capacity.targetConcurrentUsers", args.target_concurrent_users)
+    if args.replicas is not None:
+        data.pop("capacity", None)
+        data["replicas"] = args.replicas
+    return InferenceServiceSpec.model_validate(data)
+
+
+def format_validation_error(error: ValidationError, prefix: str = "spec") -> str:
+    lines = []
+    for item in error.errors():
+        path = ".".join([prefix, *(str(p) for p in item["loc"])])
+        message = item["msg"].removeprefix("Value error, ")
+        lines.append(message if message.startswith("spec.") else f"{path}: {message}")
+    return "\n".join(lines)
+
+
+def _number(value: float | int | bool) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def print_table(result: Plan) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 180)
+    title = (
+        f"npuserve plan: {result.model} on {result.worldSize} x {result.accelerator}"
+        f" ({result.nodes} node{'s' if result.nodes > 1 else ''} per replica), objective {result.objective}"
+    )
+    table = Table(title=title, show_lines=False, expand=False)
+    table.add_column("step", style="dim")
+    table.add_column("quantity", style="bold")
+    table.add_column("value", justify="right", style="cyan")
+    table.add_column("formula")
+    table.add_column("inputs", style="dim")
+    last_step = -1
+    for entry in result.explain:
+        step = ""
+        if entry.step != last_step:
+            step = f"{entry.step} {STEP_TITLES.get(entry.step, '')}".strip()
+            if last_step != -1:
+                table.add_section()
+            last_step = entry.step
+        value = _number(entry.value) + (f" {entry.unit}" if entry.unit else "")
+        formula = entry.formula + (f"\n[dim italic]{entry.note}[/]" if entry.note else "")
+        inputs = ", ".join(f"{k}={_number(v)}" for k, v in entry.inputs.items())
+        table.add_row(step, entry.name, value, formula, inputs)
+    console.print(table)
+    s = result.schedule
+    console.print(
+        f"ScheduleConfig: maxBatchSize {s.maxBatchSize}, maxPrefillBatchSize {s.maxPrefillBatchSize}, "
+        f"maxPrefillTokens {s.maxPrefillTokens}, supportSelectBatch {str(s.supportSelectBatch).lower()}, "
+        f"maxPreemptCount {s.maxPreemptCount}; npuMemSize {result.npuMemSizeGiB} GiB, cpuMemSize "
+        f"{result.cpuMemSizeGiB} GiB; {result.replicas} replica(s)",
+        highlight=False,
+    )
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec = build_spec(args)
+        result = plan(spec)
+    except ValidationError as e:
+        print(f"npuserve plan: invalid spec:\n{format_validation_error(e)}", file=sys.stderr)
+        return 2
+    except (PlanError, ValueError, OSError, yaml.YAMLError) as e:
+        print(f"npuserve plan: {e}", file=sys.stderr)
+        return 2
+    if args.format == "json":
+        sys.stdout.write(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
+    else:
+        print_table(result)
+    return 0

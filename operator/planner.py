@@ -1,0 +1,463 @@
+"""The plan: the MindIE tuning guide's arithmetic, automated (DESIGN.md 4.1). Pure: spec + catalogs -> Plan.
+
+Every number the plan holds is appended to `Plan.explain` with its formula and inputs, so `kubectl describe` and
+`npuserve plan` explain themselves. Memory is counted in GiB (2^30 bytes): the guide's "GB" are `npu-smi`'s MB
+divided by 1024. Arithmetic on memory is exact (fractions), so a floor never lands one short on a rounding error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+from npuserve.operator.api import (
+    Architecture,
+    ExplainEntry,
+    InferenceServiceSpec,
+    Plan,
+    PlanSchedule,
+    Range,
+)
+
+from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
+from npuserve.catalog.models import get_model_preset
+from npuserve.mindie_config import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    ScheduleSection,
+)
+from npuserve.modelspec import ModelSpec
+
+# Used when the catalog has no idle-memory measurement for the card and the spec sets no reservedGiB: the guide
+# measured 3.4 GiB held at idle on a 64 GiB 910B3; rounded up so the plan errs on the side of fitting.
+DEFAULT_RESERVED_GIB = 4.0
+DEFAULT_CACHE_BLOCK_SIZE = 128
+DEFAULT_CPU_MEM_SIZE_GIB = 5
+MINDIE_MAX_BATCH_SIZE = 5000  # MindIE's documented upper bound of maxBatchSize
+PREFILL_TOKENS_CAP = DEFAULT_MAX_PREFILL_TOKENS  # 8192, the guide's cap on maxPrefillTokens
+MIN_BATCH = 1  # worldSize search: the pool must hold at least this many requests of maximum length
+
+
+class PlanError(ValueError):
+    """The spec cannot be planned; the message says which field to change."""
+
+
+@dataclass(frozen=True)
+class _Memory:
+    world_size: int
+    npu_mem_size_gib: int
+    block_bytes: int
+    total_blocks: int
+    kv_heads_per_card: int
+
+
+def _gib(value: Fraction | float) -> float:
+    return round(float(value), 3)
+
+
+def _frac(value: float) -> Fraction:
+    return Fraction(str(value))
+
+
+class _Planner:
+    def __init__(self, spec: InferenceServiceSpec) -> None:
+        self.spec = spec
+        self.explain: list[ExplainEntry] = []
+        self.warnings: list[str] = []
+        self.pinned = spec.engine.schedule.pinned()
+        self.accelerator = get_accelerator(spec.accelerator.type)
+        self.model = model_spec(spec)
+        self.block_size = int(self.pinned.get("cacheBlockSize", DEFAULT_CACHE_BLOCK_SIZE))
+
+    def add(
+        self, step: int, name: str, value: float | bool, formula: str, unit: str = "", note: str = "",
+        **inputs: float | Fraction,
+    ) -> None:
+        self.explain.append(
+            ExplainEntry(step=step, name=name, value=value, unit=unit, formula=formula,
+                         inputs={k: float(v) for k, v in inputs.items()},
+                         note=note)
+        )
+
+    # --- inputs ----------------------------------------------------------------------------------------------
+
+    def weights(self) -> tuple[Fraction, int]:
+        arch = self.spec.model.architecture
+        params = arch.parameters if arch is not None and arch.parameters else self.model.num_parameters
+        weight_bytes = params * self.model.dtype_bytes
+        source = "spec.model.architecture.parameters" if arch is not None and arch.parameters else (
+            "counted from the architecture (embeddings, attention, MLP, norms, LM head)"
+        )
+        weights = Fraction(weight_bytes, GIB)
+        self.add(0, "weightsGiB", _gib(weights), "numParameters x dtypeBytes / 2^30", "GiB",
+                 f"parameters {source}", numParameters=params, dtypeBytes=self.model.dtype_bytes)
+        return weights, params
+
+    def card_memory(self) -> tuple[Fraction, Fraction, Fraction]:
+        acc, spec = self.accelerator, self.spec.accelerator
+        if spec.memoryGiB is not None:
+            memory, memory_note = _frac(spec.memoryGiB), "spec.accelerator.memoryGiB"
+        elif acc.memory_bytes is not None:
+            memory, memory_note = Fraction(acc.memory_bytes, GIB), f"catalog: {acc.name}"
+        else:  # pragma: no cover - the spec validator requires memoryGiB for the cpu
+            raise PlanError(f"spec.accelerator.memoryGiB is required: the catalog has no memory size for {acc.name}")
+        if spec.reservedGiB is not None:
+            reserved, reserved_note = _frac(spec.reservedGiB), "spec.accelerator.reservedGiB"
+        elif acc.idle_memory_bytes is not None:
+            reserved, reserved_note = Fraction(acc.idle_memory_bytes, GIB), f"catalog: {acc.name} idle memory"
+        else:
+            reserved = _frac(DEFAULT_RESERVED_GIB)
+            reserved_note = (
+                f"default {DEFAULT_RESERVED_GIB:g} GiB: the catalog has no idle measurement for {acc.name} (the guide "
+                "measured 3.4 GiB at idle on a 64 GiB 910B3, rounded up); set spec.accelerator.reservedGiB to the "
+                "idle usage `npu-smi info` or `nvidia-smi` shows"
+            )
+            self.warnings.append(f"reservedGiB: {reserved_note}")
+        fraction = _frac(spec.memoryFraction)
+        self.add(0, "cardMemoryGiB", _gib(memory), "memory per card", "GiB", memory_note)
+        self.add(0, "reservedGiB", _gib(reserved), "memory a card holds at idle", "GiB", reserved_note)
+        self.add(0, "memoryFraction", float(fraction), "NPU_MEMORY_FRACTION", "",
+                 "share of the free memory given to the KV cache (spec.accelerator.memoryFraction)")
+        return memory, reserved, fraction
+
+    # --- steps 1-2: memory and blocks --------------------------------------------------------------------------
+
+    def memory_for(
+        self, world_size: int, memory: Fraction, reserved: Fraction, fraction: Fraction, weights: Fraction
+    ) -> _Memory:
+        free = memory - reserved - weights / world_size
+        npu_mem = math.floor(free * fraction) if free > 0 else 0
+        block_bytes = self.block_size * self.model.kv_bytes_per_token(world_size)
+        total = (npu_mem * GIB) // block_bytes if npu_mem > 0 else 0
+        kv_heads = max(1, self.model.num_key_value_heads // world_size)
+        return _Memory(world_size, npu_mem, block_bytes, total, kv_heads)
+
+    def blocks_per_request(self) -> Range:
+        w, b = self.spec.workload, self.block_size
+        inp = math.ceil(w.avgInputTokens / b)
+        return Range(min=inp, avg=inp + math.ceil(w.avgOutputTokens / b), max=inp + math.ceil(w.maxOutputTokens / b))
+
+    def check_world_size(self, world_size: int) -> str | None:
+        """Why a card count cannot serve this model, or None."""
+        heads, kv = self.model.num_attention_heads, self.model.num_key_value_heads
+        if heads % world_size:
+            return f"{world_size} does not divide the {heads} attention heads"
+        if kv % world_size and world_size % kv:
+            return f"{world_size} neither divides nor is a multiple of the {kv} key-value heads"
+        per_node = self.accelerator.cards_per_node
+        if per_node and world_size > per_node and world_size % per_node:
+            return f"{world_size} cards span nodes of {per_node} cards but are not a multiple of {per_node}"
+        return None
+
+    def world_size(self, memory: Fraction, reserved: Fraction, fraction: Fraction, weights: Fraction) -> _Memory:
+        need = self.blocks_per_request().max * MIN_BATCH
+        cards = self.spec.accelerator.cards
+        if cards is not None:
+            reason = self.check_world_size(cards)
+            if reason:
+                raise PlanError(f"spec.accelerator.cards: {reason}")
+            mem = self.memory_for(cards, memory, reserved, fraction, weights)
+            self.add(1, "worldSize", cards, "spec.accelerator.cards", "cards", "set in the spec")
+            return mem
+        rejected: list[str] = []
+        for candidate in range(1, self.model.num_attention_heads + 1):
+            if self.check_world_size(candidate):
+                continue
+            mem = self.memory_for(candidate, memory, reserved, fraction, weights)
+            if mem.total_blocks >= need:
+                note = "smallest card count that divides the attention heads and holds the weights with room for "
+                note += f"{MIN_BATCH} request(s) of maximum length"
+                if rejected:
+                    note += "; rejected: " + "; ".join(rejected)
+                self.add(1, "worldSize", candidate,
+                         "min n dividing numAttentionHeads with totalBlocks(n) >= blocksPerRequest.max x minBatch",
+                         "cards", note, numAttentionHeads=self.model.num_attention_heads,
+                         blocksPerRequestMax=need // MIN_BATCH, minBatch=MIN_BATCH)
+                return mem
+            rejected.append(f"{candidate} card(s) give {mem.total_blocks} blocks (npuMemSize {mem.npu_mem_size_gib})")
+        raise PlanError(
+            f"spec.accelerator: the model ({_gib(weights)} GiB of weights) fits on no card count of "
+            f"{self.accelerator.name} that divides its {self.model.num_attention_heads} attention heads; "
+            "choose a larger accelerator or shorter requests"
+        )
+
+    # --- the whole plan -----------------------------------------------------------------------------------------
+
+    def plan(self) -> Plan:
+        spec, w = self.spec, self.spec.workload
+        weights, _ = self.weights()
+        memory, reserved, fraction = self.card_memory()
+        self.add(0, "cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
+                 "pinned in spec.engine.schedule" if "cacheBlockSize" in self.pinned else "MindIE default")
+        mem = self.world_size(memory, reserved, fraction, weights)
+        ws = mem.world_size
+
+        per_node = self.accelerator.cards_per_node
+        nodes = ws // per_node if per_node and ws > per_node else 1
+        self.add(1, "nodes", nodes, "worldSize / cardsPerNode when worldSize > cardsPerNode, else 1", "pods",
+                 "a LeaderWorkerSet groups the pods of one replica" if nodes > 1 else "one pod per replica",
+                 worldSize=ws, cardsPerNode=per_node or 0)
+        self.add(1, "cardsPerPod", ws // nodes, "worldSize / nodes", "cards", worldSize=ws, nodes=nodes)
+
+        if mem.npu_mem_size_gib < 1:
+            raise PlanError(
+                f"spec.accelerator.cards: {ws} card(s) of {_gib(memory)} GiB leave no memory for the KV cache after "
+                f"{_gib(reserved)} GiB reserved and {_gib(weights / ws)} GiB of weights per card; use more cards"
+            )
+        self.add(1, "npuMemSizeGiB", mem.npu_mem_size_gib,
+                 "floor((cardMemoryGiB - reservedGiB - weightsGiB / worldSize) x memoryFraction)", "GiB",
+                 "MindIE ModelConfig.npuMemSize: KV cache per card", cardMemoryGiB=memory, reservedGiB=reserved,
+                 weightsGiB=_gib(weights), worldSize=ws, memoryFraction=fraction)
+        m = self.model
+        self.add(2, "blockBytesPerCard", mem.block_bytes,
+                 "2 x numLayers x cacheBlockSize x kvHeadsPerCard x headDim x dtypeBytes", "bytes",
+                 "K and V of one block on one card; kvHeadsPerCard = max(1, numKeyValueHeads / worldSize)",
+                 numLayers=m.num_layers, cacheBlockSize=self.block_size, kvHeadsPerCard=mem.kv_heads_per_card,
+                 headDim=m.head_dim, dtypeBytes=m.dtype_bytes)
+        self.add(2, "totalBlocks", mem.total_blocks, "floor(npuMemSizeGiB x 2^30 / blockBytesPerCard)", "blocks",
+                 "the engine reports the blocks it actually allocated in /info", npuMemSizeGiB=mem.npu_mem_size_gib,
+                 blockBytesPerCard=mem.block_bytes)
+
+        bpr = self.blocks_per_request()
+        b = self.block_size
+        self.add(3, "blocksPerRequest.min", bpr.min, "ceil(avgInputTokens / cacheBlockSize)", "blocks",
+                 avgInputTokens=w.avgInputTokens, cacheBlockSize=b)
+        self.add(3, "blocksPerRequest.avg", bpr.avg,
+                 "ceil(avgInputTokens / cacheBlockSize) + ceil(avgOutputTokens / cacheBlockSize)", "blocks",
+                 avgInputTokens=w.avgInputTokens, avgOutputTokens=w.avgOutputTokens, cacheBlockSize=b)
+        self.add(3, "blocksPerRequest.max", bpr.max,
+                 "ceil(avgInputTokens / cacheBlockSize) + ceil(maxOutputTokens / cacheBlockSize)", "blocks",
+                 avgInputTokens=w.avgInputTokens, maxOutputTokens=w.maxOutputTokens, cacheBlockSize=b)
+
+        total = mem.total_blocks
+        mbs = Range(min=total // bpr.max, avg=total // bpr.avg, max=total // bpr.min)
+        if mbs.min < 1:
+            raise PlanError(
+                f"spec.accelerator.cards: {total} KV blocks cannot hold one request of maximum length "
+                f"({bpr.max} blocks); use more cards or lower spec.workload.maxOutputTokens"
+            )
+        self.add(4, "maxBatchSize.min", mbs.min, "floor(totalBlocks / blocksPerRequest.max)", "requests",
+                 "every request at its maximum length, no preemption", totalBlocks=total, blocksPerRequestMax=bpr.max)
+        self.add(4, "maxBatchSize.avg", mbs.avg, "floor(totalBlocks / blocksPerRequest.avg)", "requests",
+                 "the starting point", totalBlocks=total, blocksPerRequestAvg=bpr.avg)
+        self.add(4, "maxBatchSize.max", mbs.max, "floor(totalBlocks / blocksPerRequest.min)", "requests",
+                 "only the prompts in memory", totalBlocks=total, blocksPerRequestMin=bpr.min)
+
+        schedule = self.schedule(mbs, bpr, mem)
+        max_seq_len = w.maxInputTokens + w.maxOutputTokens
+        if max_seq_len > m.max_position_embeddings:
+            raise PlanError(
+                f"spec.workload: maxInputTokens + maxOutputTokens = {max_seq_len} exceeds the model's "
+                f"{m.max_position_embeddings} positions (max_position_embeddings)"
+            )
+        self.add(5, "maxSeqLen", max_seq_len, "maxInputTokens + maxOutputTokens", "tokens",
+                 "MindIE ModelDeployConfig.maxSeqLen", maxInputTokens=w.maxInputTokens,
+                 maxOutputTokens=w.maxOutputTokens)
+        self.add(5, "maxInputTokenLen", w.maxInputTokens, "spec.workload.maxInputTokens", "tokens",
+                 "MindIE ModelDeployConfig.maxInputTokenLen")
+
+        memory_bound, cpu_mem = self.swap(schedule, mbs, bpr, mem)
+        concurrency, replicas = self.replicas(schedule, mbs)
+        plan = Plan(
+            model=spec.model.name, preset=spec.model.preset, accelerator=self.accelerator.name,
+            objective=spec.slo.objective, worldSize=ws, nodes=nodes, cardsPerPod=ws // nodes,
+            cardMemoryGiB=_gib(memory), reservedGiB=_gib(reserved), memoryFraction=float(fraction),
+            weightsGiB=_gib(weights), npuMemSizeGiB=mem.npu_mem_size_gib, cpuMemSizeGiB=cpu_mem,
+            blockBytesPerCard=mem.block_bytes, totalBlocks=total, blocksPerRequest=bpr, maxBatchSize=mbs,
+            maxSeqLen=max_seq_len, maxInputTokenLen=w.maxInputTokens, memoryBound=memory_bound,
+            schedule=schedule, pinned=sorted(self.pinned), concurrencyPerReplica=concurrency, replicas=replicas,
+            explain=sorted(self.explain, key=lambda e: e.step), warnings=self.warnings,
+        )
+        _check_schedule(plan)
+        return plan
+
+    # --- step 5: the schedule ----------------------------------------------------------------------------------
+
+    def _pin_or(self, name: str, value: int | bool) -> int | bool:
+        pinned: int | bool = self.pinned.get(name, value)
+        return pinned
+
+    def schedule(self, mbs: Range, bpr: Range, mem: _Memory) -> PlanSchedule:
+        w, objective = self.spec.workload, self.spec.slo.objective
+        pinned_note = "pinned in spec.engine.schedule"
+
+        if "maxBatchSize" in self.pinned:
+            max_batch = int(self.pinned["maxBatchSize"])
+            self.add(5, "schedule.maxBatchSize", max_batch, "spec.engine.schedule.maxBatchSize", "requests",
+                     pinned_note)
+            if max_batch > mbs.max:
+                self.warnings.append(
+                    f"spec.engine.schedule.maxBatchSize {max_batch} exceeds maxBatchSize.max {mbs.max}: even the "
+                    "prompts alone do not fit in the KV cache; requests will be preempted"
+                )
+        else:
+            max_batch = min(mbs.avg, MINDIE_MAX_BATCH_SIZE)
+            note = "the tuner's starting point"
+            if mbs.avg > MINDIE_MAX_BATCH_SIZE:
+                note += f"; capped at MindIE's limit of {MINDIE_MAX_BATCH_SIZE}"
+            self.add(5, "schedule.maxBatchSize", max_batch, "min(maxBatchSize.avg, 5000)", "requests", note,
+                     maxBatchSizeAvg=mbs.avg)
+
+        if "maxPrefillBatchSize" in self.pinned:
+            prefill_batch = int(self.pinned["maxPrefillBatchSize"])
+            self.add(5, "schedule.maxPrefillBatchSize", prefill_batch, "spec.engine.schedule.maxPrefillBatchSize",
+                     "requests", pinned_note)
+        else:
+            prefill_batch = max(1, max_batch // 2)
+            self.add(5, "schedule.maxPrefillBatchSize", prefill_batch, "max(1, floor(maxBatchSize / 2))", "requests",
+                     "at least 1: MindIE reads 0 as maxBatchSize", maxBatchSize=max_batch)
+
+        if "maxPrefillTokens" in self.pinned:
+            prefill_tokens = int(self.pinned["maxPrefillTokens"])
+            self.add(5, "schedule.maxPrefillTokens", prefill_tokens, "spec.engine.schedule.maxPrefillTokens",
+                     "tokens", pinned_note)
+        else:
+            prefill_tokens = max(w.maxInputTokens, min(PREFILL_TOKENS_CAP, prefill_batch * w.avgInputTokens))
+            self.add(5, "schedule.maxPrefillTokens", prefill_tokens,
+                     "max(maxInputTokens, min(8192, maxPrefillBatchSize x avgInputTokens))", "tokens",
+                     "raised to maxInputTokens when below it: MindIE requires maxPrefillTokens >= maxInputTokenLen "
+                     "so the longest prompt can prefill",
+                     maxInputTokens=w.maxInputTokens, maxPrefillBatchSize=prefill_batch,
+                     avgInputTokens=w.avgInputTokens)
+
+        if "supportSelectBatch" in self.pinned:
+            select = bool(self.pinned["supportSelectBatch"])
+            self.add(6, "schedule.supportSelectBatch", select, "spec.engine.schedule.supportSelectBatch", "",
+                     pinned_note)
+        else:
+            select = objective != "firstTokenAndDecode"
+            self.add(6, "schedule.supportSelectBatch", select,
+                     "objective in (throughput, decodeLatency)", "",
+                     f"objective {objective}: "
+                     + ("TTFT is bound, so prefill is not held back for decode" if not select
+                        else "throughput-oriented: decode steps may be chosen over prefill while requests wait"))
+
+        max_iter = w.maxOutputTokens
+        self.add(5, "schedule.maxIterTimes", max_iter, "spec.workload.maxOutputTokens", "tokens",
+                 "MindIE maxIterTimes: the most tokens one request generates")
+        fixed: dict[str, int] = {"prefillTimeMsPerReq": 150, "decodeTimeMsPerReq": 50,
+                                 "maxQueueDelayMicroseconds": 5000}
+        values: dict[str, int] = {}
+        for name, default in fixed.items():
+            value = int(self._pin_or(name, default))
+            values[name] = value
+            self.add(6, f"schedule.{name}", value, f"spec.engine.schedule.{name}" if name in self.pinned else
+                     "MindIE default", "", pinned_note if name in self.pinned else "")
+        return PlanSchedule(
+            cacheBlockSize=self.block_size, maxBatchSize=max_batch, maxPrefillBatchSize=prefill_batch,
+            maxPrefillTokens=prefill_tokens, maxIterTimes=max_iter, maxPreemptCount=0, supportSelectBatch=select,
+            **values,
+        )
+
+    # --- step 6: swap ------------------------------------------------------------------------------------------
+
+    def swap(self, schedule: PlanSchedule, mbs: Range, bpr: Range, mem: _Memory) -> tuple[bool, int]:
+        demand = schedule.maxBatchSize * bpr.avg
+        memory_bound = demand > mem.total_blocks
+        self.add(6, "memoryBound", memory_bound, "maxBatchSize x blocksPerRequest.avg > totalBlocks", "",
+                 "a batch of average requests overflows the KV cache: preemption is expected in steady state"
+                 if memory_bound else "a batch of average requests fits; only long tails preempt",
+                 maxBatchSize=schedule.maxBatchSize, blocksPerRequestAvg=bpr.avg, totalBlocks=mem.total_blocks)
+        if not memory_bound:
+            cpu_mem = DEFAULT_CPU_MEM_SIZE_GIB
+            self.add(6, "cpuMemSizeGiB", cpu_mem, "5 unless memory-bound", "GiB", "MindIE default cpuMemSize")
+        else:
+            overflow = demand - mem.total_blocks
+            cpu_mem = max(DEFAULT_CPU_MEM_SIZE_GIB, math.ceil(overflow * mem.block_bytes / GIB))
+            self.add(6, "cpuMemSizeGiB", cpu_mem,
+                     "max(5, ceil((maxBatchSize x blocksPerRequest.avg - totalBlocks) x blockBytesPerCard / 2^30))",
+                     "GiB", "memory-bound: host memory for the blocks that overflow the KV cache",
+                     maxBatchSize=schedule.maxBatchSize, blocksPerRequestAvg=bpr.avg, totalBlocks=mem.total_blocks,
+                     blockBytesPerCard=mem.block_bytes)
+        if "maxPreemptCount" in self.pinned:
+            preempt = int(self.pinned["maxPreemptCount"])
+            self.add(6, "schedule.maxPreemptCount", preempt, "spec.engine.schedule.maxPreemptCount", "requests",
+                     "pinned in spec.engine.schedule")
+        elif not memory_bound:
+            preempt = 0
+            self.add(6, "schedule.maxPreemptCount", preempt, "0 unless memory-bound", "requests",
+                     "preempted requests are recomputed, not swapped")
+        else:
+            preempt = min(schedule.maxBatchSize, math.ceil(schedule.maxBatchSize / schedule.cacheBlockSize))
+            self.add(6, "schedule.maxPreemptCount", preempt, "min(maxBatchSize, ceil(maxBatchSize / cacheBlockSize))",
+                     "requests", "memory-bound: swap out about as many requests per step as cross a block boundary "
+                     "in one decode step", maxBatchSize=schedule.maxBatchSize, cacheBlockSize=schedule.cacheBlockSize)
+        schedule.maxPreemptCount = preempt
+        return memory_bound, cpu_mem
+
+    # --- step 7: replicas --------------------------------------------------------------------------------------
+
+    def replicas(self, schedule: PlanSchedule, mbs: Range) -> tuple[int, int]:
+        spec = self.spec
+        capacity = spec.capacity
+        if capacity is not None and capacity.concurrencyPerReplica is not None:
+            concurrency = capacity.concurrencyPerReplica
+            self.add(7, "concurrencyPerReplica", concurrency, "spec.capacity.concurrencyPerReplica", "requests")
+        else:
+            concurrency = min(schedule.maxBatchSize, mbs.min)
+            self.add(7, "concurrencyPerReplica", concurrency, "min(schedule.maxBatchSize, maxBatchSize.min)",
+                     "requests", "requests one replica holds with every request at its maximum length "
+                     "(the guide's capacity planning)", maxBatchSize=schedule.maxBatchSize, maxBatchSizeMin=mbs.min)
+        if spec.replicas is not None:
+            replicas = spec.replicas
+            self.add(7, "replicas", replicas, "spec.replicas", "replicas", "set in the spec")
+        elif capacity is not None:
+            replicas = math.ceil(capacity.targetConcurrentUsers / concurrency)
+            self.add(7, "replicas", replicas, "ceil(targetConcurrentUsers / concurrencyPerReplica)", "replicas",
+                     "rounded up, so every user is served", targetConcurrentUsers=capacity.targetConcurrentUsers,
+                     concurrencyPerReplica=concurrency)
+        else:
+            replicas = 1
+            self.add(7, "replicas", replicas, "1 (neither spec.replicas nor spec.capacity is set)", "replicas")
+        return concurrency, replicas
+
+
+def _spec_from_architecture(arch: Architecture) -> ModelSpec:
+    head_dim = arch.headDim
+    if head_dim is None:
+        if arch.hiddenSize % arch.numAttentionHeads:
+            raise PlanError(
+                "spec.model.architecture.headDim is required: hiddenSize does not divide by numAttentionHeads"
+            )
+        head_dim = arch.hiddenSize // arch.numAttentionHeads
+    return ModelSpec(
+        model_type=arch.modelType, num_layers=arch.numLayers, hidden_size=arch.hiddenSize,
+        num_attention_heads=arch.numAttentionHeads, num_key_value_heads=arch.numKeyValueHeads, head_dim=head_dim,
+        intermediate_size=arch.intermediateSize, vocab_size=arch.vocabSize,
+        max_position_embeddings=arch.maxPositionEmbeddings, dtype=arch.dtype,
+        attention_bias=arch.modelType == "qwen2", qk_norm=arch.modelType == "qwen3",
+    )
+
+
+def model_spec(spec: InferenceServiceSpec) -> ModelSpec:
+    """The architecture the spec names (preset or inline)."""
+    source = spec.model
+    if source.preset is not None:
+        return get_model_preset(source.preset)
+    assert source.architecture is not None
+    return _spec_from_architecture(source.architecture)
+
+
+def accelerator_of(spec: InferenceServiceSpec) -> Accelerator:
+    return get_accelerator(spec.accelerator.type)
+
+
+def _check_schedule(plan: Plan) -> None:
+    """The chosen ScheduleConfig must be one MindIE accepts (pinned values may break its cross-field rules)."""
+    s = plan.schedule
+    try:
+        ScheduleSection.model_validate(s.model_dump())
+    except ValueError as e:
+        raise PlanError(f"spec.engine.schedule: the resulting ScheduleConfig is invalid: {e}") from e
+    if s.maxPrefillTokens < plan.maxInputTokenLen:
+        raise PlanError(
+            f"spec.engine.schedule.maxPrefillTokens ({s.maxPrefillTokens}) must be at least "
+            f"spec.workload.maxInputTokens ({plan.maxInputTokenLen}), or the longest prompt cannot prefill"
+        )
+    if s.maxIterTimes > plan.maxSeqLen:  # pragma: no cover - maxSeqLen includes maxOutputTokens
+        raise PlanError("maxIterTimes exceeds maxSeqLen")
+
+
+def plan(spec: InferenceServiceSpec) -> Plan:
+    """The plan of one InferenceService spec. Raises PlanError with the field to change when it cannot fit."""
+    return _Planner(spec).plan()

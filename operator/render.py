@@ -1,0 +1,406 @@
+"""Pods from a plan (DESIGN.md 4.2). Pure: InferenceService + Plan -> Kubernetes manifests as dicts.
+
+Objects: the ConfigMap holding MindIE's `config.json`, a Deployment (or a LeaderWorkerSet when one replica's cards
+span nodes), a Service, and optionally a PodMonitor. The host tuning of the guide is rendered as the spec asks:
+CPU pinning (integer CPU requests equal to limits, so the kubelet's static CPU manager gives exclusive cores, and
+`NPUSERVE_CPU_BINDING=numa`, which tells the engine to bind itself to the NUMA node of its cards as the guide's
+`taskset` does); transparent huge pages and the CPU performance governor, each from its own privileged init
+container and opt-in because each changes the whole node; jemalloc through `LD_PRELOAD`. The engine container
+itself runs as a non-root user, without privilege escalation or capabilities, on a read-only root filesystem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan
+from npuserve.operator.planner import model_spec
+
+from npuserve.catalog.accelerators import get_accelerator
+from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
+
+# --- the engine's command line and file layout: the one place they are spelled ---------------------------------
+
+ENGINE_PORT = 8000
+PORT_NAME = "http"
+CONFIG_DIR = "/etc/npuserve"
+CONFIG_KEY = "config.json"
+CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
+MODEL_CONFIG_KEY = "model-config.json"  # loadFormat dummy: the architecture's HF config.json, no weights
+DUMMY_MODEL_DIR = f"{CONFIG_DIR}/model"
+MODEL_DIR = "/models"
+TMP_DIR = "/tmp"
+# The engine image provides libjemalloc at this path (deploy/docker links the distribution's library here).
+JEMALLOC_PATH = "/usr/local/lib/libjemalloc.so.2"
+MALLOC_CONF = "background_thread:true,metadata_thp:auto,dirty_decay_ms:30000,muzzy_decay_ms:30000"
+ENGINE_UID = 1000  # HwHiAiUser on Ascend hosts, the owner of the driver's device files
+CONFIG_HASH_ANNOTATION = "npuserve.io/config-hash"
+INSTANCE_LABEL = "npuserve.io/inferenceservice"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+ADMIN_TOKEN_ENV = "NPUSERVE_ADMIN_TOKEN"
+CPUS_PER_CARD = 8
+MIN_CPUS = 4
+HOST_MEMORY_OVERHEAD_GIB = 16
+# ScheduleConfig fields the engine applies live (/admin/schedule, or re-reading config.json): changing them must not
+# restart pods. cacheBlockSize changes the KV pool, so it stays in the hash with the memory parameters.
+HOT_SCHEDULE_FIELDS = frozenset(
+    {
+        "maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "prefillTimeMsPerReq", "decodeTimeMsPerReq",
+        "maxIterTimes", "maxPreemptCount", "supportSelectBatch", "maxQueueDelayMicroseconds",
+        "prefillPolicyType", "decodePolicyType",
+    }
+)
+
+Manifest = dict[str, Any]
+
+
+def engine_command(model_path: str) -> list[str]:
+    return [
+        "npuserve", "serve", "--model", model_path, "--config", CONFIG_PATH,
+        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
+    ]
+
+
+def model_path(isvc: InferenceService) -> str:
+    return DUMMY_MODEL_DIR if isvc.spec.model.weights.loadFormat == "dummy" else MODEL_DIR
+
+
+def labels(isvc: InferenceService) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "npuserve-engine",
+        "app.kubernetes.io/instance": isvc.metadata.name,
+        "app.kubernetes.io/managed-by": "npuserve-operator",
+        COMPONENT_LABEL: "engine",
+        INSTANCE_LABEL: isvc.metadata.name,
+    }
+
+
+def selector_labels(isvc: InferenceService) -> dict[str, str]:
+    return {INSTANCE_LABEL: isvc.metadata.name, COMPONENT_LABEL: "engine"}
+
+
+def selector(isvc: InferenceService) -> str:
+    """`status.selector` for the scale subresource."""
+    return ",".join(f"{k}={v}" for k, v in selector_labels(isvc).items())
+
+
+def config_map_name(isvc: InferenceService) -> str:
+    return f"{isvc.metadata.name}-config"
+
+
+def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": isvc.metadata.namespace, "labels": labels(isvc)}
+    if isvc.metadata.uid:
+        meta["ownerReferences"] = [
+            {"apiVersion": API_VERSION, "kind": KIND, "name": isvc.metadata.name, "uid": isvc.metadata.uid,
+             "controller": True, "blockOwnerDeletion": True}
+        ]
+    return meta
+
+
+# --- config.json -------------------------------------------------------------------------------------------------
+
+
+def mindie_config(isvc: InferenceService, plan: Plan) -> MindIEConfig:
+    spec = isvc.spec
+    acc = get_accelerator(spec.accelerator.type)
+    data = {
+        "Version": "1.0.0",
+        "ServerConfig": {"ipAddress": "0.0.0.0", "port": ENGINE_PORT, "httpsEnabled": False,
+                         "allowAllZeroIpListening": True},
+        "BackendConfig": {
+            "npuDeviceIds": [list(range(plan.cardsPerPod))],
+            "multiNodesInferEnabled": plan.nodes > 1,
+            "ModelDeployConfig": {
+                "maxSeqLen": plan.maxSeqLen,
+                "maxInputTokenLen": plan.maxInputTokenLen,
+                "truncation": False,
+                "ModelConfig": [
+                    {
+                        "modelName": spec.model.name,
+                        "modelWeightPath": model_path(isvc),
+                        "worldSize": plan.worldSize,
+                        "cpuMemSize": plan.cpuMemSizeGiB,
+                        "npuMemSize": plan.npuMemSizeGiB,
+                    }
+                ],
+            },
+            "ScheduleConfig": plan.schedule.model_dump(),
+        },
+        "npuserve": NpuserveExtensions(
+            device=acc.npu_device_type,
+            dtype=model_spec(spec).dtype,
+            loadFormat=spec.model.weights.loadFormat,
+            policy=spec.engine.policy,
+            servedModelName=spec.model.name,
+        ).model_dump(exclude_defaults=False),
+    }
+    return MindIEConfig.from_dict(data, source=f"{isvc.metadata.name} config.json")
+
+
+def config_hash(config: MindIEConfig, model_config: str | None = None) -> str:
+    """Hash of what needs a restart to change: everything but the live schedule fields."""
+    data = config.to_dict()
+    schedule = data["BackendConfig"].get("ScheduleConfig", {})
+    data["BackendConfig"]["ScheduleConfig"] = {k: v for k, v in schedule.items() if k not in HOT_SCHEDULE_FIELDS}
+    text = json.dumps(data, sort_keys=True) + (model_config or "")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _model_config_json(isvc: InferenceService) -> str | None:
+    if isvc.spec.model.weights.loadFormat != "dummy":
+        return None
+    return json.dumps(model_spec(isvc.spec).to_hf_config(), indent=2, sort_keys=True) + "\n"
+
+
+def render_configmap(isvc: InferenceService, plan: Plan) -> Manifest:
+    data = {CONFIG_KEY: mindie_config(isvc, plan).dumps()}
+    model_config = _model_config_json(isvc)
+    if model_config is not None:
+        data[MODEL_CONFIG_KEY] = model_config
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(isvc, config_map_name(isvc)),
+            "data": data}
+
+
+# --- pods --------------------------------------------------------------------------------------------------------
+
+
+def _resources(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
+    spec = isvc.spec
+    acc = get_accelerator(spec.accelerator.type)
+    cpus = spec.engine.cpu or max(MIN_CPUS, CPUS_PER_CARD * plan.cardsPerPod)
+    if spec.engine.memoryGiB is not None:
+        memory = spec.engine.memoryGiB
+    else:
+        memory = math.ceil(plan.weightsGiB / plan.nodes + plan.cpuMemSizeGiB * plan.cardsPerPod
+                           + HOST_MEMORY_OVERHEAD_GIB)
+        if acc.resource_name is None:  # the CPU backend keeps its KV cache in host memory
+            memory += plan.npuMemSizeGiB * plan.cardsPerPod
+    requests: dict[str, str] = {"cpu": str(cpus), "memory": f"{memory}Gi"}
+    limits: dict[str, str] = {"memory": f"{memory}Gi"}
+    if spec.host.cpuPinning == "numa":
+        limits["cpu"] = str(cpus)  # integer and equal to the request: exclusive cores from the static CPU manager
+    if acc.resource_name is not None:
+        requests[acc.resource_name] = str(plan.cardsPerPod)
+        limits[acc.resource_name] = str(plan.cardsPerPod)
+    return {"requests": requests, "limits": limits}
+
+
+def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
+    spec = isvc.spec
+    acc = get_accelerator(spec.accelerator.type)
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": TMP_DIR},
+        {"name": "NPUSERVE_CPU_BINDING", "value": spec.host.cpuPinning},
+        {"name": "NPU_MEMORY_FRACTION", "value": str(spec.accelerator.memoryFraction)},
+        {"name": ADMIN_TOKEN_ENV,
+         "valueFrom": {"secretKeyRef": {"name": f"{isvc.metadata.name}-admin", "key": "token", "optional": True}}},
+    ]
+    if acc.npu_device_type == "npu":
+        env.append({"name": "ASCEND_PROCESS_LOG_PATH", "value": f"{TMP_DIR}/ascend/log"})
+    if spec.host.jemalloc:
+        env += [{"name": "LD_PRELOAD", "value": JEMALLOC_PATH}, {"name": "MALLOC_CONF", "value": MALLOC_CONF}]
+    if plan.nodes > 1:
+        # The engine reads LWS_LEADER_ADDRESS (set by the LeaderWorkerSet controller) to reach rank 0.
+        env += [
+            {"name": "NPUSERVE_NNODES", "value": str(plan.nodes)},
+            {"name": "NPUSERVE_NODE_RANK", "valueFrom": {"fieldRef": {
+                "fieldPath": f"metadata.labels['{LWS_WORKER_INDEX_LABEL}']"}}},
+        ]
+    return env
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period, "timeoutSeconds": 5,
+            "failureThreshold": failures}
+
+
+def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[str, Any]:
+    spec = isvc.spec
+    mounts: list[dict[str, Any]] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": TMP_DIR},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    weights = spec.model.weights
+    if weights.pvc is not None:
+        mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+        if weights.pvc.subPath:
+            mount["subPath"] = weights.pvc.subPath
+        mounts.append(mount)
+    elif weights.hostPath is not None:
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.imagePullPolicy,
+        "command": engine_command(model_path(isvc)),
+        "env": _env(isvc, plan),
+        "resources": _resources(isvc, plan),
+        "volumeMounts": mounts,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "runAsGroup": ENGINE_UID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if leader:
+        container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+        # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
+        container["startupProbe"] = _probe("/health", 10, 180)
+        container["livenessProbe"] = _probe("/health", 10, 3)
+        container["readinessProbe"] = _probe("/ready", 5, 3)
+    return container
+
+
+def _privileged_init(isvc: InferenceService, name: str, script: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": isvc.spec.engine.image,
+        "imagePullPolicy": isvc.spec.engine.imagePullPolicy,
+        "command": ["sh", "-c", script],
+        # Equal requests and limits keep the pod in the Guaranteed QoS class that exclusive cores need.
+        "resources": {"requests": {"cpu": "1", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "64Mi"}},
+        "securityContext": {"privileged": True, "runAsUser": 0, "runAsNonRoot": False},
+    }
+
+
+THP_SCRIPT = "echo always > /sys/kernel/mm/transparent_hugepage/enabled"
+GOVERNOR_SCRIPT = (
+    'for g in /sys/devices/system/cpu/cpu*/cpufreq/scaling_governor; do [ -w "$g" ] && echo performance > "$g"; '
+    "done; true"
+)
+
+
+def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader: bool) -> dict[str, Any]:
+    spec = isvc.spec
+    init: list[dict[str, Any]] = []
+    if spec.host.transparentHugePages:
+        init.append(_privileged_init(isvc, "transparent-hugepages", THP_SCRIPT))
+    if spec.host.cpuPerformanceGovernor:
+        init.append(_privileged_init(isvc, "cpu-performance-governor", GOVERNOR_SCRIPT))
+    items = [{"key": CONFIG_KEY, "path": CONFIG_KEY}]
+    if spec.model.weights.loadFormat == "dummy":
+        items.append({"key": MODEL_CONFIG_KEY, "path": "model/config.json"})
+    volumes: list[dict[str, Any]] = [
+        {"name": "config", "configMap": {"name": config_map_name(isvc), "items": items}},
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+    ]
+    weights = spec.model.weights
+    if weights.pvc is not None:
+        volumes.append({"name": "model",
+                        "persistentVolumeClaim": {"claimName": weights.pvc.claimName, "readOnly": True}})
+    elif weights.hostPath is not None:
+        volumes.append({"name": "model", "hostPath": {"path": weights.hostPath.path, "type": "Directory"}})
+    annotations = {CONFIG_HASH_ANNOTATION: config_digest}
+    if leader:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT),
+                            "prometheus.io/path": "/metrics"})
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "fsGroup": ENGINE_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_engine_container(isvc, plan, leader)],
+        "volumes": volumes,
+    }
+    if init:
+        pod["initContainers"] = init
+    if spec.engine.nodeSelector:
+        pod["nodeSelector"] = dict(spec.engine.nodeSelector)
+    if spec.engine.tolerations:
+        pod["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.engine.tolerations]
+    return {"metadata": {"labels": labels(isvc), "annotations": annotations}, "spec": pod}
+
+
+def render_deployment(isvc: InferenceService, plan: Plan, config_digest: str) -> Manifest:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(isvc, isvc.metadata.name),
+        "spec": {
+            "replicas": plan.replicas,
+            "selector": {"matchLabels": selector_labels(isvc)},
+            # Cards are scarce: replace a pod in place rather than ask for a surge pod's cards.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": _pod_template(isvc, plan, config_digest, leader=True),
+        },
+    }
+
+
+def render_leaderworkerset(isvc: InferenceService, plan: Plan, config_digest: str) -> Manifest:
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": _metadata(isvc, isvc.metadata.name),
+        "spec": {
+            "replicas": plan.replicas,
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate",
+                                "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
+            "leaderWorkerTemplate": {
+                "size": plan.nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(isvc, plan, config_digest, leader=True),
+                "workerTemplate": _pod_template(isvc, plan, config_digest, leader=False),
+            },
+        },
+    }
+
+
+def _serving_selector(isvc: InferenceService, plan: Plan) -> dict[str, str]:
+    chosen = selector_labels(isvc)
+    if plan.nodes > 1:
+        chosen[LWS_WORKER_INDEX_LABEL] = "0"  # only the leader of each group serves HTTP
+    return chosen
+
+
+def render_service(isvc: InferenceService, plan: Plan) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(isvc, isvc.metadata.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": _serving_selector(isvc, plan),
+            "ports": [{"name": PORT_NAME, "port": ENGINE_PORT, "targetPort": PORT_NAME, "protocol": "TCP"}],
+        },
+    }
+
+
+def render_podmonitor(isvc: InferenceService, plan: Plan) -> Manifest:
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": _metadata(isvc, isvc.metadata.name),
+        "spec": {
+            "selector": {"matchLabels": _serving_selector(isvc, plan)},
+            "podMetricsEndpoints": [
+                {"port": PORT_NAME, "path": "/metrics", "interval": isvc.spec.monitoring.interval}
+            ],
+        },
+    }
+
+
+def render(isvc: InferenceService, plan: Plan) -> list[Manifest]:
+    """Every object of one InferenceService, in apply order."""
+    configmap = render_configmap(isvc, plan)
+    digest = config_hash(mindie_config(isvc, plan), configmap["data"].get(MODEL_CONFIG_KEY))
+    workload = (
+        render_leaderworkerset(isvc, plan, digest) if plan.nodes > 1 else render_deployment(isvc, plan, digest)
+    )
+    objects = [configmap, workload, render_service(isvc, plan)]
+    if isvc.spec.monitoring.podMonitor:
+        objects.append(render_podmonitor(isvc, plan))
+    return objects

@@ -1,0 +1,337 @@
+"""The CRD and the pydantic models agree: same fields, same defaults, same rules, same verdict on every object."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+from isvc_helpers import EXAMPLES, REPO, apply_defaults, cel_failures, load_yaml, unknown_fields
+from npuserve.operator import api
+from npuserve.operator.crd import CRD_FILE, PRINTER_COLUMNS, build_crd, crd_yaml
+from pydantic import BaseModel, ValidationError
+
+from npuserve.catalog.accelerators import ACCELERATORS
+from npuserve.catalog.models import MODEL_PRESETS
+
+K8S_VERSION = "1.30.0"
+
+
+def test_committed_crd_is_generated_from_the_models() -> None:
+    path = REPO / CRD_FILE
+    if os.environ.get("NPUSERVE_UPDATE_CRD"):
+        path.write_text(crd_yaml())
+    assert path.read_text() == crd_yaml(), "regenerate: NPUSERVE_UPDATE_CRD=1 pytest tests/operator/test_crd.py"
+
+
+def test_crd_is_a_valid_customresourcedefinition(crd: dict[str, Any]) -> None:
+    kubernetes_validate.validate(crd, K8S_VERSION, strict=True)
+    version = crd["spec"]["versions"][0]
+    assert crd["metadata"]["name"] == "inferenceservices.npuserve.io"
+    assert crd["spec"]["group"] == "npuserve.io" and version["name"] == "v1alpha1"
+    assert crd["spec"]["names"]["shortNames"] == ["nisvc"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+
+
+def _structural_violations(node: dict[str, Any], path: str) -> list[str]:
+    bad: list[str] = []
+    forbidden = {"$ref", "anyOf", "oneOf", "allOf", "not", "definitions", "$defs", "title", "const", "nullable"}
+    bad += [f"{path}: {key}" for key in forbidden & set(node)]
+    if "type" not in node and not (
+        node.get("x-kubernetes-preserve-unknown-fields") or node.get("x-kubernetes-int-or-string")
+    ):
+        bad.append(f"{path}: no type")
+    if node.get("additionalProperties") is False:
+        bad.append(f"{path}: additionalProperties false")
+    if "properties" in node and "additionalProperties" in node:
+        bad.append(f"{path}: both properties and additionalProperties")
+    for bound in ("exclusiveMinimum", "exclusiveMaximum"):
+        if bound in node and not isinstance(node[bound], bool):
+            bad.append(f"{path}: {bound} must be a boolean in OpenAPI v3.0")
+    for key, sub in node.get("properties", {}).items():
+        bad += _structural_violations(sub, f"{path}.{key}")
+    if isinstance(node.get("additionalProperties"), dict):
+        bad += _structural_violations(node["additionalProperties"], f"{path}.*")
+    if "items" in node:
+        bad += _structural_violations(node["items"], f"{path}[]")
+    if "default" in node:  # the API server validates defaults against their own schema
+        jsonschema.Draft4Validator(node).validate(node["default"])
+    return bad
+
+
+def test_schema_is_structural(root_schema: dict[str, Any]) -> None:
+    assert _structural_violations(root_schema, "") == []
+
+
+def _schema_at(root: dict[str, Any], json_path: str) -> dict[str, Any] | None:
+    node = root
+    for part in re.sub(r"\[[^\]]*\]", "", json_path).strip(".").split("."):
+        if node.get("type") == "array":
+            node = node["items"]
+        props = node.get("properties", {})
+        if part not in props:
+            return None
+        node = props[part]
+    return node
+
+
+def test_printer_columns_and_scale_paths_exist(root_schema: dict[str, Any]) -> None:
+    names = {c["name"] for c in PRINTER_COLUMNS}
+    assert {"Cards", "MaxBatchSize", "TTFT", "TPOT", "SLO Met", "Phase", "Age"} <= names
+    for column in PRINTER_COLUMNS:
+        if column["jsonPath"].startswith(".metadata"):
+            continue
+        assert _schema_at(root_schema, column["jsonPath"]) is not None, column
+    for path in (".spec.replicas", ".status.replicas", ".status.selector"):
+        assert _schema_at(root_schema, path) is not None, path
+    assert _schema_at(root_schema, ".status.conditions.type") is not None
+
+
+def _rules(node: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    found = [(path, node, rule) for rule in node.get("x-kubernetes-validations", [])]
+    for key, sub in node.get("properties", {}).items():
+        found += _rules(sub, f"{path}.{key}")
+    if "items" in node:
+        found += _rules(node["items"], f"{path}[]")
+    return found
+
+
+def test_every_cel_rule_compiles_names_a_field_and_points_at_one(root_schema: dict[str, Any]) -> None:
+    import celpy
+
+    env = celpy.Environment()
+    rules = _rules(root_schema)
+    assert len(rules) >= 12
+    for path, node, rule in rules:
+        env.compile(rule["rule"])
+        if "messageExpression" in rule:
+            env.compile(rule["messageExpression"])
+        assert rule["message"].startswith("spec."), rule
+        if "fieldPath" in rule:
+            assert _schema_at(node, rule["fieldPath"]) is not None, (path, rule)
+        if "reason" in rule:
+            assert rule["reason"] in {"FieldValueRequired", "FieldValueInvalid", "FieldValueForbidden",
+                                      "FieldValueDuplicate"}
+
+
+def test_preset_heads_rule_matches_the_catalog() -> None:
+    rule = api.PRESET_HEADS_RULE["rule"]
+    for name, spec in MODEL_PRESETS.items():
+        assert f"'{name}': {spec.num_attention_heads}" in rule
+
+
+# --- the models and the schema have the same fields ---------------------------------------------------------------
+
+
+def _model_classes(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found: list[type[BaseModel]] = []
+    for arg in typing.get_args(annotation):
+        found += _model_classes(arg)
+    return found
+
+
+def _compare(model: type[BaseModel], node: dict[str, Any], path: str) -> None:
+    if node.get("type") == "array":
+        node = node["items"]
+    props = node["properties"]
+    assert set(model.model_fields) == set(props), path
+    required = {name for name, f in model.model_fields.items() if f.is_required()}
+    assert required == set(node.get("required", [])), path
+    for name, field in model.model_fields.items():
+        default = field.default
+        if not field.is_required() and field.default_factory is None and default is not None:
+            assert props[name].get("default") == default, f"{path}.{name}"
+        for sub in _model_classes(field.annotation):
+            child = props[name]
+            if child.get("type") == "object" and "additionalProperties" in child:
+                child = child["additionalProperties"]
+            _compare(sub, child, f"{path}.{name}")
+        origin = typing.get_origin(field.annotation)
+        if origin in (typing.Union, types.UnionType):
+            assert "anyOf" not in props[name]
+
+
+def test_models_and_schema_have_the_same_fields_required_and_defaults(root_schema: dict[str, Any]) -> None:
+    _compare(api.InferenceServiceSpec, root_schema["properties"]["spec"], "spec")
+    _compare(api.InferenceServiceStatus, root_schema["properties"]["status"], "status")
+
+
+def test_enums_follow_the_catalogs(root_schema: dict[str, Any]) -> None:
+    spec = root_schema["properties"]["spec"]["properties"]
+    assert spec["model"]["properties"]["preset"]["enum"] == list(MODEL_PRESETS)
+    assert spec["accelerator"]["properties"]["type"]["enum"] == list(ACCELERATORS)
+
+
+# --- examples are valid against both ------------------------------------------------------------------------------
+
+
+def _crd_errors(root_schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
+    defaulted = apply_defaults(root_schema, obj)
+    errors = [e.message for e in jsonschema.Draft4Validator(root_schema).iter_errors(defaulted)]
+    return errors + cel_failures(root_schema, defaulted)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_is_valid_against_the_models_and_the_crd(path: Path, root_schema: dict[str, Any]) -> None:
+    obj = load_yaml(path)
+    api.InferenceService.model_validate(obj)
+    assert _crd_errors(root_schema, obj) == []
+    assert unknown_fields(root_schema, obj) == []
+
+
+def test_examples_cover_every_objective_and_a_multi_node_model() -> None:
+    specs = [api.InferenceService.model_validate(load_yaml(p)).spec for p in EXAMPLES]
+    assert {s.slo.objective for s in specs} == {"throughput", "decodeLatency", "firstTokenAndDecode"}
+    assert any((s.accelerator.cards or 0) > 8 for s in specs)
+
+
+def test_crd_defaults_equal_the_model_defaults(root_schema: dict[str, Any]) -> None:
+    obj = load_yaml(REPO / "examples" / "tiny-cpu.yaml")
+    for key in ("slo", "engine", "host", "monitoring", "autotune"):
+        obj["spec"].pop(key, None)
+    defaulted = apply_defaults(root_schema, obj)["spec"]
+    model = api.InferenceServiceSpec.model_validate(obj["spec"]).model_dump(exclude_none=True)
+    for key in ("slo", "engine", "host", "monitoring", "autotune"):
+        # An empty map or list in the model is an absent field in the API.
+        assert defaulted[key] == {k: v for k, v in model[key].items() if v not in ({}, [])}, key
+
+
+# --- invalid objects: refused by both, with the same message that names the field ------------------------------
+
+BASE = load_yaml(REPO / "examples" / "llama3-8b-throughput.yaml")
+
+
+def _mutated(path: str, value: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = obj["spec"]
+    for part in parents:
+        node = node.setdefault(part, {})
+    if value is _DELETE:
+        node.pop(last, None)
+    else:
+        node[last] = value
+    return obj
+
+
+_DELETE = object()
+ARCH = {"numLayers": 32, "hiddenSize": 4096, "numAttentionHeads": 32, "numKeyValueHeads": 8, "headDim": 128,
+        "vocabSize": 128256, "intermediateSize": 14336}
+
+CEL_CASES = {
+    "preset and architecture": (_mutated("model.architecture", ARCH),
+                                "spec.model: set exactly one of preset or architecture"),
+    "neither preset nor architecture": (_mutated("model.preset", _DELETE),
+                                        "spec.model: set exactly one of preset or architecture"),
+    "two weight sources": (_mutated("model.weights.hostPath", {"path": "/m"}),
+                           "spec.model.weights: set exactly one of pvc or hostPath"),
+    "no weight source": (_mutated("model.weights", {}), "spec.model.weights: set exactly one of pvc or hostPath"),
+    "dummy with a source": (_mutated("model.weights.loadFormat", "dummy"),
+                            "spec.model.weights: set exactly one of pvc or hostPath"),
+    "decodeLatency without tpotMs": (_mutated("slo", {"objective": "decodeLatency"}),
+                                     "spec.slo.tpotMs is required when spec.slo.objective is decodeLatency"),
+    "firstTokenAndDecode without ttftMs": (_mutated("slo", {"objective": "firstTokenAndDecode", "tpotMs": 50}),
+                                           "spec.slo.ttftMs is required when spec.slo.objective is "
+                                           "firstTokenAndDecode"),
+    "firstTokenAndDecode without tpotMs": (_mutated("slo", {"objective": "firstTokenAndDecode", "ttftMs": 50}),
+                                           "spec.slo.tpotMs is required when spec.slo.objective is "
+                                           "firstTokenAndDecode"),
+    "replicas and capacity": (_mutated("replicas", 3), "spec.replicas and spec.capacity are exclusive"),
+    "cards not dividing the preset's heads": (_mutated("accelerator.cards", 3),
+                                              "spec.accelerator.cards (3) must divide the 32 attention heads of "
+                                              "spec.model.preset llama3-8b"),
+    "average output above the maximum": (_mutated("workload.avgOutputTokens", 600),
+                                         "spec.workload.avgOutputTokens must not exceed"),
+    "average input above the maximum": (_mutated("workload.avgInputTokens", 4096),
+                                        "spec.workload.avgInputTokens must not exceed"),
+    "reserved above memory": (_mutated("accelerator", {"type": "ascend-910b4", "memoryGiB": 8, "reservedGiB": 9}),
+                              "spec.accelerator.reservedGiB must be less than"),
+    "cpu without memory": (_mutated("accelerator", {"type": "cpu"}), "spec.accelerator.memoryGiB is required"),
+    "prefill batch above batch": (_mutated("engine", {"schedule": {"maxBatchSize": 10, "maxPrefillBatchSize": 20}}),
+                                  "spec.engine.schedule.maxPrefillBatchSize must not exceed"),
+}
+
+
+def _arch_case(**changes: Any) -> dict[str, Any]:
+    obj = _mutated("model.preset", _DELETE)
+    obj["spec"]["model"]["architecture"] = {**ARCH, **changes}
+    return obj
+
+
+CEL_CASES["cards not dividing the architecture's heads"] = (
+    (lambda o: (o["spec"]["accelerator"].update(cards=3), o)[1])(_arch_case()),
+    "spec.accelerator.cards must divide spec.model.architecture.numAttentionHeads",
+)
+CEL_CASES["kv heads not dividing heads"] = (
+    _arch_case(numKeyValueHeads=5),
+    "spec.model.architecture.numAttentionHeads must be a multiple of numKeyValueHeads",
+)
+
+
+@pytest.mark.parametrize("case", sorted(CEL_CASES))
+def test_invalid_object_is_refused_by_the_models_and_by_cel_alike(case: str, root_schema: dict[str, Any]) -> None:
+    obj, message = CEL_CASES[case]
+    with pytest.raises(ValidationError) as excinfo:
+        api.InferenceService.model_validate(obj)
+    assert message in str(excinfo.value)
+    defaulted = apply_defaults(root_schema, obj)
+    assert list(jsonschema.Draft4Validator(root_schema).iter_errors(defaulted)) == []  # CEL's job, not the schema's
+    failures = cel_failures(root_schema, defaulted)
+    assert len(failures) == 1 and message in failures[0], failures
+
+
+def test_cel_message_expression_names_the_numbers(root_schema: dict[str, Any]) -> None:
+    obj, _ = CEL_CASES["cards not dividing the preset's heads"]
+    (message,) = cel_failures(root_schema, apply_defaults(root_schema, obj))
+    assert message == "spec.accelerator.cards (3) must divide the 32 attention heads of spec.model.preset llama3-8b"
+
+
+SCHEMA_CASES = {
+    "zero cards": _mutated("accelerator.cards", 0),
+    "unknown objective": _mutated("slo.objective", "fast"),
+    "unknown preset": _mutated("model.preset", "gpt-5"),
+    "unknown accelerator": _mutated("accelerator.type", "tpu-v5"),
+    "bad window": _mutated("autotune.window", "two minutes"),
+    "batch above MindIE's range": _mutated("engine.schedule", {"maxBatchSize": 6000}),
+    "missing workload": _mutated("workload", _DELETE),
+    "non-positive tpot": _mutated("slo", {"objective": "decodeLatency", "tpotMs": 0}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCHEMA_CASES))
+def test_schema_violations_are_refused_by_both(case: str, root_schema: dict[str, Any]) -> None:
+    obj = SCHEMA_CASES[case]
+    with pytest.raises(ValidationError):
+        api.InferenceService.model_validate(obj)
+    assert list(jsonschema.Draft4Validator(root_schema).iter_errors(apply_defaults(root_schema, obj)))
+
+
+def test_metadata_name_rules_agree(root_schema: dict[str, Any]) -> None:
+    for name, ok in (("llama3-8b", True), ("8b-llama", False), ("x" * 46, False), ("Upper", False)):
+        obj = copy.deepcopy(BASE)
+        obj["metadata"]["name"] = name
+        crd_ok = not list(jsonschema.Draft4Validator(root_schema).iter_errors(obj))
+        try:
+            api.InferenceService.model_validate(obj)
+            model_ok = True
+        except ValidationError:
+            model_ok = False
+        assert crd_ok == model_ok == ok, name
+
+
+def test_build_crd_is_deterministic() -> None:
+    assert build_crd() == build_crd()
