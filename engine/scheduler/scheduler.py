@@ -39,7 +39,10 @@ Rules:
   ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
 - Aborts free the request's blocks at once; the next `schedule()` lists it in `finished`.
 - `update_schedule(section)` hot-applies ScheduleConfig fields at the next `schedule()`; cacheBlockSize is fixed
-  by the KV manager and not changed live.
+  by the KV manager and not changed live. A maxBatchSize lowered below the running count admits nothing new until
+  enough requests end; those already running keep decoding.
+- The engine copies `swap_out` then `swap_in` whenever they are non-empty (they only come with scheduled
+  sequences, but the copies must not be skipped).
 - Per request: first_scheduled_time (queue time = it - arrival_time), prefill_batch_size (of its first prefill),
   decode_batch_size_sum and num_decode_steps (mean decode batch size), first_token_time, finished_time.
 """
