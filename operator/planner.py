@@ -187,7 +187,7 @@ class _Planner:
         spec, w = self.spec, self.spec.workload
         weights, _ = self.weights()
         memory, reserved, fraction = self.card_memory()
-        self.add(0, "cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
+        self.add(0, "schedule.cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
                  "pinned in spec.engine.schedule" if "cacheBlockSize" in self.pinned else "MindIE default")
         mem = self.world_size(memory, reserved, fraction, weights)
         ws = mem.world_size

@@ -1,0 +1,211 @@
+"""Rendered objects: valid against the Kubernetes API schemas, and carrying the plan and the guide's host tuning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+from isvc_helpers import EXAMPLES, REPO, load_yaml
+from npuserve.operator import render as r
+from npuserve.operator.api import InferenceService, Plan
+from npuserve.operator.planner import plan
+
+from npuserve.mindie_config import MindIEConfig
+
+K8S_VERSION = "1.30.0"
+
+
+def load(name: str, **spec_changes: Any) -> tuple[InferenceService, Plan]:
+    data = load_yaml(REPO / "examples" / name)
+    data["spec"].update(spec_changes)
+    isvc = InferenceService.model_validate(data)
+    return isvc, plan(isvc.spec)
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {o["kind"]: o for o in objects}
+
+
+def pod_spec(workload: dict[str, Any], template: str = "template") -> dict[str, Any]:
+    spec = workload["spec"]
+    tpl = spec[template] if template == "template" else spec["leaderWorkerTemplate"][template]
+    return dict(tpl["spec"])
+
+
+def validate(obj: dict[str, Any]) -> None:
+    if obj["kind"] == "LeaderWorkerSet":
+        # Not a built-in kind: check each pod template against the PodTemplate schema.
+        lwt = obj["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            kubernetes_validate.validate(
+                {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": lwt[key]},
+                K8S_VERSION, strict=True,
+            )
+        assert isinstance(lwt["size"], int) and lwt["size"] >= 2
+        assert set(obj["spec"]) <= {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy",
+                                    "networkConfig"}
+    elif obj["kind"] == "PodMonitor":
+        assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+        assert set(obj["spec"]) == {"selector", "podMetricsEndpoints"}
+        kubernetes_validate.validate(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, K8S_VERSION, strict=True
+        )
+    else:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_is_valid(path: Path) -> None:
+    isvc = InferenceService.model_validate(load_yaml(path))
+    objects = r.render(isvc, plan(isvc.spec))
+    for obj in objects:
+        validate(obj)
+    kinds = [o["kind"] for o in objects]
+    assert kinds[0] == "ConfigMap" and "Service" in kinds
+    assert ("LeaderWorkerSet" in kinds) != ("Deployment" in kinds)
+
+
+def test_configmap_holds_the_plans_mindie_config() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    cm = by_kind(r.render(isvc, p))["ConfigMap"]
+    config = MindIEConfig.from_dict(json.loads(cm["data"]["config.json"]))
+    assert config.model.npuMemSize == 17 and config.model.worldSize == 2 and config.model.cpuMemSize == 5
+    assert config.model.modelWeightPath == "/models"
+    assert config.BackendConfig.npuDeviceIds == [[0, 1]]
+    assert config.schedule.maxBatchSize == 435 and config.schedule.maxPrefillBatchSize == 217
+    assert config.schedule.supportSelectBatch is True
+    assert config.deploy.maxSeqLen == 2560 and config.deploy.maxInputTokenLen == 2048
+    assert config.extensions.device == "npu" and config.extensions.servedModelName == "Meta-Llama-3-8B-Instruct"
+
+
+def test_engine_container_command_resources_and_probes() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    deployment = by_kind(r.render(isvc, p))["Deployment"]
+    assert deployment["spec"]["replicas"] == p.replicas == 28
+    (engine,) = pod_spec(deployment)["containers"]
+    assert engine["command"] == ["npuserve", "serve", "--model", "/models", "--config", "/etc/npuserve/config.json",
+                                 "--host", "0.0.0.0", "--port", "8000"]
+    res = engine["resources"]
+    assert res["requests"]["huawei.com/Ascend910"] == res["limits"]["huawei.com/Ascend910"] == "2"
+    assert res["requests"]["cpu"] == res["limits"]["cpu"] == "16"  # integer, equal: exclusive cores
+    assert res["requests"]["memory"] == res["limits"]["memory"]
+    assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["NPUSERVE_CPU_BINDING"] == "numa"
+    assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and "background_thread:true" in env["MALLOC_CONF"]
+    mounts = {m["name"]: m for m in engine["volumeMounts"]}
+    assert mounts["model"]["subPath"] == "Meta-Llama-3-8B-Instruct" and mounts["model"]["readOnly"]
+    assert mounts["config"]["mountPath"] == "/etc/npuserve" and "subPath" not in mounts["config"]  # live updates
+
+
+def test_engine_is_locked_down_and_only_the_opt_in_init_containers_are_privileged() -> None:
+    isvc, p = load("llama3-70b-multinode.yaml")  # THP and governor both on
+    lws = by_kind(r.render(isvc, p))["LeaderWorkerSet"]
+    for template in ("leaderTemplate", "workerTemplate"):
+        pod = pod_spec(lws, template)
+        (engine,) = pod["containers"]
+        sc = engine["securityContext"]
+        assert sc["runAsNonRoot"] and sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert any(v["name"] == "tmp" and "emptyDir" in v for v in pod["volumes"])
+        init = {c["name"]: c for c in pod["initContainers"]}
+        assert set(init) == {"transparent-hugepages", "cpu-performance-governor"}
+        assert "transparent_hugepage/enabled" in init["transparent-hugepages"]["command"][-1]
+        assert "scaling_governor" in init["cpu-performance-governor"]["command"][-1]
+        for c in init.values():
+            assert c["securityContext"]["privileged"] is True
+            assert c["resources"]["requests"] == c["resources"]["limits"]  # keeps the pod Guaranteed
+
+
+def test_host_tuning_is_off_when_not_asked() -> None:
+    isvc, p = load("qwq-32b-first-token.yaml")
+    pod = pod_spec(by_kind(r.render(isvc, p))["Deployment"])
+    assert "initContainers" not in pod
+    isvc, p = load("tiny-cpu.yaml")
+    pod = pod_spec(by_kind(r.render(isvc, p))["Deployment"])
+    (engine,) = pod["containers"]
+    env = {e["name"] for e in engine["env"]}
+    assert "LD_PRELOAD" not in env
+    assert "cpu" not in engine["resources"]["limits"]  # cpuPinning none: no CPU limit, no throttling
+    assert not any("/" in k for k in engine["resources"]["requests"])  # no extended resource on the CPU
+
+
+def test_multi_node_renders_a_leaderworkerset_and_the_service_selects_leaders() -> None:
+    isvc, p = load("llama3-70b-multinode.yaml")
+    objects = by_kind(r.render(isvc, p))
+    lws = objects["LeaderWorkerSet"]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    assert lws["spec"]["replicas"] == 1
+    (worker,) = pod_spec(lws, "workerTemplate")["containers"]
+    assert worker["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+    assert "readinessProbe" not in worker
+    ranks = [e for e in worker["env"] if e["name"] == "NPUSERVE_NODE_RANK"]
+    assert ranks[0]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['leaderworkerset.sigs.k8s.io/worker-index']")
+    assert objects["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert objects["PodMonitor"]["spec"]["selector"]["matchLabels"] == objects["Service"]["spec"]["selector"]
+    config = MindIEConfig.from_dict(json.loads(objects["ConfigMap"]["data"]["config.json"]))
+    assert config.BackendConfig.multiNodesInferEnabled and config.model.worldSize == 16
+    assert config.BackendConfig.npuDeviceIds == [list(range(8))]
+
+
+def test_podmonitor_is_optional() -> None:
+    isvc, p = load("qwq-32b-first-token.yaml")
+    assert "PodMonitor" not in by_kind(r.render(isvc, p))
+    isvc, p = load("llama3-8b-throughput.yaml")
+    pm = by_kind(r.render(isvc, p))["PodMonitor"]
+    assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+
+
+def _hash(isvc: InferenceService, p: Plan) -> str:
+    deployment = by_kind(r.render(isvc, p))["Deployment"]
+    annotations: dict[str, str] = deployment["spec"]["template"]["metadata"]["annotations"]
+    return annotations[r.CONFIG_HASH_ANNOTATION]
+
+
+def test_config_hash_rolls_pods_on_memory_changes_not_on_live_schedule_changes() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    base = _hash(isvc, p)
+    tuned = p.model_copy(update={"schedule": p.schedule.model_copy(update={"maxBatchSize": 300,
+                                                                           "maxPrefillBatchSize": 150})})
+    assert _hash(isvc, tuned) == base
+    assert _hash(isvc, p.model_copy(update={"npuMemSizeGiB": 16})) != base
+    assert _hash(isvc, p.model_copy(update={"cpuMemSizeGiB": 6})) != base
+    block = p.model_copy(update={"schedule": p.schedule.model_copy(update={"cacheBlockSize": 64})})
+    assert _hash(isvc, block) != base
+
+
+def test_dummy_weights_ship_the_architecture_in_the_configmap() -> None:
+    isvc, p = load("tiny-cpu.yaml")
+    objects = by_kind(r.render(isvc, p))
+    hf = json.loads(objects["ConfigMap"]["data"][r.MODEL_CONFIG_KEY])
+    assert hf["num_hidden_layers"] == 2 and hf["model_type"] == "llama"
+    (engine,) = pod_spec(objects["Deployment"])["containers"]
+    assert engine["command"][3] == "/etc/npuserve/model"
+    config_volume = next(v for v in pod_spec(objects["Deployment"])["volumes"] if v["name"] == "config")
+    assert {"key": r.MODEL_CONFIG_KEY, "path": "model/config.json"} in config_volume["configMap"]["items"]
+
+
+def test_owner_reference_when_the_object_has_a_uid() -> None:
+    data = load_yaml(REPO / "examples" / "qwq-32b-first-token.yaml")
+    data["metadata"].update(uid="1234", namespace="serving")
+    isvc = InferenceService.model_validate(data)
+    for obj in r.render(isvc, plan(isvc.spec)):
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {"apiVersion": "npuserve.io/v1alpha1", "kind": "InferenceService", "name": "qwq-32b",
+                         "uid": "1234", "controller": True, "blockOwnerDeletion": True}
+        assert obj["metadata"]["namespace"] == "serving"
+
+
+def test_selector_matches_the_pod_labels() -> None:
+    isvc, p = load("qwq-32b-first-token.yaml")
+    deployment = by_kind(r.render(isvc, p))["Deployment"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    for pair in r.selector(isvc).split(","):
+        key, value = pair.split("=")
+        assert pod_labels[key] == value
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
