@@ -96,17 +96,26 @@ class ModelRunner:
         args = (self.spec.num_layers, plan.num_blocks, plan.block_size, self.spec.num_key_value_heads,
                 self.spec.head_dim, kv_dtype)
         self.kv_caches = backend.allocate_kv_cache(*args)
-        self.host_kv_caches: list[torch.Tensor] = []
-        if plan.num_host_blocks:
-            host_args = (self.spec.num_layers, plan.num_host_blocks, plan.block_size,
-                         self.spec.num_key_value_heads, self.spec.head_dim, kv_dtype)
-            self.host_kv_caches = backend.allocate_kv_cache(*host_args, device=torch.device("cpu"))
+        self.kv_dtype = kv_dtype
+        self._host_kv_caches: list[torch.Tensor] | None = None  # allocated at the first swap-out
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler()
 
     # --- one step -----------------------------------------------------------------------------------------------
+
+    @property
+    def host_kv_caches(self) -> list[torch.Tensor]:
+        """The host (swap) cache, same layout as the device one; allocated on first use."""
+        if self._host_kv_caches is None:
+            if not self.num_host_blocks:
+                raise RuntimeError("a swap was planned but no host KV blocks exist (cpuMemSize 0)")
+            self._host_kv_caches = self.backend.allocate_kv_cache(
+                self.spec.num_layers, self.num_host_blocks, self.block_size, self.spec.num_key_value_heads,
+                self.spec.head_dim, self.kv_dtype, device=torch.device("cpu"),
+            )
+        return self._host_kv_caches
 
     def swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
         if swap_out:
