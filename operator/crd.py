@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 from npuserve.operator import api
+from pydantic import BaseModel
 
 CRD_FILE = "deploy/crds/inferenceservices.npuserve.io.yaml"
 
@@ -72,7 +73,7 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return {k: node[k] for k in first + sorted(set(node) - set(first))}
 
 
-def openapi_schema(model: type[api.BaseModel]) -> dict[str, Any]:
+def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of one pydantic model."""
     raw = model.model_json_schema(mode="validation")
     defs = raw.pop("$defs", {})

@@ -93,13 +93,22 @@ def test_errors_exit_2_and_name_the_field(argv: list[str], message: str, capsys:
     assert message in captured.err
 
 
-def test_plan_never_imports_torch_or_the_engine() -> None:
-    code = (
-        "import sys; from npuserve.cli import main; "
-        "from npuserve.operator import render, planner, api, crd; "
-        f"assert main({GOLDEN!r} + ['--format', 'json']) == 0; "
-        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('npuserve.engine')]; "
-        "assert not bad, bad"
-    )
+def _modules_after(code: str) -> set[str]:
+    code += "; import sys, json; print(json.dumps(sorted(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO / "tests")
     assert result.returncode == 0, result.stderr
+    return set(json.loads(result.stdout.splitlines()[-1]))
+
+
+def test_the_operator_never_imports_torch_or_the_engine() -> None:
+    modules = _modules_after(
+        "import argparse; from npuserve.operator import api, crd, planner, render, plan_cli; "
+        "parser = argparse.ArgumentParser(); plan_cli.configure(parser); "
+        f"assert plan_cli.run(parser.parse_args({GOLDEN[1:]!r} + ['--format', 'json'])) == 0"
+    )
+    assert not {m for m in modules if m == "torch" or m.startswith("npuserve.engine")}
+
+
+def test_npuserve_plan_never_imports_torch() -> None:
+    modules = _modules_after(f"from npuserve.cli import main; assert main({GOLDEN!r}) == 0")
+    assert "torch" not in modules
