@@ -23,9 +23,9 @@ class Command:
 
 # Subcommands not built yet name the issue that brings them and exit non-zero; they print no fake output.
 COMMANDS: tuple[Command, ...] = (
-    Command("serve", "run the engine's HTTP server (OpenAI, TGI, /metrics)", None, "issue 4 (Engine server)"),
-    Command("generate", "offline generation from a model folder, one JSON line per prompt", None,
-            "issue 3 (Engine core)"),
+    Command("serve", "run the engine's HTTP server (OpenAI, TGI, /metrics)", "npuserve.engine.server.serve_cli"),
+    Command("generate", "offline generation from a model folder, one JSON line per prompt",
+            "npuserve.engine.generate_cli"),
     Command("plan", "print the plan the operator would compute (MindIE tuning guide, automated)",
             "npuserve.operator.plan_cli"),
     Command("bench", "the load generator (MindIE Benchmark and vLLM benchmark_serving reports)", None,
