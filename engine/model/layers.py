@@ -17,6 +17,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in float32 and cast back, as transformers does, so low-precision runs match it.
+        if x.dtype == torch.float32:  # one fused op on the common CPU path
+            return nn.functional.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -77,10 +79,10 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     dtype = x.dtype
-    xf = x.float()
+    xf = x if dtype == torch.float32 else x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(dtype)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
