@@ -1,0 +1,80 @@
+"""The engine's FastAPI app: OpenAI, TGI-style and admin routes, health, readiness, info and `/metrics`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from npuserve.engine.server import admin, openai_api, tgi_api
+from npuserve.engine.server.async_engine import AsyncEngine
+from npuserve.engine.server.chat_template import ChatTemplate
+from npuserve.engine.server.errors import APIError, api_error_handler, validation_error_handler
+from npuserve.engine.server.state import ServerState, State
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from npuserve import __version__
+
+
+def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_path: Path | None = None,
+              drain_timeout: float = 30.0) -> FastAPI:
+    state = ServerState(engine=engine, served_model_name=engine.engine.model_name,
+                        chat_template=ChatTemplate.from_model_dir(engine.engine.model_dir), admin_token=admin_token)
+    watcher = admin.ConfigWatcher(state, config_path) if config_path is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        watch_task = asyncio.create_task(watcher.run()) if watcher else None
+        try:
+            yield
+        finally:
+            if watch_task:
+                watch_task.cancel()
+            await engine.drain(drain_timeout)
+            engine.stop()
+
+    app = FastAPI(title="npuserve engine", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    app.state.config_watcher = watcher
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.include_router(openai_api.router)
+    app.include_router(tgi_api.router)
+    app.include_router(admin.router)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        """The process is alive (liveness)."""
+        return {"status": "ok"}
+
+    @app.get("/ready", response_model=None)
+    async def ready(state: State) -> dict[str, Any] | JSONResponse:
+        """The model is loaded and warmed up and the server takes requests (readiness)."""
+        engine = state.engine
+        if engine.ready:
+            return {"ready": True}
+        reason = "draining" if engine.draining else engine.step_error or "loading"
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503)
+
+    @app.get("/info")
+    async def info(state: State) -> dict[str, Any]:
+        """Model, worldSize, the KV blocks actually allocated, block size and the live schedule."""
+        engine = state.engine
+        # The accepted schedule: the scheduler takes it at its next step, which an idle server has not run yet.
+        schedule = engine.engine.config.schedule.model_dump(mode="json")
+        return {**engine.engine.info(), "schedule": schedule, "served_model_name": state.served_model_name,
+                "version": __version__,
+                "ready": engine.ready, "max_waiting_requests": engine.max_waiting,
+                "num_requests_in_flight": engine.num_in_flight()}
+
+    @app.get("/metrics")
+    async def metrics(state: State) -> Response:
+        return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,239 @@
+"""`AsyncEngine`: runs `LLMEngine.step()` in its own thread and hands each request's outputs to asyncio.
+
+The event loop never blocks on the device: requests are queued into the engine (thread-safe), the step thread
+pushes outputs into per-request asyncio queues with `call_soon_threadsafe`, and a consumer that goes away (client
+disconnect, cancellation) aborts its request so its KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from npuserve.engine.engine import LLMEngine, RequestOutput
+from npuserve.engine.scheduler import StepKind
+from npuserve.engine.sequence import FinishReason, SamplingParams
+from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
+
+from npuserve.mindie_config import ScheduleSection
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_SECONDS = 0.05  # how long the step thread sleeps with nothing to do (woken early by new requests)
+_DELAY_POLL_SECONDS = 0.0005  # requests wait out maxQueueDelayMicroseconds: poll, do not spin
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is at its bound; the server answers 429 with Retry-After."""
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down and takes no new requests; the server answers 503."""
+
+
+@dataclass(slots=True)
+class _Stream:
+    queue: asyncio.Queue[RequestOutput]
+    loop: asyncio.AbstractEventLoop
+    last_token_time: float | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int | None = None):
+        self.engine = engine
+        self.metrics = metrics or EngineMetrics(engine.model_name)
+        self.max_waiting = max_waiting if max_waiting is not None else engine.extensions.maxWaitingRequests
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self.draining = False
+        self.step_error: str | None = None
+        self._preemptions_seen = 0
+        self.metrics.set_state(running=0, waiting=0, swapped=0, kv_usage=0.0,
+                               kv_blocks_total=engine.kv_plan.num_blocks)
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.ready and self._thread is not None and self._thread.is_alive() and not self.draining
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="npuserve-step-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop taking requests and wait for the running ones; True if all finished in time."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_in_flight() == 0
+
+    # --- requests ----------------------------------------------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        """Requests not yet running: in the scheduler's waiting queue or still in the engine's inbox."""
+        scheduler = self.engine.scheduler
+        return max(0, self.num_in_flight() - scheduler.num_running - scheduler.num_swapped)
+
+    def submit(self, prompt: str | list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queues a request, or raises at once (EngineOverloaded, EngineDraining, RequestError)."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down")
+        if self.num_waiting() >= self.max_waiting:
+            raise EngineOverloaded(f"{self.num_waiting()} requests are waiting (the bound is {self.max_waiting})")
+        rid = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        with self._lock:
+            self._streams[rid] = stream
+        try:
+            if isinstance(prompt, str):
+                self.engine.add_request(rid, prompt, params)
+            else:
+                self.engine.add_request(rid, None, params, prompt_token_ids=prompt)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(rid, None)
+            raise
+        self._wake.set()
+        return RequestStream(self, rid, stream)
+
+    def _release(self, rid: str, finished: bool) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+        if not finished:
+            self.engine.abort(rid)  # client gone: blocks freed at the next step
+            self._wake.set()
+
+    def update_schedule(self, schedule: ScheduleSection) -> None:
+        self.engine.update_schedule(schedule)
+        self._wake.set()
+
+    # --- the step thread ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_unfinished():
+                self._publish_state()
+                self._wake.wait(_IDLE_WAIT_SECONDS)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a broken step must fail its requests, not hang them
+                log.exception("engine step failed")
+                self.step_error = f"{type(e).__name__}: {e}"
+                self._fail_all(self.step_error)
+                continue
+            now = time.monotonic()
+            self._record_step()
+            for output in outputs:
+                self._deliver(output, now)
+            if engine.last_step is None:
+                time.sleep(_DELAY_POLL_SECONDS)
+
+    def _record_step(self) -> None:
+        step = self.engine.last_step
+        scheduler = self.engine.scheduler
+        preemptions = scheduler.num_preemptions_total - self._preemptions_seen
+        self._preemptions_seen = scheduler.num_preemptions_total
+        if step is not None:
+            kind = "prefill" if step.kind is StepKind.PREFILL else "decode"
+            self.metrics.observe_step(kind, step.num_seqs, preemptions)
+        elif preemptions:
+            self.metrics.observe_step("decode", 0, preemptions)
+        self._publish_state()
+
+    def _publish_state(self) -> None:
+        scheduler, kv = self.engine.scheduler, self.engine.kv
+        self.metrics.set_state(running=scheduler.num_running, waiting=scheduler.num_waiting,
+                               swapped=scheduler.num_swapped, kv_usage=kv.usage,
+                               kv_blocks_total=kv.num_device_blocks)
+
+    def _deliver(self, output: RequestOutput, now: float) -> None:
+        with self._lock:
+            stream = self._streams.get(output.request_id)
+        if stream is not None:
+            if output.new_token_ids:
+                if stream.last_token_time is not None:
+                    gap = (now - stream.last_token_time) / len(output.new_token_ids)
+                    for _ in output.new_token_ids:
+                        self.metrics.observe_inter_token_latency(gap)
+                stream.last_token_time = now
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        if output.finished:
+            self.metrics.observe_finished(_sample(output))
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            streams = dict(self._streams)
+        for rid, stream in streams.items():
+            self.engine.abort(rid)
+            failed = RequestOutput(request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[],
+                                   text="", num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR,
+                                   error=message)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
+
+
+class RequestStream:
+    """One request's outputs as they come; the last has `finished`. Closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._stream = stream
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self._finished:
+                output = await self._stream.queue.get()
+                self._finished = output.finished
+                yield output
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._release(self.request_id, self._finished)
+
+
+def _sample(output: RequestOutput) -> FinishedRequestSample:
+    m = output.metrics
+    return FinishedRequestSample(
+        finish_reason=(output.finish_reason or FinishReason.ABORT).value,
+        prompt_tokens=output.num_prompt_tokens,
+        generation_tokens=len(output.token_ids),
+        queue_time=m.get("queue_time", m.get("e2e", 0.0)),
+        prefill_time=m.get("prefill_time", 0.0),
+        decode_time=m.get("decode_time", 0.0),
+        e2e_latency=m.get("e2e", 0.0),
+        time_to_first_token=m.get("ttft"),
+    )

@@ -1,0 +1,307 @@
+"""OpenAI routes: `/v1/completions`, `/v1/chat/completions` (SSE streaming or not) and `/v1/models`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+from npuserve.engine.engine import RequestOutput
+from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.server.async_engine import RequestStream
+from npuserve.engine.server.chat_template import ChatTemplateError
+from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    RequestTimings,
+    SamplingFields,
+    Usage,
+    new_id,
+    now_seconds,
+)
+from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, get_state
+from pydantic import BaseModel
+
+router = APIRouter()
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
+        seed=body.seed, stop=body.stop_list, stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos, logprobs=logprobs, priority=body.priority,
+    )
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json(exclude_none=True) if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def finish_reason(output: RequestOutput) -> str | None:
+    if not output.finished or output.finish_reason is None:
+        return None
+    return output.finish_reason.value
+
+
+@dataclass
+class _Collected:
+    """A request's final output plus what the increments carried (token texts for logprobs)."""
+
+    final: RequestOutput | None = None
+    token_texts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they arrive, tagged with the request's index."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput] | None] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        async for output in stream:
+            await queue.put((index, output))
+        await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+def _token_text(state: ServerState, token_id: int) -> str:
+    tokenizer = state.engine.engine.tokenizer
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _check_error(output: RequestOutput) -> None:
+    if output.error and output.finish_reason is not None and output.finish_reason.value == "error":
+        raise APIError(500 if "failed" in output.error else 400, output.error)
+
+
+# --- /v1/models ----------------------------------------------------------------------------------------------------
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    state = get_state(request)
+    engine = state.engine.engine
+    card = ModelCard(id=state.served_model_name, created=now_seconds(), root=str(engine.model_dir),
+                     max_model_len=engine.config.deploy.maxSeqLen)
+    return ModelList(data=[card])
+
+
+# --- /v1/completions -----------------------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request,
+                            state: State) -> CompletionResponse | StreamingResponse:
+    state.check_model(body.model)
+    prompts = [state.tokenize(p, "prompt") for p in body.prompts()]
+    if any(not p for p in prompts):
+        raise APIError(400, "prompt is empty", param="prompt")
+    want_logprobs = body.logprobs is not None
+    streams: list[RequestStream] = []
+    try:
+        for prompt in prompts:
+            max_tokens = state.resolve_max_tokens(body.max_tokens, len(prompt), "max_tokens")
+            streams.append(state.submit(prompt, sampling_params(body, max_tokens, want_logprobs), "prompt"))
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    rid, created, model = new_id("cmpl"), now_seconds(), state.served_model_name
+    if body.stream:
+        return StreamingResponse(_completion_events(state, body, streams, rid, created, model),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def collect() -> list[_Collected]:
+        results = [_Collected() for _ in streams]
+        async for index, output in _merge(streams):
+            r = results[index]
+            if want_logprobs:
+                r.token_texts += [_token_text(state, t) for t in output.new_token_ids]
+                r.logprobs += output.new_logprobs or []
+            if output.finished:
+                r.final = output
+        return results
+
+    results = await cancel_on_disconnect(request, collect())
+    choices, timings, prompt_tokens, completion_tokens = [], [], 0, 0
+    for index, r in enumerate(results):
+        assert r.final is not None
+        _check_error(r.final)
+        logprobs = None
+        if want_logprobs:
+            offsets, pos = [], 0
+            for text in r.token_texts:
+                offsets.append(pos)
+                pos += len(text)
+            logprobs = CompletionLogprobs(tokens=r.token_texts, token_logprobs=r.logprobs, text_offset=offsets)
+        choices.append(CompletionChoice(index=index, text=r.final.text, logprobs=logprobs,
+                                        finish_reason=finish_reason(r.final)))
+        timings.append(RequestTimings.from_engine(r.final.metrics))
+        prompt_tokens += r.final.num_prompt_tokens
+        completion_tokens += len(r.final.token_ids)
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  total_tokens=prompt_tokens + completion_tokens)
+    return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage,
+                              npuserve=timings[0] if len(timings) == 1 else timings)
+
+
+async def _completion_events(state: ServerState, body: CompletionRequest, streams: list[RequestStream], rid: str,
+                             created: int, model: str) -> AsyncIterator[str]:
+    prompt_tokens = completion_tokens = 0
+    want_logprobs = body.logprobs is not None
+    try:
+        async for index, output in _merge(streams):
+            if output.error and finish_reason(output) == "error":
+                yield sse(error_body(500, output.error))
+                break
+            logprobs = None
+            if want_logprobs and output.new_token_ids:
+                logprobs = CompletionLogprobs(tokens=[_token_text(state, t) for t in output.new_token_ids],
+                                              token_logprobs=output.new_logprobs or [])
+            if not output.new_text and not output.finished and logprobs is None:
+                continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
+            chunk = CompletionResponse(
+                id=rid, created=created, model=model,
+                choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
+                                          finish_reason=finish_reason(output))],
+                npuserve=RequestTimings.from_engine(output.metrics) if output.finished else None,
+            )
+            yield sse(chunk)
+            if output.finished:
+                prompt_tokens += output.num_prompt_tokens
+                completion_tokens += len(output.token_ids)
+        else:
+            if body.include_usage:
+                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"
+    finally:
+        for s in streams:
+            s.close()
+
+
+# --- /v1/chat/completions ------------------------------------------------------------------------------------------
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+    if state.chat_template is None:
+        raise APIError(400, "this model has no chat template in tokenizer_config.json; use /v1/completions",
+                       param="messages")
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    try:
+        text = state.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from e
+    return state.tokenize(text, "messages")
+
+
+def _chat_logprobs(state: ServerState, output: RequestOutput) -> ChatChoiceLogprobs:
+    entries = []
+    for token_id, logprob in zip(output.new_token_ids, output.new_logprobs or [], strict=False):
+        text = _token_text(state, token_id)
+        entries.append(ChatLogprob(token=text, logprob=logprob, bytes=list(text.encode())))
+    return ChatChoiceLogprobs(content=entries)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 state: State) -> ChatCompletionResponse | StreamingResponse:
+    state.check_model(body.model)
+    prompt = _chat_prompt(state, body)
+    field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = state.resolve_max_tokens(body.output_limit, len(prompt), field_name)
+    stream = state.submit(prompt, sampling_params(body, max_tokens, body.logprobs), "messages")
+    rid, created, model = new_id("chatcmpl"), now_seconds(), state.served_model_name
+    if body.stream:
+        return StreamingResponse(_chat_events(state, body, stream, rid, created, model),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def collect() -> tuple[RequestOutput, list[ChatLogprob]]:
+        entries: list[ChatLogprob] = []
+        async for output in stream:
+            if body.logprobs:
+                entries += _chat_logprobs(state, output).content or []
+            if output.finished:
+                return output, entries
+        raise RuntimeError("the request stream ended without a final output")
+
+    final, entries = await cancel_on_disconnect(request, collect())
+    _check_error(final)
+    usage = Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=len(final.token_ids),
+                  total_tokens=final.num_prompt_tokens + len(final.token_ids))
+    choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
+                        logprobs=ChatChoiceLogprobs(content=entries) if body.logprobs else None,
+                        finish_reason=finish_reason(final))
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage,
+                                  npuserve=RequestTimings.from_engine(final.metrics))
+
+
+async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: RequestStream, rid: str,
+                       created: int, model: str) -> AsyncIterator[str]:
+    with contextlib.closing(stream):
+        first = ChatCompletionChunk(id=rid, created=created, model=model,
+                                    choices=[ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
+        yield sse(first)
+        final: RequestOutput | None = None
+        async for output in stream:
+            if output.error and finish_reason(output) == "error":
+                yield sse(error_body(500, output.error))
+                break
+            logprobs = _chat_logprobs(state, output) if body.logprobs and output.new_token_ids else None
+            if not output.new_text and not output.finished and logprobs is None:
+                continue
+            chunk = ChatCompletionChunk(
+                id=rid, created=created, model=model,
+                choices=[ChatChunkChoice(index=0, delta=ChatDelta(content=output.new_text or None),
+                                         logprobs=logprobs, finish_reason=finish_reason(output))],
+                npuserve=RequestTimings.from_engine(output.metrics) if output.finished else None,
+            )
+            yield sse(chunk)
+            if output.finished:
+                final = output
+        if final is not None and body.include_usage:
+            usage = Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=len(final.token_ids),
+                          total_tokens=final.num_prompt_tokens + len(final.token_ids))
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage))
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,313 @@
+"""Request and response bodies of the HTTP API: OpenAI completions and chat, TGI-style generate.
+
+Field names and defaults follow OpenAI's API (and vLLM's extensions `top_k`, `ignore_eos`, `priority`), so the
+official `openai` client and existing benchmark scripts work unchanged. Validation errors name the field.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# --- shared --------------------------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    model: str | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="vLLM extension; 0 or -1 = off")
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = Field(default=False, description="vLLM extension: generate max_tokens whatever the model says")
+    n: int = Field(default=1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    priority: int = Field(default=0, description="lower is served first under the `priority` policy")
+    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 16 or any(not s for s in stops):
+            raise ValueError("stop takes up to 16 non-empty strings")
+        return value
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=0, description="only the chosen token's logprob: 0")
+    echo: bool = Field(default=False, description="not supported: must be false")
+    suffix: str | None = Field(default=None, max_length=0, description="not supported")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (OpenAI accepts one prompt or a batch)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        ints = [x for x in p if isinstance(x, int)]
+        if len(ints) == len(p):
+            return [ints]
+        return [x for x in p if not isinstance(x, int)]
+
+
+class TextContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="only the chosen token: 0")
+    add_generation_prompt: bool = True
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class RequestTimings(BaseModel):
+    """Per-request timings the load generator turns into MindIE's PrefillBatchsize, DecoderBatchsize and
+    QueueWaitTime columns (DESIGN.md 2.2). Milliseconds."""
+
+    queue_time_ms: float | None = None
+    prefill_time_ms: float | None = None
+    ttft_ms: float | None = None
+    decode_time_ms: float | None = None
+    e2e_ms: float | None = None
+    prefill_batch_size: int = 0
+    mean_decode_batch_size: float | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_engine(cls, metrics: dict[str, float]) -> RequestTimings:
+        def ms(key: str) -> float | None:
+            return None if key not in metrics else round(metrics[key] * 1000.0, 3)
+
+        return cls(
+            queue_time_ms=ms("queue_time"), prefill_time_ms=ms("prefill_time"), ttft_ms=ms("ttft"),
+            decode_time_ms=ms("decode_time"), e2e_ms=ms("e2e"),
+            prefill_batch_size=int(metrics.get("prefill_batch_size", 0)),
+            mean_decode_batch_size=metrics.get("mean_decode_batch_size"),
+            num_preemptions=int(metrics.get("num_preemptions", 0)),
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+# --- completions -----------------------------------------------------------------------------------------------
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    npuserve: RequestTimings | list[RequestTimings] | None = None
+
+
+# --- chat ------------------------------------------------------------------------------------------------------
+
+
+class ChatLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatLogprob] | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    npuserve: RequestTimings | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    npuserve: RequestTimings | None = None
+
+
+# --- models ----------------------------------------------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "npuserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# --- TGI style -------------------------------------------------------------------------------------------------
+
+
+class GenerateParameters(_Request):
+    max_new_tokens: int = Field(default=100, ge=1)
+    do_sample: bool = False
+    temperature: float | None = Field(default=None, gt=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=0)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    details: bool = False
+    decoder_input_details: bool = False
+    ignore_eos: bool = False
+
+
+class GenerateRequest(_Request):
+    inputs: str = Field(min_length=1)
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False
+
+
+class GenerateDetails(BaseModel):
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None = None
+    prefill: list[dict[str, Any]] = Field(default_factory=list)
+    tokens: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str
+    details: GenerateDetails | None = None
+
+
+class ScheduleUpdate(BaseModel):
+    """PUT /admin/schedule: any ScheduleConfig fields; the rest stay as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    maxPrefillBatchSize: int | None = None
+    maxPrefillTokens: int | None = None
+    prefillTimeMsPerReq: int | None = None
+    decodeTimeMsPerReq: int | None = None
+    maxBatchSize: int | None = None
+    maxIterTimes: int | None = None
+    maxPreemptCount: int | None = None
+    supportSelectBatch: bool | None = None
+    maxQueueDelayMicroseconds: int | None = None
+    prefillPolicyType: int | None = None
+    decodePolicyType: int | None = None

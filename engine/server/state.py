@@ -1,0 +1,98 @@
+"""What every route needs: the async engine, the served name, the chat template, and request admission limits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Annotated, TypeVar
+
+from fastapi import Depends, Request
+from npuserve.engine.engine import RequestError
+from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded, RequestStream
+from npuserve.engine.server.chat_template import ChatTemplate
+from npuserve.engine.server.errors import APIError
+
+T = TypeVar("T")
+
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    served_model_name: str
+    chat_template: ChatTemplate | None
+    admin_token: str | None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
+                           param="model", code="model_not_found")
+
+    def tokenize(self, prompt: str | list[int], field: str) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        try:
+            return self.engine.engine.encode(prompt)
+        except RequestError as e:
+            raise APIError(400, str(e), param=field) from e
+
+    def resolve_max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
+        """The output limit: at most maxIterTimes, and the prompt plus output within maxSeqLen (checked live)."""
+        config = self.engine.engine.config
+        max_seq_len = config.deploy.maxSeqLen
+        max_iter = config.schedule.maxIterTimes
+        max_input = config.deploy.maxInputTokenLen
+        if prompt_len > max_input:
+            if not config.deploy.truncation:
+                raise APIError(400, f"the prompt has {prompt_len} tokens; this server takes at most {max_input} "
+                               "(maxInputTokenLen)", param="prompt" if field == "max_tokens" else "messages")
+            prompt_len = max_input  # the engine keeps the last maxInputTokenLen tokens
+        room = max_seq_len - prompt_len
+        if requested is None:
+            return max(1, min(max_iter, room))
+        if requested > max_iter:
+            raise APIError(400, f"{field} is {requested}; this server generates at most {max_iter} tokens per "
+                           "request (maxIterTimes)", param=field)
+        if requested > room:
+            raise APIError(400, f"this model's maximum context length is {max_seq_len} tokens (maxSeqLen); the "
+                           f"prompt has {prompt_len} and {field} asks for {requested}", param=field)
+        return requested
+
+    def submit(self, prompt: list[int], params: SamplingParams, field: str) -> RequestStream:
+        try:
+            return self.engine.submit(prompt, params)
+        except EngineOverloaded as e:
+            raise APIError(429, f"the server is overloaded: {e}; retry later",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
+        except EngineDraining as e:
+            raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
+        except RequestError as e:
+            raise APIError(400, str(e), param=field) from e
+
+
+def get_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+State = Annotated[ServerState, Depends(get_state)]
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`; if the client goes away first, cancels it (which aborts its requests and frees their blocks)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.2)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                # 499 (nginx's "client closed request"): nobody reads it, but it keeps the log free of tracebacks.
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,123 @@
+"""TGI-style routes: `POST /generate` (timing headers in milliseconds) and `POST /generate_stream` (SSE).
+
+Clients of the seeds' perf scheme read `x-queue-time` + `x-prefill-time` as first-token latency, and
+`x-time-per-token` as decode latency; the values come from the engine's own clock for this request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from npuserve.engine.engine import RequestOutput
+from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.server.async_engine import RequestStream
+from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.openai_api import SSE_HEADERS, sse
+from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse
+from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect
+
+router = APIRouter()
+
+
+def _params(body: GenerateRequest, max_tokens: int) -> SamplingParams:
+    p = body.parameters
+    greedy = not p.do_sample and p.temperature is None and p.top_p is None and p.top_k is None
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=0.0 if greedy else (p.temperature or 1.0),
+        top_p=p.top_p or 1.0, top_k=p.top_k or 0, seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos,
+        logprobs=p.details,
+    )
+
+
+def _start(state: ServerState, body: GenerateRequest) -> RequestStream:
+    prompt = state.tokenize(body.inputs, "inputs")
+    max_tokens = state.resolve_max_tokens(body.parameters.max_new_tokens, len(prompt), "parameters.max_new_tokens")
+    return state.submit(prompt, _params(body, max_tokens), "inputs")
+
+
+def _tgi_finish_reason(state: ServerState, output: RequestOutput) -> str:
+    reason = output.finish_reason.value if output.finish_reason else "length"
+    if reason == "stop":
+        eos = set(state.engine.engine.scheduler.eos_token_ids)
+        return "eos_token" if output.token_ids and output.token_ids[-1] in eos else "stop_sequence"
+    return reason
+
+
+def timing_headers(output: RequestOutput) -> dict[str, str]:
+    m = output.metrics
+    n = len(output.token_ids)
+    queue = m.get("queue_time", 0.0) * 1000
+    prefill = m.get("prefill_time", 0.0) * 1000
+    decode = m.get("decode_time", 0.0) * 1000
+    per_token = decode / (n - 1) if n > 1 else 0.0
+    return {
+        "x-prompt-tokens": str(output.num_prompt_tokens),
+        "x-generated-tokens": str(n),
+        "x-queue-time": f"{queue:.3f}",
+        "x-prefill-time": f"{prefill:.3f}",
+        "x-inference-time": f"{prefill + decode:.3f}",
+        "x-time-per-token": f"{per_token:.3f}",
+    }
+
+
+@router.post("/generate", response_model=GenerateResponse)
+async def generate(body: GenerateRequest, request: Request, state: State) -> JSONResponse:
+    stream = _start(state, body)
+    tokens: list[dict[str, Any]] = []
+
+    async def collect() -> RequestOutput:
+        async for output in stream:
+            if body.parameters.details:
+                for token_id, logprob in zip(output.new_token_ids, output.new_logprobs or [], strict=False):
+                    text = state.engine.engine.tokenizer.decode([token_id]) if state.engine.engine.tokenizer else ""
+                    tokens.append({"id": token_id, "text": text, "logprob": logprob, "special": False})
+            if output.finished:
+                return output
+        raise RuntimeError("the request stream ended without a final output")
+
+    final = await cancel_on_disconnect(request, collect())
+    if final.error and final.finish_reason is not None and final.finish_reason.value == "error":
+        raise APIError(500, final.error)
+    details = None
+    if body.parameters.details:
+        details = GenerateDetails(finish_reason=_tgi_finish_reason(state, final), generated_tokens=len(final.token_ids),
+                                  seed=body.parameters.seed, tokens=tokens)
+    response = GenerateResponse(generated_text=final.text, details=details)
+    return JSONResponse(response.model_dump(exclude_none=True), headers=timing_headers(final))
+
+
+@router.post("/generate_stream")
+async def generate_stream(body: GenerateRequest, state: State) -> StreamingResponse:
+    stream = _start(state, body)
+    return StreamingResponse(_events(state, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _events(state: ServerState, body: GenerateRequest, stream: RequestStream) -> AsyncIterator[str]:
+    index = 0
+    with contextlib.closing(stream):
+        async for output in stream:
+            if output.error and output.finish_reason is not None and output.finish_reason.value == "error":
+                yield sse(error_body(500, output.error))
+                return
+            ids = output.new_token_ids or ([] if not output.finished else [-1])
+            logprobs = output.new_logprobs or [0.0] * len(ids)
+            for k, token_id in enumerate(ids):
+                last = k == len(ids) - 1
+                index += 1
+                event: dict[str, Any] = {
+                    "index": index,
+                    "token": {"id": token_id, "text": output.new_text if last else "", "logprob": logprobs[k],
+                              "special": False},
+                    "generated_text": output.text if (last and output.finished) else None,
+                    "details": None,
+                }
+                if last and output.finished:
+                    event["details"] = {"finish_reason": _tgi_finish_reason(state, output),
+                                        "generated_tokens": len(output.token_ids), "seed": body.parameters.seed,
+                                        **timing_headers(output)}
+                yield sse(event)

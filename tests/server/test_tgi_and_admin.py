@@ -1,0 +1,134 @@
+"""TGI-style routes, health/ready/info, the admin schedule route and the config-file watch."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+
+from tests.server.conftest import RunningServer, running_server, wait_until
+
+
+def test_generate_headers_and_body(server: RunningServer) -> None:
+    r = httpx.post(server.url + "/generate", json={"inputs": "hello", "parameters": {
+        "max_new_tokens": 7, "ignore_eos": True, "details": True}}, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-prompt-tokens"] == str(len(server.engine.engine.encode("hello")))
+    assert r.headers["x-generated-tokens"] == "7"
+    for name in ("x-queue-time", "x-prefill-time", "x-inference-time", "x-time-per-token"):
+        assert float(r.headers[name]) >= 0
+    assert float(r.headers["x-inference-time"]) >= float(r.headers["x-prefill-time"])
+    body = r.json()
+    assert body["details"]["generated_tokens"] == 7 and body["details"]["finish_reason"] == "length"
+    assert "".join(t["text"] for t in body["details"]["tokens"]) == body["generated_text"]
+
+
+def test_generate_stream_matches_generate(server: RunningServer) -> None:
+    payload = {"inputs": "The quick brown", "parameters": {"max_new_tokens": 9, "ignore_eos": True}}
+    full = httpx.post(server.url + "/generate", json=payload, timeout=30).json()["generated_text"]
+    events = []
+    with httpx.stream("POST", server.url + "/generate_stream", json=payload, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+    assert len(events) == 9
+    assert "".join(e["token"]["text"] for e in events) == full
+    assert events[-1]["generated_text"] == full and events[-1]["details"]["generated_tokens"] == 9
+
+
+def test_generate_validation(server: RunningServer) -> None:
+    r = httpx.post(server.url + "/generate", json={"inputs": "", "parameters": {}}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "inputs"
+    r = httpx.post(server.url + "/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 10**6}},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "parameters.max_new_tokens"
+
+
+def test_health_ready_info(server: RunningServer) -> None:
+    assert server.get("/health").json() == {"status": "ok"}
+    assert server.get("/ready").json() == {"ready": True}
+    info = server.get("/info").json()
+    engine = server.engine.engine
+    assert info["model"] == engine.model_name and info["worldSize"] == 1
+    assert info["kv_blocks"] == engine.kv_plan.num_blocks > 0
+    assert info["block_size"] == engine.config.schedule.cacheBlockSize
+    assert info["schedule"]["maxBatchSize"] == engine.config.schedule.maxBatchSize
+
+
+def test_metrics_move_as_requests_run(server: RunningServer) -> None:
+    before = server.metric("npuserve:generation_tokens_total")
+    ok_before = server.metric('npuserve:request_success_total{finished_reason="length",model_name')
+    httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 6, "ignore_eos": True},
+               timeout=30).raise_for_status()
+    assert server.metric("npuserve:generation_tokens_total") == before + 6
+    assert server.metric('npuserve:request_success_total{finished_reason="length",model_name') == ok_before + 1
+    assert server.metric("npuserve:time_to_first_token_seconds_count") >= 1
+    assert server.metric("npuserve:kv_cache_blocks_total") == server.engine.engine.kv_plan.num_blocks
+
+
+def test_admin_requires_a_token(server: RunningServer) -> None:
+    r = httpx.put(server.url + "/admin/schedule", json={"maxBatchSize": 8}, timeout=30)
+    assert r.status_code == 401
+    r = httpx.put(server.url + "/admin/schedule", json={"maxBatchSize": 8}, timeout=30,
+                  headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+
+def test_admin_disabled_without_a_configured_token(tiny_model_dir: Path) -> None:
+    with running_server(tiny_model_dir) as s:
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 8}, timeout=30,
+                      headers={"Authorization": "Bearer anything"})
+        assert r.status_code == 403 and "NPUSERVE_ADMIN_TOKEN" in r.json()["error"]["message"]
+
+
+def test_admin_refuses_invalid_values_and_keeps_the_config(server: RunningServer) -> None:
+    auth = {"Authorization": "Bearer s3cret"}
+    before = server.get("/info").json()["schedule"]
+    for body, field in (({"maxBatchSize": 0}, "maxBatchSize"), ({"maxQueueDelayMicroseconds": 1}, "maxQueue"),
+                        ({"cacheBlockSize": 16}, "cacheBlockSize"), ({"maxBatchSize": "many"}, "maxBatchSize")):
+        r = httpx.put(server.url + "/admin/schedule", json=body, headers=auth, timeout=30)
+        assert r.status_code == 422, body
+        assert field in r.json()["error"]["message"]
+    assert server.get("/info").json()["schedule"] == before
+
+
+async def _concurrent_completions(url: str, n: int, max_tokens: int) -> list[dict[str, object]]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        responses = await asyncio.gather(*(
+            client.post(url + "/v1/completions", json={"prompt": f"request {i}", "max_tokens": max_tokens,
+                                                       "ignore_eos": True}) for i in range(n)))
+    return [r.json() for r in responses]
+
+
+def test_hot_reload_of_max_batch_size_is_observed(tiny_model_dir: Path) -> None:
+    with running_server(tiny_model_dir, admin_token="t", maxBatchSize=16) as s:
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 2, "maxPrefillBatchSize": 2},
+                      headers={"Authorization": "Bearer t"}, timeout=30)
+        assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 2
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 2
+        results = asyncio.run(_concurrent_completions(s.url, 6, 12))
+        decode_sizes = [r["npuserve"]["mean_decode_batch_size"] for r in results]  # type: ignore[index]
+        assert max(decode_sizes) <= 2  # type: ignore[type-var]
+        assert s.metric('npuserve:decode_batch_size_bucket{le="2.0",model_name') == s.metric(
+            "npuserve:decode_batch_size_count")
+        # and back up: decode steps now batch more than two requests
+        httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 16},
+                  headers={"Authorization": "Bearer t"}, timeout=30).raise_for_status()
+        results = asyncio.run(_concurrent_completions(s.url, 6, 12))
+        assert max(r["npuserve"]["mean_decode_batch_size"] for r in results) > 2  # type: ignore[index]
+
+
+def test_config_file_changes_apply_live_and_bad_ones_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config_path = tmp_path / "config.json"
+    with running_server(tiny_model_dir, config_path=config_path, maxBatchSize=16) as s:
+        data = json.loads(config_path.read_text())
+        data["BackendConfig"]["ScheduleConfig"].update(maxBatchSize=9, maxPrefillBatchSize=4)
+        config_path.write_text(json.dumps(data))
+        wait_until(lambda: s.get("/info").json()["schedule"]["maxBatchSize"] == 9)
+        data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = -3
+        config_path.write_text(json.dumps(data) + " ")
+        watcher = s.server.config.app.state.config_watcher  # type: ignore[attr-defined]
+        wait_until(lambda: watcher.rejected == 1)
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 9
