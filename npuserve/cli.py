@@ -32,7 +32,7 @@ COMMANDS: tuple[Command, ...] = (
             "a later issue (load generator)"),
     Command("simulate", "run the scheduler on the simulated cost-model runner", None,
             "a later issue (simulated runner)"),
-    Command("operator", "run the kopf operator", None, "issue 6 (local cluster, operator, Helm chart)"),
+    Command("operator", "run the kopf operator", "npuserve.operator.operator_cli"),
     Command("tune", "run the tuner (--simulate: against the simulated engine)", None, "a later issue (tuner)"),
     Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
             "npuserve.model_cli"),
