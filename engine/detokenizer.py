@@ -9,7 +9,7 @@ might be the start of a stop string is held back too, so a stream never shows a 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class TokenizerLike(Protocol):
@@ -21,13 +21,23 @@ class TokenizerLike(Protocol):
 class Tokenizer:
     """A thin wrapper of a `tokenizers` tokenizer.json (special tokens skipped in decode)."""
 
-    def __init__(self, folder: str | Path) -> None:
+    def __init__(self, folder: str | Path | None = None, *, hf_tokenizer: Any = None) -> None:
+        if hf_tokenizer is not None:
+            self._tok = hf_tokenizer
+            return
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = Path(folder) / "tokenizer.json"
+        path = Path(folder or ".") / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer.json in {folder}")
         self._tok = HFTokenizer.from_file(str(path))
+
+    @classmethod
+    def dummy(cls, vocab_size: int) -> Tokenizer:
+        """The byte-level tokenizer `create-dummy` writes, for random-weight models that ship none."""
+        from npuserve.engine.model.dummy_tokenizer import TOKENIZER_MAX_VOCAB, build_tokenizer
+
+        return cls(hf_tokenizer=build_tokenizer(min(vocab_size, TOKENIZER_MAX_VOCAB)))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text).ids)

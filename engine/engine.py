@@ -129,6 +129,8 @@ class LLMEngine:
         self.tokenizer: TokenizerLike | None = None
         if (folder / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(folder)
+        elif load_format == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
+            self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._by_seq: dict[int, _Request] = {}
         self._inbox: list[_Request] = []
@@ -224,9 +226,9 @@ class LLMEngine:
             self._by_seq[req.seq.seq_id] = req
             self.scheduler.add(req.seq)
         for request_id in aborts:
-            req = self._requests.get(request_id)
-            if req is not None:
-                self.scheduler.abort(req.seq.seq_id)
+            aborted = self._requests.get(request_id)
+            if aborted is not None:
+                self.scheduler.abort(aborted.seq.seq_id)
 
     def step(self) -> list[RequestOutput]:
         """One scheduler step; returns an output for every request that got a token or ended."""

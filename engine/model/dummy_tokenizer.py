@@ -63,8 +63,11 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+TOKENIZER_MAX_VOCAB = 2048  # the built-in corpus runs out of merges well before this
+
+
 def write_tokenizer(folder: Path, vocab_size: int, model_max_length: int) -> Tokenizer:
-    tokenizer = build_tokenizer(min(vocab_size, 2048))
+    tokenizer = build_tokenizer(min(vocab_size, TOKENIZER_MAX_VOCAB))
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -42,6 +42,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers, declared for the type checker
+    sin: torch.Tensor
     """Neox-style rotary embedding (rotate halves) with a precomputed cos/sin table indexed by position."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:

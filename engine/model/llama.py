@@ -6,6 +6,8 @@ batch of tokens and an `AttentionMetadata`; attention goes through the backend, 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from npuserve.engine.backends.base import AttentionMetadata, Backend
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
@@ -42,7 +44,8 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         assert self.backend is not None and self.kv_cache is not None, "the runner binds the KV cache first"
         out = self.backend.attention(q, k, v, self.kv_cache, meta)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        result: torch.Tensor = self.o_proj(out.reshape(tokens, self.q_size))
+        return result
 
 
 class MLP(nn.Module):
@@ -52,7 +55,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out_: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return out_
 
 
 class DecoderLayer(nn.Module):
@@ -65,7 +69,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out_: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out_
 
 
 class LlamaModel(nn.Module):
@@ -81,7 +86,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(positions, x, meta)
-        return self.norm(x)
+        out_: torch.Tensor = self.norm(x)
+        return out_
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,4 +109,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)  # type: ignore[no-any-return]
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]  # type: ignore[union-attr]
+        return [cast(Attention, layer.self_attn) for layer in self.model.layers]

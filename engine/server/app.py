@@ -21,10 +21,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from npuserve import __version__
 
 
+def _chat_template(engine: AsyncEngine) -> ChatTemplate | None:
+    template = ChatTemplate.from_model_dir(engine.engine.model_dir)
+    if template is None and engine.engine.extensions.loadFormat == "dummy":
+        from npuserve.engine.model.dummy_tokenizer import BOS, CHAT_TEMPLATE, EOS
+
+        template = ChatTemplate(CHAT_TEMPLATE, BOS, EOS)  # the template `create-dummy` writes
+    return template
+
+
 def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_path: Path | None = None,
               drain_timeout: float = 30.0) -> FastAPI:
     state = ServerState(engine=engine, served_model_name=engine.engine.model_name,
-                        chat_template=ChatTemplate.from_model_dir(engine.engine.model_dir), admin_token=admin_token)
+                        chat_template=_chat_template(engine), admin_token=admin_token)
     watcher = admin.ConfigWatcher(state, config_path) if config_path is not None else None
 
     @contextlib.asynccontextmanager
