@@ -40,3 +40,13 @@ demo: setup
 
 clean:
 	rm -rf $(DEMO_DIR) .mypy_cache .ruff_cache .pytest_cache
+
+# The local Kubernetes cluster for the e2e tests (e2e/README.md). Stdlib-only Python: no setup needed.
+CLUSTER_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) e2e/cluster/cluster.py
+.PHONY: cluster-build cluster-up cluster-down
+cluster-build:
+	$(CLUSTER_PY) build
+cluster-up:
+	$(CLUSTER_PY) up
+cluster-down:
+	$(CLUSTER_PY) down
