@@ -112,7 +112,7 @@ def _run(cmd: Sequence[str], *, cwd: Path | None = None, env: Mapping[str, str] 
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    """One builder at a time per cache entry (make cluster-up and make test may race on a cold machine)."""
+    """An exclusive flock: one builder per cache entry, one start/stop per cluster folder (parallel make runs)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -680,16 +680,59 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ETCD_") and k != "KUBECONFIG"}
 
 
-def up(timeout: float = 180) -> Cluster:
-    """Start the local cluster (building the binaries on first use). Returns the running cluster if there is one."""
+def up(timeout: float = 180, owner: str = "cli") -> Cluster:
+    """Start the local cluster (building the binaries on first use). Returns the running cluster if there is one.
+
+    `owner` is recorded: a cluster started by the command line (`make cluster-up`) is never stopped by `release`."""
     cdir = state_dir()
+    with _file_lock(cdir / ".lock"):
+        return _up_locked(cdir, timeout, owner)
+
+
+def acquire(timeout: float = 180) -> Cluster:
+    """For test sessions: start the cluster if needed and register this process as a user of it. Sessions that run
+    at the same time in the same checkout share one cluster; the last `release` stops it, unless `make cluster-up`
+    started it."""
+    cdir = state_dir()
+    with _file_lock(cdir / ".lock"):
+        cluster = _up_locked(cdir, timeout, owner="test")
+        users = cdir / "users"
+        users.mkdir(exist_ok=True)
+        stat = _proc_stat(os.getpid())
+        (users / f"{os.getpid()}-{stat[1] if stat else 0}").touch()
+        return cluster
+
+
+def release() -> bool:
+    """Undo `acquire`: stop the cluster if no live user is left and a test session started it. True if stopped."""
+    cdir = state_dir()
+    with _file_lock(cdir / ".lock"):
+        users = cdir / "users"
+        me = os.getpid()
+        live = 0
+        for entry in users.glob("*-*") if users.exists() else []:
+            pid_s, _, start_s = entry.name.partition("-")
+            if int(pid_s) == me or not (start_s.isdigit() and _alive(int(pid_s), int(start_s))):
+                entry.unlink(missing_ok=True)
+            else:
+                live += 1
+        state = _load_state(cdir)
+        if live or (state is not None and state.get("owner") == "cli"):
+            return False
+        return bool(_down_locked(cdir))
+
+
+def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
     running = current(cdir)
     if running is not None:
         log(f"cluster already running (API server {running.server}); KUBECONFIG={running.kubeconfig}")
+        state = _load_state(cdir)
+        if owner == "cli" and state is not None and state.get("owner") != "cli":
+            (cdir / "state.json").write_text(json.dumps({**state, "owner": "cli"}, indent=2) + "\n")  # keep it up
         return running
     if any(_running_components(cdir).values()):
         log("a previous cluster is partly running; stopping it first")
-        down(cdir)
+        _down_locked(cdir)
     bins = ensure_binaries(with_helm=False)
     started = time.monotonic()
     ports = ports_from_env()
@@ -698,7 +741,7 @@ def up(timeout: float = 180) -> Cluster:
         raise RuntimeError("ports in use: " + ", ".join(busy))
 
     cdir.mkdir(parents=True, exist_ok=True)
-    for sub in ("pki", "etcd-data", "logs", "pids", "config"):
+    for sub in ("pki", "etcd-data", "logs", "pids", "config", "users"):
         shutil.rmtree(cdir / sub, ignore_errors=True)
     for f in ("kubeconfig", "state.json"):
         (cdir / f).unlink(missing_ok=True)
@@ -714,6 +757,7 @@ def up(timeout: float = 180) -> Cluster:
         "ports": ports,
         "binaries": {k: str(v) for k, v in bins.__dict__.items()},
         "server": cluster.server,
+        "owner": owner,
     }
     (cdir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     env = _clean_env()
@@ -722,7 +766,7 @@ def up(timeout: float = 180) -> Cluster:
         _create_nodes(cluster, timeout)
     except BaseException:
         log("start failed; stopping what was started (logs stay in " + str(cdir / "logs") + ")")
-        down(cdir)
+        _down_locked(cdir)
         raise
     log(
         f"cluster up in {time.monotonic() - started:.1f}s: API server {cluster.server}; KUBECONFIG={cluster.kubeconfig}"
@@ -855,7 +899,15 @@ def _create_nodes(c: Cluster, timeout: float) -> None:
 def down(cdir: Path | None = None) -> list[str]:
     """Stop the processes `up` started (by recorded PID and start time). Returns the names of those it ended."""
     cdir = cdir or state_dir()
+    if not cdir.exists():
+        return []
+    with _file_lock(cdir / ".lock"):
+        return _down_locked(cdir)
+
+
+def _down_locked(cdir: Path) -> list[str]:
     stopped = [name for name in reversed(COMPONENTS) if _stop_one(cdir, name)]
+    shutil.rmtree(cdir / "users", ignore_errors=True)
     shutil.rmtree(cdir / "etcd-data", ignore_errors=True)
     (cdir / "state.json").unlink(missing_ok=True)
     return stopped

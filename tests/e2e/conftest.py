@@ -29,14 +29,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[localk8s.Cluster]:
-    """The local cluster for the whole session. One already running (`make cluster-up`) is used and left running;
-    otherwise the fixture starts one and stops exactly what it started."""
-    running = localk8s.current()
-    if running is not None:
-        yield running
-        return
-    cluster = localk8s.up()
+    """The local cluster for the whole session. One started by `make cluster-up` is used and left running; one
+    started here is stopped when the last test session using it (several may run in one checkout) ends."""
+    cluster = localk8s.acquire()
     try:
         yield cluster
     finally:
-        localk8s.down()
+        localk8s.release()
