@@ -70,5 +70,7 @@ def test_deployment_pods_run_on_loopback_ips(k8s_cluster: localk8s.Cluster) -> N
         assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(localk8s.NODE_NAMES)
         assert len({p["status"]["podIP"] for p in pods}) == 2
     finally:
-        # Free the cards for later tests in the same session: wait until the namespace is gone.
-        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=true", "--timeout=120s", timeout=130, check=False)
+        # Free the cards for later tests in the same session (pods gone); the namespace itself may finish later.
+        k8s_cluster.kubectl("delete", "deployment", "smoke", "-n", ns, "--wait=true", timeout=70, check=False)
+        k8s_cluster.kubectl("wait", "--for=delete", "pod", "-n", ns, "-l", "app=smoke", "--timeout=60s", check=False)
+        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
