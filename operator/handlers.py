@@ -4,22 +4,26 @@ kopf settings, chosen on purpose:
 - standalone (no peering): one operator replica, Deployment strategy Recreate, so no peering CRDs or RBAC;
 - progress and the last-handled spec live in annotations under npuserve.io, not in `status`, whose schema the
   CRD prunes (kopf's default status storage would be dropped by the API server);
-- no blocking finalizer: the delete handler is optional; children go with their owner by garbage collection;
-- events: our own (Planned, Applied, PlanFailed, Ready) at info level, kopf's own only for warnings and errors.
+- no finalizer: the delete handler is optional, and readiness comes from watching the engine Deployments rather
+  than from a timer or daemon on the InferenceService (kopf puts a finalizer on objects with timers, which would
+  block `kubectl delete` while the operator is down); children go with their owner by garbage collection;
+- events at info level: ours (Planned, Applied, PlanFailed, Ready) and kopf's per-handler outcomes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import kopf
 from pydantic import ValidationError
 
 from . import kube as kube_module
 from .api import InferenceService, Plan
+from .kube import GROUP, PLURAL, VERSION
 from .planner import PlanError, plan
-from .render import render, selector
+from .render import INSTANCE_LABEL, render, selector
 from .status import (
     now_rfc3339,
     plan_failed_status,
@@ -28,8 +32,6 @@ from .status import (
     readiness_status,
 )
 
-GROUP, VERSION, PLURAL = "npuserve.io", "v1alpha1", "inferenceservices"
-READINESS_INTERVAL_SECONDS = 5.0
 PROMETHEUS_URL: str | None = None  # set by `npuserve operator --prometheus-url`; read by the tuner
 
 _kube: kube_module.Kube | None = None
@@ -48,7 +50,7 @@ def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="npuserve.io", key="last-handled-configuration")
     settings.persistence.finalizer = "npuserve.io/finalizer"
-    settings.posting.level = logging.WARNING
+    settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
@@ -56,9 +58,12 @@ def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 def _parse(body: kopf.Body) -> InferenceService:
-    data = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"), "metadata": dict(body.metadata),
-            "spec": dict(body.spec)}
-    return InferenceService.model_validate(data)
+    return _parse_dict({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                        "metadata": dict(body.metadata), "spec": dict(body.spec)})
+
+
+def _parse_dict(data: Mapping[str, Any]) -> InferenceService:
+    return InferenceService.model_validate({k: data.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
 
 
 def _conditions(body: kopf.Body) -> list[dict[str, Any]]:
@@ -118,25 +123,39 @@ def on_delete(*, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
                 namespace, name)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=READINESS_INTERVAL_SECONDS, idle=0, initial_delay=1)
-def readiness(*, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+@kopf.on.event("apps", "v1", "deployments", labels={INSTANCE_LABEL: kopf.PRESENT})
+def on_engine_deployment(*, body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+    """An engine Deployment changed (its pods became ready or not): update its InferenceService's readiness."""
+    if type == "DELETED":
+        return
+    name, namespace = body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default"
+    update_readiness(name, namespace, logger)
+
+
+def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:
     """Pods ready, the Ready condition, phase, and the KV blocks each engine actually allocated (its /info)."""
-    plan_data = body.status.get("plan")
-    if not plan_data or body.status.get("phase") == "Failed":
+    client = kube()
+    isvc_body = client.get_inference_service(namespace, name)
+    if isvc_body is None:
         return
-    result = Plan.model_validate(dict(plan_data))
-    sel = body.status.get("selector")
-    if not sel:
+    status = isvc_body.get("status") or {}
+    if status.get("phase") == "Failed":
         return
-    desired_pods = result.replicas * result.nodes
-    ready_pods, pods = kube().ready_pods(body.metadata.namespace or "default", sel)
+    try:
+        result = plan(_parse_dict(isvc_body).spec)  # pure: the same plan the create/update handler wrote
+    except (PlanError, ValidationError):
+        return
+    sel = selector(_parse_dict(isvc_body))
+    ready_pods, pods = client.ready_pods(namespace, sel)
     engines = kube_module.read_engines(pods)
-    status = readiness_status(result, desired_pods, ready_pods, engines, _conditions(body),
-                              body.metadata.get("generation"), now_rfc3339(), body.status.get("observed"))
-    was_ready = body.status.get("phase") == "Ready"
-    changed = {k: v for k, v in status.items() if body.status.get(k) != v}
-    if changed:
-        patch.status.update(changed)
-    if status["phase"] == "Ready" and not was_ready:
-        kopf.info(body, reason="Ready", message=f"{ready_pods}/{desired_pods} engine pods ready")
-        logger.info("ready: %d/%d engine pods", ready_pods, desired_pods)
+    generation = isvc_body["metadata"].get("generation")
+    new = readiness_status(result, result.replicas * result.nodes, ready_pods, engines,
+                           status.get("conditions", []), generation, now_rfc3339(), status.get("observed"))
+    changed = {k: v for k, v in new.items() if status.get(k) != v}
+    if not changed:
+        return
+    client.patch_inference_service_status(namespace, name, changed)
+    if new["phase"] == "Ready" and status.get("phase") != "Ready":
+        message = f"{ready_pods}/{result.replicas * result.nodes} engine pods ready"
+        kopf.info(kopf.Body(cast(kopf.RawBody, isvc_body)), reason="Ready", message=message)
+        logger.info("%s/%s ready: %s", namespace, name, message)

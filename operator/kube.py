@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from kubernetes import client, config
@@ -21,6 +21,7 @@ from .status import EngineReport
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "npuserve-operator"
+GROUP, VERSION, PLURAL = "npuserve.io", "v1alpha1", "inferenceservices"
 # Every kind the renderer can produce: what prune looks at. Kinds whose API is not installed are skipped.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "ConfigMap"),
@@ -43,6 +44,7 @@ class Kube:
         self.dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
 
     def _resource(self, api_version: str, kind: str) -> Any | None:
         try:
@@ -77,6 +79,20 @@ class Kube:
                     except NotFoundError:
                         pass
         return removed
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            obj = cast(dict[str, Any],
+                       self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return obj
+
+    def patch_inference_service_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
+                                                          {"status": status})
 
     def ready_pods(self, namespace: str, selector: str) -> tuple[int, list[tuple[str, str | None, bool]]]:
         """(ready count, [(pod, podIP, ready)]) of the engine pods."""

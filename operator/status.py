@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .api import Plan
+from .api import Plan, ScheduleKnobs
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
 
@@ -56,7 +56,9 @@ def planned_status(plan: Plan, conditions: Sequence[Mapping[str, Any]], generati
     return {
         "observedGeneration": generation,
         "plan": plan.model_dump(mode="json"),
-        "schedule": plan.schedule.model_dump(mode="json", exclude_none=True),
+        # status.schedule holds the tunable knobs only (maxIterTimes is not one: it comes from the workload)
+        "schedule": {k: v for k, v in plan.schedule.model_dump(mode="json", exclude_none=True).items()
+                     if k in ScheduleKnobs.model_fields},
         "selector": selector,
         "conditions": conds,
     }

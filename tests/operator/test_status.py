@@ -75,3 +75,12 @@ def test_no_pods_tells_where_to_look() -> None:
     status = readiness_status(PLAN, 2, 0, [], [], 1, "t")
     assert status["conditions"][0]["reason"] == "NoEnginePods"
     assert "events" in status["conditions"][0]["message"]
+
+
+def test_status_schedule_holds_only_what_the_status_schema_keeps() -> None:
+    from npuserve.operator.api import ScheduleKnobs
+
+    status = planned_status(PLAN, [], 1, "x=y", "Deployment", "t")
+    assert set(status["schedule"]) <= set(ScheduleKnobs.model_fields)
+    assert status["schedule"]["maxBatchSize"] == PLAN.schedule.maxBatchSize
+    assert "maxIterTimes" not in status["schedule"]  # the API server would prune it and kopf would warn
