@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npuserve-installed
 DEMO_DIR := .demo
 
-.PHONY: setup test lint typecheck unit demo clean
+.PHONY: setup test lint typecheck unit demo demo-offline clean
 
 setup: $(STAMP)
 
@@ -34,7 +34,12 @@ unit: setup
 
 test: lint typecheck unit
 
+# The main job: a local cluster, helm install, the operator, an InferenceService served by real engine processes.
 demo: setup
+	$(BIN)/python e2e/demo.py
+
+# The engine alone, offline: a dummy model and one generation (seconds, no cluster).
+demo-offline: setup
 	$(BIN)/npuserve model create-dummy --preset tiny --out $(DEMO_DIR)/tiny --seed 0
 	$(BIN)/npuserve generate --model $(DEMO_DIR)/tiny --prompt "The capital of France is" --max-tokens 16
 
