@@ -151,8 +151,11 @@ class ModelSource(_Model):
     model_config = ConfigDict(json_schema_extra=_rules(*MODEL_RULES))
 
     name: str = Field(min_length=1, max_length=256, description="the served model name (OpenAI `model`)")
+    # maxLength bounds the CEL cost estimate of the rules and messages that use the preset (the API server refuses
+    # a CRD whose estimated rule cost is unbounded).
     preset: str | None = Field(
         default=None, description="architecture from the built-in catalog",
+        max_length=max(len(p) for p in MODEL_PRESETS),
         json_schema_extra={"enum": list(MODEL_PRESETS)},
     )
     architecture: Architecture | None = None
@@ -429,8 +432,10 @@ def _preset_heads_rule() -> dict[str, str]:
         f"!has(self.accelerator.cards) || !has(self.model.preset) || {table}[self.model.preset] "
         "% self.accelerator.cards == 0",
         "spec.accelerator.cards must divide the attention heads of spec.model.preset",
-        message_expression=f"'spec.accelerator.cards (' + string(self.accelerator.cards) + ') must divide the ' "
-        f"+ string({table}[self.model.preset]) + ' attention heads of spec.model.preset ' + self.model.preset",
+        # format() rather than string(int) + ...: the API server estimates string(int) as unbounded and refuses the
+        # CRD for its messageExpression cost; format's estimate is bounded.
+        message_expression="'spec.accelerator.cards (%d) must divide the %d attention heads of spec.model.preset %s'"
+        f".format([self.accelerator.cards, {table}[self.model.preset], self.model.preset])",
         field_path=".accelerator.cards",
     )
 
@@ -568,7 +573,8 @@ class TuningStatus(_Model):
     phase: Literal["Idle", "Running", "Converged", "Stopped", "Failed"] = "Idle"
     trial: int = 0
     best: TuningTrial | None = None
-    history: list[TuningTrial] = Field(default_factory=list)
+    # At most spec.autotune.maxTrials (<= 100) trials; maxItems bounds the CEL cost of the rule on each schedule.
+    history: list[TuningTrial] = Field(default_factory=list, max_length=100)
 
 
 class Condition(_Model):

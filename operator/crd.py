@@ -73,11 +73,32 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     return {k: node[k] for k in first + sorted(set(node) - set(first))}
 
 
+def _complete_defaults(node: dict[str, Any]) -> dict[str, Any]:
+    """Object defaults with their properties' own defaults filled in (bottom-up).
+
+    The API server validates a default against the schema's CEL rules as written, without applying the nested
+    defaults first: `slo: {default: {}}` fails `self.objective != 'decodeLatency' || ...` with "no such key:
+    objective" and the CRD is refused. A default of `{objective: throughput, statistic: mean}` is what the API
+    server stores anyway, so spelling it out changes no object."""
+    for key in ("properties",):
+        if key in node:
+            node[key] = {k: _complete_defaults(v) for k, v in node[key].items()}
+    if "items" in node:
+        node["items"] = _complete_defaults(node["items"])
+    if isinstance(node.get("default"), dict) and "properties" in node:
+        filled = dict(node["default"])
+        for name, prop in node["properties"].items():
+            if name not in filled and "default" in prop:
+                filled[name] = copy.deepcopy(prop["default"])
+        node["default"] = filled
+    return node
+
+
 def openapi_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The structural OpenAPI v3 schema of one pydantic model."""
     raw = model.model_json_schema(mode="validation")
     defs = raw.pop("$defs", {})
-    return _structural(_resolve(raw, defs))
+    return _complete_defaults(_structural(_resolve(raw, defs)))
 
 
 def _metadata_schema() -> dict[str, Any]:

@@ -96,4 +96,12 @@ def cel_message(rule: dict[str, str], value: Any) -> str:
     if "messageExpression" not in rule:
         return rule["message"]
     env = celpy.Environment()
-    return str(env.program(env.compile(rule["messageExpression"])).evaluate({"self": celpy.json_to_cel(value)}))
+    program = env.program(env.compile(rule["messageExpression"]), functions={"format": _cel_format})
+    return str(program.evaluate({"self": celpy.json_to_cel(value)}))
+
+
+def _cel_format(template: Any, args: Any) -> Any:
+    """Kubernetes' CEL strings extension `'...'.format([...])` for %d and %s (celpy lacks it)."""
+    import celpy
+
+    return celpy.celtypes.StringType(str(template) % tuple(int(a) if isinstance(a, int) else str(a) for a in args))
