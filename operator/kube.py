@@ -7,6 +7,7 @@ same objects: no duplicates), and leaves fields owned by others (the HPA's repli
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -38,7 +39,8 @@ class Kube:
             try:
                 config.load_incluster_config()  # type: ignore[no-untyped-call]
             except config.ConfigException:
-                config.load_kube_config()  # type: ignore[no-untyped-call]
+                # KUBECONFIG as it is now: the client library's default is read once, when it is imported.
+                config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
             api_client = client.ApiClient()
         self.api_client = api_client
         self.dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
