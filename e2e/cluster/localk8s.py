@@ -33,6 +33,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import kubelet
+
 # ---- pinned versions -------------------------------------------------------------------------------------------
 # Kubernetes: the newest 1.34 patch whose checksums are in the Go checksum database; etcd 3.4 (Debian bookworm)
 # still serves it (1.35+ wants etcd 3.5+). GO_TOOLCHAIN is the Go the release itself is built with (.go-version).
@@ -299,9 +301,10 @@ PORT_DEFAULTS: dict[str, tuple[str, int]] = {
     "controller_manager": ("NPUSERVE_CONTROLLER_MANAGER_PORT", 20257),
     "scheduler": ("NPUSERVE_SCHEDULER_PORT", 20259),
     "kwok": ("NPUSERVE_KWOK_PORT", 20247),
+    "kubelet": ("NPUSERVE_KUBELET_PORT", 20250),
 }
 # Start order; stop runs it backwards.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubelet")
 SERVICE_CIDR = "10.0.0.0/24"
 SERVICE_IP = "10.0.0.1"
 
@@ -741,7 +744,8 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
         raise RuntimeError("ports in use: " + ", ".join(busy))
 
     cdir.mkdir(parents=True, exist_ok=True)
-    for sub in ("pki", "etcd-data", "logs", "pids", "config", "users"):
+    kubelet.sweep(cdir / "pods")  # engine processes of an earlier cluster whose kubelet was killed
+    for sub in ("pki", "etcd-data", "logs", "pids", "config", "users", "pods"):
         shutil.rmtree(cdir / sub, ignore_errors=True)
     for f in ("kubeconfig", "state.json"):
         (cdir / f).unlink(missing_ok=True)
@@ -772,6 +776,154 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
         f"cluster up in {time.monotonic() - started:.1f}s: API server {cluster.server}; KUBECONFIG={cluster.kubeconfig}"
     )
     return cluster
+
+
+# KWOK's pod stages (they replace its default "fast" ones; the node stages stay the defaults). Pods whose
+# container runs `npuserve serve` (render.engine_command) get Running and an IP but not Ready: the process kubelet
+# (kubelet.py) runs the engine and sets readiness from its /ready. Other pods behave as KWOK's defaults: Ready at
+# once. Each status stage matches only while the pod has no IP yet, so KWOK plays it once and never overwrites
+# the kubelet's patches afterwards.
+ENGINE_POD_QUERY = (
+    '.spec.containers[] | (.command // []) | select(length >= 2) | (.[0] | split("/") | last) + " " + .[1]'
+)
+_POD_STATUS_COMMON = """
+      initContainerStatuses:
+      {{ range .spec.initContainers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: true
+        restartCount: 0
+        state:
+          terminated:
+            exitCode: 0
+            finishedAt: {{ $now | Quote }}
+            reason: Completed
+            startedAt: {{ $now | Quote }}
+      {{ end }}
+      hostIP: {{ NodeIPWith .spec.nodeName | Quote }}
+      podIP: {{ PodIPWith .spec.nodeName ( or .spec.hostNetwork false ) ( or .metadata.uid "" ) \
+(or .metadata.name "" ) ( or .metadata.namespace "" ) | Quote }}
+      phase: Running
+      startTime: {{ $now | Quote }}
+"""
+
+
+def _pod_stage(name: str, engine: bool) -> str:
+    ready, reason = ("False", "\n        reason: ContainersNotReady") if engine else ("True", "")
+    state = (
+        "waiting:\n            reason: ContainerCreating"
+        if engine
+        else "running:\n            startedAt: {{ $now | Quote }}"
+    )
+    return (
+        f"""---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: {name}
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.podIP'
+      operator: 'DoesNotExist'
+    - key: '{ENGINE_POD_QUERY}'
+      operator: '{"In" if engine else "NotIn"}'
+      values: ['npuserve serve']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: Initialized
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "{ready}"
+        type: Ready{reason}
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "{ready}"
+        type: ContainersReady{reason}
+      {{{{ range .spec.readinessGates }}}}
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: {{{{ .conditionType | Quote }}}}
+      {{{{ end }}}}
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: {"false" if engine else "true"}
+        restartCount: 0
+        state:
+          {state}
+      {{{{ end }}}}"""
+        + _POD_STATUS_COMMON
+    )
+
+
+def kwok_pod_stages() -> str:
+    """KWOK Stage documents for pods: engine pods Running but not Ready, others Ready; Job pods complete; deleted
+    pods go at once (KWOK's fast stages otherwise)."""
+    complete_and_delete = """---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-complete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values: ['Running']
+    - key: '.metadata.ownerReferences.[].kind'
+      operator: 'In'
+      values: ['Job']
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        restartCount: 0
+        started: false
+        state:
+          terminated:
+            exitCode: 0
+            finishedAt: {{ $now | Quote }}
+            reason: Completed
+            startedAt: {{ $now | Quote }}
+      {{ end }}
+      phase: Succeeded
+---
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-delete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'Exists'
+  next:
+    finalizers:
+      empty: true
+    delete: true
+"""
+    return _pod_stage("pod-ready", engine=False) + _pod_stage("engine-pod-running", engine=True) + complete_and_delete
 
 
 def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> None:
@@ -859,7 +1011,9 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
         env,
     )
     kwok_config = conf / "kwok.yaml"
-    kwok_config.write_text("apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n")
+    kwok_config.write_text(
+        "apiVersion: config.kwok.x-k8s.io/v1alpha1\nkind: KwokConfiguration\noptions: {}\n" + kwok_pod_stages()
+    )
     _spawn(
         cdir,
         "kwok",
@@ -882,6 +1036,19 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
     )
     _wait_http("kube-scheduler", p["scheduler"], "/healthz", insecure, cdir, "kube-scheduler", timeout)
     _wait_http("kwok", p["kwok"], "/healthz", None, cdir, "kwok", timeout)
+    _spawn(
+        cdir,
+        "kubelet",
+        [
+            sys.executable,
+            str(Path(kubelet.__file__).resolve()),
+            f"--cluster-dir={cdir}",
+            f"--port={p['kubelet']}",
+            f"--npuserve={kubelet.default_npuserve()}",
+        ],
+        env,
+    )
+    _wait_http("kubelet", p["kubelet"], "/healthz", None, cdir, "kubelet", timeout)
 
 
 def _create_nodes(c: Cluster, timeout: float) -> None:
@@ -906,7 +1073,9 @@ def down(cdir: Path | None = None) -> list[str]:
 
 
 def _down_locked(cdir: Path) -> list[str]:
-    stopped = [name for name in reversed(COMPONENTS) if _stop_one(cdir, name)]
+    stopped = [name for name in reversed(COMPONENTS) if _stop_one(cdir, name, grace=45 if name == "kubelet" else 15)]
+    # The kubelet ends its engine processes as it stops; these are the ones a killed kubelet left behind.
+    stopped += [f"engine {folder}" for folder in kubelet.sweep(cdir / "pods")]
     shutil.rmtree(cdir / "users", ignore_errors=True)
     shutil.rmtree(cdir / "etcd-data", ignore_errors=True)
     (cdir / "state.json").unlink(missing_ok=True)
