@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -22,6 +24,7 @@ from .status import EngineReport
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "npuserve-operator"
+MISSING_KIND_TTL = 60.0
 GROUP, VERSION, PLURAL = "npuserve.io", "v1alpha1", "inferenceservices"
 # Every kind the renderer can produce: what prune looks at. Kinds whose API is not installed are skipped.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = (
@@ -46,13 +49,26 @@ class Kube:
         self.dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
+        # The dynamic client's discovery cache is not thread-safe: kopf runs handlers in a thread pool, and
+        # concurrent lookups raised KeyError ('resources', 'apis') inside it, which kopf retried a minute later.
+        self._discovery_lock = threading.Lock()
+        self._resources: dict[tuple[str, str], tuple[Any | None, float]] = {}
         self.custom = client.CustomObjectsApi(api_client)
 
     def _resource(self, api_version: str, kind: str) -> Any | None:
-        try:
-            return self.dynamic.resources.get(api_version=api_version, kind=kind)
-        except ResourceNotFoundError:
-            return None
+        """The API resource of a kind, None if the API server does not serve it (looked up again after a minute:
+        a CRD may be installed later)."""
+        key = (api_version, kind)
+        with self._discovery_lock:
+            cached = self._resources.get(key)
+            if cached is not None and (cached[0] is not None or time.monotonic() - cached[1] < MISSING_KIND_TTL):
+                return cached[0]
+            try:
+                found = self.dynamic.resources.get(api_version=api_version, kind=kind)
+            except ResourceNotFoundError:
+                found = None
+            self._resources[key] = (found, time.monotonic())
+            return found
 
     def apply(self, manifest: dict[str, Any]) -> None:
         resource = self._resource(manifest["apiVersion"], manifest["kind"])
