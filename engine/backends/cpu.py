@@ -38,14 +38,23 @@ class CPUBackend(Backend):
     # --- attention ----------------------------------------------------------------------------------------------
 
     def _gather(self, kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's K and V, padded to the longest context: `(B, kv_heads, L, d)` each."""
+        """Each sequence's K and V, padded to the longest context: `(B, kv_heads, L, d)` each.
+
+        Gathers token slots, not whole blocks: with MindIE's 128-token blocks a whole-block gather copies up to a
+        block of padding per sequence, every layer (a third of a decode step on the CPU)."""
         _, num_blocks, block_size, heads, dim = kv_cache.shape
-        batch, max_blocks = meta.block_tables.shape
+        batch = meta.block_tables.shape[0]
         length = meta.max_context_len
-        flat = kv_cache.view(2, num_blocks, block_size * heads * dim)
-        index = meta.block_tables.reshape(-1)
-        k = flat[0].index_select(0, index).view(batch, max_blocks * block_size, heads, dim)[:, :length]
-        v = flat[1].index_select(0, index).view(batch, max_blocks * block_size, heads, dim)[:, :length]
+        assert meta.cache is not None
+        slots = meta.cache.get("slots")
+        if slots is None:  # the same for every layer: built once per step
+            positions = torch.arange(length, device=meta.block_tables.device)
+            blocks = meta.block_tables.index_select(1, positions // block_size)
+            slots = (blocks * block_size + positions % block_size).reshape(-1)
+            meta.cache["slots"] = slots
+        flat = kv_cache.view(2, num_blocks * block_size, heads * dim)
+        k = flat[0].index_select(0, slots).view(batch, length, heads, dim)
+        v = flat[1].index_select(0, slots).view(batch, length, heads, dim)
         return k.transpose(1, 2), v.transpose(1, 2)
 
     def _mask(self, meta: AttentionMetadata, key: str, query_len: int) -> torch.Tensor:
