@@ -52,9 +52,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_model(args: argparse.Namespace, out: Path) -> Path:
-    from npuserve.engine.model.dummy import write_dummy_model
-
     from npuserve.catalog.models import get_model_preset
+    from npuserve.engine.model.dummy import write_dummy_model
 
     spec = get_model_preset("llama3-8b").model_copy(update={
         "num_layers": args.num_layers, "hidden_size": args.hidden_size, "num_attention_heads": 16,

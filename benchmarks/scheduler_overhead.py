@@ -16,7 +16,6 @@ import time
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import SamplingParams, Sequence
-
 from npuserve.mindie_config import ScheduleSection
 
 TARGET_MS = 1.0

@@ -34,9 +34,8 @@ def load_prompts(path: Path, n: int) -> list[str]:
 
 
 def make_model(folder: Path) -> Path:
-    from npuserve.engine.model.dummy import write_dummy_model
-
     from npuserve.catalog import get_model_preset
+    from npuserve.engine.model.dummy import write_dummy_model
 
     spec = get_model_preset("llama3-8b").model_copy(update={**MODEL_FIELDS, "dtype": "float32"})
     return write_dummy_model(spec, folder, seed=0)
@@ -55,7 +54,6 @@ def config_file(model: Path, folder: Path, batch: int) -> Path:
 def offline(config_path: Path, prompts: list[str], max_tokens: int) -> float:
     from npuserve.engine.engine import LLMEngine
     from npuserve.engine.sequence import SamplingParams
-
     from npuserve.mindie_config import MindIEConfig
 
     engine = LLMEngine(MindIEConfig.load(config_path))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from npuserve.engine.backends.base import AttentionMetadata
 from npuserve.engine.sequence import Sequence
 

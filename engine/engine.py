@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from npuserve.engine.backends import get_backend
 from npuserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
@@ -26,7 +27,6 @@ from npuserve.engine.model.loader import TORCH_DTYPES, load_model
 from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
-
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
 from npuserve.modelspec import ModelSpec
 

@@ -56,7 +56,6 @@ def _read_prompts(path: str, limit: int | None) -> list[tuple[str, int | None]]:
 
 def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     from npuserve.engine.engine import make_config
-
     from npuserve.mindie_config import MindIEConfig
 
     schedule: dict[str, Any] = {}
@@ -91,9 +90,9 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
     from npuserve.engine.engine import LLMEngine, RequestError
     from npuserve.engine.sequence import SamplingParams
-
     from npuserve.mindie_config import MindIEConfigError
 
     if args.threads:

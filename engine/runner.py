@@ -13,12 +13,12 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import SamplingParams, Sequence
-
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)

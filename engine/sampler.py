@@ -13,6 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
+
 from npuserve.engine.sequence import SamplingParams
 
 

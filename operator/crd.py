@@ -13,8 +13,9 @@ import copy
 from typing import Any
 
 import yaml
-from npuserve.operator import api
 from pydantic import BaseModel
+
+from npuserve.operator import api
 
 CRD_FILE = "deploy/crds/inferenceservices.npuserve.io.yaml"
 

@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from npuserve.operator.api import InferenceService, InferenceServiceSpec, Plan
-from npuserve.operator.planner import PlanError, plan
 from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
+from npuserve.operator.api import InferenceService, InferenceServiceSpec, Plan
+from npuserve.operator.planner import PlanError, plan
 
 DEFAULT_ACCELERATOR = "ascend-910b4"  # the guide's worked example: 32 GB cards
 

@@ -11,6 +11,13 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
+from npuserve.catalog.models import get_model_preset
+from npuserve.mindie_config import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    ScheduleSection,
+)
+from npuserve.modelspec import ModelSpec
 from npuserve.operator.api import (
     Architecture,
     ExplainEntry,
@@ -19,14 +26,6 @@ from npuserve.operator.api import (
     PlanSchedule,
     Range,
 )
-
-from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
-from npuserve.catalog.models import get_model_preset
-from npuserve.mindie_config import (
-    DEFAULT_MAX_PREFILL_TOKENS,
-    ScheduleSection,
-)
-from npuserve.modelspec import ModelSpec
 
 # Used when the catalog has no idle-memory measurement for the card and the spec sets no reservedGiB: the guide
 # measured 3.4 GiB held at idle on a 64 GiB 910B3; rounded up so the plan errs on the side of fitting.

@@ -16,11 +16,10 @@ import json
 import math
 from typing import Any
 
-from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan
-from npuserve.operator.planner import model_spec
-
 from npuserve.catalog.accelerators import get_accelerator
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
+from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan
+from npuserve.operator.planner import model_spec
 
 # --- the engine's command line and file layout: the one place they are spelled ---------------------------------
 

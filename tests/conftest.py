@@ -9,8 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from npuserve.engine.model.dummy import write_dummy_model
-
     from npuserve.catalog.models import get_model_preset
+    from npuserve.engine.model.dummy import write_dummy_model
 
     return write_dummy_model(get_model_preset("tiny"), tmp_path_factory.mktemp("tiny"), seed=0)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from npuserve.engine.model.dummy import hf_weight_shapes, write_dummy_model
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from npuserve.catalog import MODEL_PRESETS, get_model_preset
+from npuserve.engine.model.dummy import hf_weight_shapes, write_dummy_model
 from npuserve.modelspec import ModelSpec
 
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from npuserve.engine.model.dummy_tokenizer import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
 from safetensors.torch import save_file
 
+from npuserve.engine.model.dummy_tokenizer import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
 from npuserve.modelspec import ModelSpec
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

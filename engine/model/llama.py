@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-from npuserve.engine.backends.base import AttentionMetadata, Backend
-from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from torch import nn
 
+from npuserve.engine.backends.base import AttentionMetadata, Backend
+from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.modelspec import ModelSpec
 
 

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from npuserve.engine.model.llama import LlamaForCausalLM
 from torch import nn
 
+from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.modelspec import ModelSpec
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

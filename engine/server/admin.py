@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
+
 from npuserve.engine.server.errors import APIError
 from npuserve.engine.server.protocol import ScheduleUpdate
 from npuserve.engine.server.state import ServerState, State
-
 from npuserve.mindie_config import MindIEConfig, MindIEConfigError
 
 log = logging.getLogger(__name__)

@@ -11,14 +11,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from npuserve import __version__
 from npuserve.engine.server import admin, openai_api, tgi_api
 from npuserve.engine.server.async_engine import AsyncEngine
 from npuserve.engine.server.chat_template import ChatTemplate
 from npuserve.engine.server.errors import APIError, api_error_handler, validation_error_handler
 from npuserve.engine.server.state import ServerState, State
-from prometheus_client import CONTENT_TYPE_LATEST
-
-from npuserve import __version__
 
 
 def _chat_template(engine: AsyncEngine) -> ChatTemplate | None:

@@ -19,7 +19,6 @@ from npuserve.engine.engine import LLMEngine, RequestOutput
 from npuserve.engine.scheduler import StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
-
 from npuserve.mindie_config import ScheduleSection
 
 log = logging.getLogger(__name__)

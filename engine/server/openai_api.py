@@ -11,6 +11,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
 from npuserve.engine.engine import RequestOutput
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import RequestStream
@@ -39,7 +41,6 @@ from npuserve.engine.server.protocol import (
     now_seconds,
 )
 from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, get_state
-from pydantic import BaseModel
 
 router = APIRouter()
 

@@ -29,7 +29,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> Any:
     from npuserve.engine.engine import make_config
-
     from npuserve.mindie_config import MindIEConfig
 
     if args.config:
@@ -63,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     import uvicorn
+
     from npuserve.engine.engine import LLMEngine
     from npuserve.engine.server.admin import ADMIN_TOKEN_ENV
     from npuserve.engine.server.app import build_app

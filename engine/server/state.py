@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
+
 from npuserve.engine.engine import RequestError
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded, RequestStream

@@ -17,7 +17,6 @@ transformers = pytest.importorskip("transformers")
 from npuserve.engine.engine import LLMEngine, make_config  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.sequence import SamplingParams  # noqa: E402
-
 from npuserve.mindie_config import EngineEnvironment  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 

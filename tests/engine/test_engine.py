@@ -10,10 +10,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from npuserve.cli import main as cli_main  # noqa: E402
 from npuserve.engine.engine import LLMEngine, RequestError, make_config  # noqa: E402
 from npuserve.engine.sequence import FinishReason, SamplingParams  # noqa: E402
-
-from npuserve.cli import main as cli_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

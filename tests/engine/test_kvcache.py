@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from npuserve.engine.kvcache import BlockPool, KVCacheManager, NoFreeBlocksError, chain_hash
 from npuserve.engine.sequence import SamplingParams, Sequence
 

@@ -9,6 +9,7 @@ from collections import Counter
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
+
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.sequence import SamplingParams, Sequence
 

@@ -11,13 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.engine.backends import get_backend  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import WeightLoadError, load_model  # noqa: E402
 from npuserve.engine.runner import GiB, bytes_per_block, plan_kv_blocks  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 CPU = torch.device("cpu")

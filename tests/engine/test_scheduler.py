@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.scheduler import Scheduler, SchedulerOutput, StageSelector, StepKind, WaitingQueue
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-
 from npuserve.mindie_config import EngineEnvironment, ScheduleSection
 
 EOS = 0

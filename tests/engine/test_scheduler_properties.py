@@ -9,10 +9,10 @@ from collections import Counter
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-
 from npuserve.mindie_config import ScheduleSection
 
 EOS = 0

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from isvc_helpers import REPO, load_yaml
+
 from npuserve.operator.crd import CRD_FILE
 
 

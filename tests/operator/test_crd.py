@@ -14,12 +14,12 @@ import jsonschema
 import kubernetes_validate
 import pytest
 from isvc_helpers import EXAMPLES, REPO, apply_defaults, cel_failures, load_yaml, unknown_fields
-from npuserve.operator import api
-from npuserve.operator.crd import CRD_FILE, PRINTER_COLUMNS, build_crd, crd_yaml
 from pydantic import BaseModel, ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
+from npuserve.operator import api
+from npuserve.operator.crd import CRD_FILE, PRINTER_COLUMNS, build_crd, crd_yaml
 
 K8S_VERSION = "1.30.0"
 

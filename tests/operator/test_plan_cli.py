@@ -11,10 +11,10 @@ from typing import Any
 import jsonschema
 import pytest
 from isvc_helpers import REPO, load_yaml
-from npuserve.operator.api import InferenceService, Plan
-from npuserve.operator.planner import plan
 
 from npuserve.cli import main
+from npuserve.operator.api import InferenceService, Plan
+from npuserve.operator.planner import plan
 
 GOLDEN = ["plan", "--preset", "llama3-8b", "--cards", "2", "--card-memory-gib", "32", "--reserved-gib", "3",
           "--avg-input-tokens", "186", "--avg-output-tokens", "346", "--max-output-tokens", "512"]

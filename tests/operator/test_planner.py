@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from npuserve.operator.api import InferenceServiceSpec, Plan
 from npuserve.operator.planner import PlanError, plan
 

@@ -9,11 +9,11 @@ from typing import Any
 import kubernetes_validate
 import pytest
 from isvc_helpers import EXAMPLES, REPO, load_yaml
+
+from npuserve.mindie_config import MindIEConfig
 from npuserve.operator import render as r
 from npuserve.operator.api import InferenceService, Plan
 from npuserve.operator.planner import plan
-
-from npuserve.mindie_config import MindIEConfig
 
 K8S_VERSION = "1.30.0"
 

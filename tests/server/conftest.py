@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+
 from npuserve.engine.engine import LLMEngine, make_config
 from npuserve.engine.server.app import build_app
 from npuserve.engine.server.async_engine import AsyncEngine

@@ -1,5 +1,6 @@
-from npuserve.engine.server.metrics import TTFT_BUCKETS, EngineMetrics, FinishedRequestSample
 from prometheus_client.parser import text_string_to_metric_families
+
+from npuserve.engine.server.metrics import TTFT_BUCKETS, EngineMetrics, FinishedRequestSample
 
 DESIGN_NAMES = {
     "npuserve:time_to_first_token_seconds", "npuserve:time_per_output_token_seconds",
