@@ -142,10 +142,11 @@ def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:
     if status.get("phase") == "Failed":
         return
     try:
-        result = plan(_parse_dict(isvc_body).spec)  # pure: the same plan the create/update handler wrote
+        isvc = _parse_dict(isvc_body)
+        result = plan(isvc.spec)  # pure: the same plan the create/update handler wrote
     except (PlanError, ValidationError):
         return
-    sel = selector(_parse_dict(isvc_body))
+    sel = selector(isvc)
     ready_pods, pods = client.ready_pods(namespace, sel)
     engines = kube_module.read_engines(pods)
     generation = isvc_body["metadata"].get("generation")

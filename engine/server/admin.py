@@ -98,10 +98,10 @@ class ConfigWatcher:
             log.error("config file %s changed but is invalid; keeping the running config:\n%s", self.path, e)
             return
         live = self.state.engine.engine.config
-        new_schedule = new.schedule.model_dump()
+        new_schedule, live_schedule = new.schedule.model_dump(), live.schedule.model_dump()
         changes = {k: v for k, v in new_schedule.items()
-                   if v != live.schedule.model_dump().get(k) and k not in RESTART_ONLY_FIELDS}
-        restart_only = [k for k in RESTART_ONLY_FIELDS if new_schedule.get(k) != live.schedule.model_dump().get(k)]
+                   if v != live_schedule.get(k) and k not in RESTART_ONLY_FIELDS}
+        restart_only = [k for k in RESTART_ONLY_FIELDS if new_schedule.get(k) != live_schedule.get(k)]
         if new.model.model_dump() != live.model.model_dump() or new.deploy.maxSeqLen != live.deploy.maxSeqLen:
             restart_only.append("ModelDeployConfig")
         if restart_only:

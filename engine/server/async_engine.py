@@ -27,6 +27,14 @@ _IDLE_WAIT_SECONDS = 0.05  # how long the step thread sleeps with nothing to do 
 _DELAY_POLL_SECONDS = 0.0005  # requests wait out maxQueueDelayMicroseconds: poll, do not spin
 
 
+ENGINE_FAILURE_PREFIX = "engine step failed: "
+
+
+def is_engine_failure(output: RequestOutput) -> bool:
+    """The request ended because a step crashed (the server's fault), not because of the request itself."""
+    return output.error is not None and output.error.startswith(ENGINE_FAILURE_PREFIX)
+
+
 class EngineOverloaded(RuntimeError):
     """The waiting queue is at its bound; the server answers 429 with Retry-After."""
 
@@ -192,7 +200,7 @@ class AsyncEngine:
             self.engine.abort(rid)
             failed = RequestOutput(request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[],
                                    text="", num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR,
-                                   error=message)
+                                   error=ENGINE_FAILURE_PREFIX + message)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
 
 

@@ -40,7 +40,14 @@ from npuserve.engine.server.protocol import (
     new_id,
     now_seconds,
 )
-from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, get_state
+from npuserve.engine.server.state import (
+    ServerState,
+    State,
+    cancel_on_disconnect,
+    error_status,
+    get_state,
+    raise_for_error,
+)
 
 router = APIRouter()
 
@@ -104,16 +111,6 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             stream.close()
 
 
-def _token_text(state: ServerState, token_id: int) -> str:
-    tokenizer = state.engine.engine.tokenizer
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
-def _check_error(output: RequestOutput) -> None:
-    if output.error and output.finish_reason is not None and output.finish_reason.value == "error":
-        raise APIError(500 if "failed" in output.error else 400, output.error)
-
-
 # --- /v1/models ----------------------------------------------------------------------------------------------------
 
 
@@ -156,7 +153,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         async for index, output in _merge(streams):
             r = results[index]
             if want_logprobs:
-                r.token_texts += [_token_text(state, t) for t in output.new_token_ids]
+                r.token_texts += [state.token_text(t) for t in output.new_token_ids]
                 r.logprobs += output.new_logprobs or []
             if output.finished:
                 r.final = output
@@ -166,7 +163,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     choices, timings, prompt_tokens, completion_tokens = [], [], 0, 0
     for index, r in enumerate(results):
         assert r.final is not None
-        _check_error(r.final)
+        raise_for_error(r.final)
         logprobs = None
         if want_logprobs:
             offsets, pos = [], 0
@@ -191,12 +188,13 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
     want_logprobs = body.logprobs is not None
     try:
         async for index, output in _merge(streams):
-            if output.error and finish_reason(output) == "error":
-                yield sse(error_body(500, output.error))
+            status = error_status(output)
+            if status is not None:
+                yield sse(error_body(status, output.error or "the request failed"))
                 break
             logprobs = None
             if want_logprobs and output.new_token_ids:
-                logprobs = CompletionLogprobs(tokens=[_token_text(state, t) for t in output.new_token_ids],
+                logprobs = CompletionLogprobs(tokens=[state.token_text(t) for t in output.new_token_ids],
                                               token_logprobs=output.new_logprobs or [])
             if not output.new_text and not output.finished and logprobs is None:
                 continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
@@ -240,7 +238,7 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
 def _chat_logprobs(state: ServerState, output: RequestOutput) -> ChatChoiceLogprobs:
     entries = []
     for token_id, logprob in zip(output.new_token_ids, output.new_logprobs or [], strict=False):
-        text = _token_text(state, token_id)
+        text = state.token_text(token_id)
         entries.append(ChatLogprob(token=text, logprob=logprob, bytes=list(text.encode())))
     return ChatChoiceLogprobs(content=entries)
 
@@ -268,7 +266,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise RuntimeError("the request stream ended without a final output")
 
     final, entries = await cancel_on_disconnect(request, collect())
-    _check_error(final)
+    raise_for_error(final)
     usage = Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=len(final.token_ids),
                   total_tokens=final.num_prompt_tokens + len(final.token_ids))
     choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
@@ -286,8 +284,9 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: 
         yield sse(first)
         final: RequestOutput | None = None
         async for output in stream:
-            if output.error and finish_reason(output) == "error":
-                yield sse(error_body(500, output.error))
+            status = error_status(output)
+            if status is not None:
+                yield sse(error_body(status, output.error or "the request failed"))
                 break
             logprobs = _chat_logprobs(state, output) if body.logprobs and output.new_token_ids else None
             if not output.new_text and not output.finished and logprobs is None:

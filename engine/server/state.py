@@ -9,9 +9,15 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from npuserve.engine.engine import RequestError
-from npuserve.engine.sequence import SamplingParams
-from npuserve.engine.server.async_engine import AsyncEngine, EngineDraining, EngineOverloaded, RequestStream
+from npuserve.engine.engine import RequestError, RequestOutput
+from npuserve.engine.sequence import FinishReason, SamplingParams
+from npuserve.engine.server.async_engine import (
+    AsyncEngine,
+    EngineDraining,
+    EngineOverloaded,
+    RequestStream,
+    is_engine_failure,
+)
 from npuserve.engine.server.chat_template import ChatTemplate
 from npuserve.engine.server.errors import APIError
 
@@ -62,6 +68,10 @@ class ServerState:
                            f"prompt has {prompt_len} and {field} asks for {requested}", param=field)
         return requested
 
+    def token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.engine.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
     def submit(self, prompt: list[int], params: SamplingParams, field: str) -> RequestStream:
         try:
             return self.engine.submit(prompt, params)
@@ -72,6 +82,20 @@ class ServerState:
             raise APIError(503, str(e), headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from e
         except RequestError as e:
             raise APIError(400, str(e), param=field) from e
+
+
+def error_status(output: RequestOutput) -> int | None:
+    """None for a normal ending; 500 when a step crashed; 400 when the request itself could not be served
+    (e.g. longer than the whole KV cache)."""
+    if output.finish_reason is not FinishReason.ERROR or not output.error:
+        return None
+    return 500 if is_engine_failure(output) else 400
+
+
+def raise_for_error(output: RequestOutput) -> None:
+    status = error_status(output)
+    if status is not None:
+        raise APIError(status, output.error or "the request failed")
 
 
 def get_state(request: Request) -> ServerState:

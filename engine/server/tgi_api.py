@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from npuserve.engine.engine import RequestOutput
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import RequestStream
-from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.errors import error_body
 from npuserve.engine.server.openai_api import SSE_HEADERS, sse
 from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse
-from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect
+from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, error_status, raise_for_error
 
 router = APIRouter()
 
@@ -75,15 +75,14 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> JSO
         async for output in stream:
             if body.parameters.details:
                 for token_id, logprob in zip(output.new_token_ids, output.new_logprobs or [], strict=False):
-                    text = state.engine.engine.tokenizer.decode([token_id]) if state.engine.engine.tokenizer else ""
-                    tokens.append({"id": token_id, "text": text, "logprob": logprob, "special": False})
+                    tokens.append({"id": token_id, "text": state.token_text(token_id), "logprob": logprob,
+                                   "special": False})
             if output.finished:
                 return output
         raise RuntimeError("the request stream ended without a final output")
 
     final = await cancel_on_disconnect(request, collect())
-    if final.error and final.finish_reason is not None and final.finish_reason.value == "error":
-        raise APIError(500, final.error)
+    raise_for_error(final)
     details = None
     if body.parameters.details:
         details = GenerateDetails(finish_reason=_tgi_finish_reason(state, final), generated_tokens=len(final.token_ids),
@@ -102,8 +101,9 @@ async def _events(state: ServerState, body: GenerateRequest, stream: RequestStre
     index = 0
     with contextlib.closing(stream):
         async for output in stream:
-            if output.error and output.finish_reason is not None and output.finish_reason.value == "error":
-                yield sse(error_body(500, output.error))
+            status = error_status(output)
+            if status is not None:
+                yield sse(error_body(status, output.error or "the request failed"))
                 return
             ids = output.new_token_ids or ([] if not output.finished else [-1])
             logprobs = output.new_logprobs or [0.0] * len(ids)
