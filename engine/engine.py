@@ -242,11 +242,12 @@ class LLMEngine:
         if out.kind is StepKind.IDLE or not out.seqs:
             self.last_step = None
             return outputs
+        num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
         t0 = time.perf_counter()
         self.runner.swap(out.swap_out, out.swap_in)
         sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)
         ended = {s.seq_id for s in self.scheduler.update(out, sampled.token_ids, sampled.logprobs)}
-        self.last_step = StepStats(out.kind, len(out.seqs), out.num_batched_tokens, time.perf_counter() - t0)
+        self.last_step = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0)
         for seq in out.seqs:
             req = self._by_seq.get(seq.seq_id)
             if req is None:

@@ -121,3 +121,16 @@ def test_generate_cli_reads_mindie_config(tiny_model_dir: Path, tmp_path: Path,
     assert rc == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert len(line["token_ids"]) == 5
+
+
+def test_step_stats_count_the_tokens_computed(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("stats-a", None, params, prompt_token_ids=[11, 12, 13, 14, 15])
+    engine.add_request("stats-b", None, params, prompt_token_ids=[21, 22, 23])
+    seen: list[tuple[str, int, int]] = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.last_step is not None:
+            seen.append((engine.last_step.kind.value, engine.last_step.num_seqs, engine.last_step.num_tokens))
+    assert seen[0] == ("prefill", 2, 8)  # every prompt token, not one per sequence
+    assert all(tokens == seqs for kind, seqs, tokens in seen[1:] if kind == "decode")
