@@ -1,0 +1,186 @@
+"""The operator-engine contract: everything the renderer writes and the engine reads, defined once (DESIGN.md 2).
+
+The operator (`npuserve.operator.render`, `kube`) and the engine (`npuserve.engine.server`, `affinity`, `runner`)
+both import this module; neither spells a port, a flag, an environment name, a ScheduleConfig range or the KV
+block formula on its own. It imports neither of them (nor torch), so the operator image installs without the
+engine.
+
+What lives here:
+- the HTTP port and the `npuserve serve` command line the renderer passes;
+- the environment variables (admin token, CPU binding, NUMA node, multi-node layout, MindIE's own variables);
+- the ScheduleConfig field table: each field's type, MindIE default, range, and whether the engine applies it live
+  (`hot`) or needs a restart. Every schema of ScheduleConfig (MindIE's `config.json`, the CRD's
+  `spec.engine.schedule`, the plan, `PUT /admin/schedule`) takes its ranges from `schedule_field()`;
+- the `/info` response model the engine serves and the operator reads;
+- the queue-policy names, the dtype table and the KV bytes-per-block formula;
+- what the engine can serve today (devices, worldSize), which the operator checks before it deploys pods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# --- HTTP and the command line -------------------------------------------------------------------------------------
+
+ENGINE_PORT = 8000
+DEFAULT_HOST = "0.0.0.0"
+INFO_PATH = "/info"
+READY_PATH = "/ready"
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+ADMIN_SCHEDULE_PATH = "/admin/schedule"
+
+# The `npuserve serve` flags the renderer passes; `serve_cli.configure` declares them under the same names.
+FLAG_MODEL = "--model"
+FLAG_CONFIG = "--config"
+FLAG_HOST = "--host"
+FLAG_PORT = "--port"
+
+
+def serve_command(model_path: str, config_path: str, host: str = DEFAULT_HOST, port: int = ENGINE_PORT) -> list[str]:
+    """The engine container's command: `npuserve serve` on a MindIE config.json."""
+    return ["npuserve", "serve", FLAG_MODEL, model_path, FLAG_CONFIG, config_path, FLAG_HOST, host,
+            FLAG_PORT, str(port)]
+
+
+# --- environment ---------------------------------------------------------------------------------------------------
+
+ADMIN_TOKEN_ENV = "NPUSERVE_ADMIN_TOKEN"  # bearer token of PUT /admin/schedule; unset: the admin API is off
+CPU_BINDING_ENV = "NPUSERVE_CPU_BINDING"  # "numa": bind to the NUMA node of the pod's cards at start-up
+NUMA_NODE_ENV = "NPUSERVE_NUMA_NODE"  # the NUMA node to bind to; unset: the node holding most of the pod's cores
+NNODES_ENV = "NPUSERVE_NNODES"  # pods in one replica when its cards span nodes
+NODE_RANK_ENV = "NPUSERVE_NODE_RANK"  # this pod's index in its replica (the LeaderWorkerSet worker index)
+# Set by the LeaderWorkerSet controller in every pod of a group: the leader's address, where rank 0 listens.
+LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+# MindIE's own variables (read by `mindie_config.EngineEnvironment`); the newer recompute name wins when both are set.
+RECOMPUTE_THRESHOLD_ENVS = ("MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD")
+USE_MB_SWAPPER_ENV = "MIES_USE_MB_SWAPPER"
+NPU_MEMORY_FRACTION_ENV = "NPU_MEMORY_FRACTION"
+
+CpuBinding = Literal["numa", "none"]
+CPU_BINDINGS: tuple[str, ...] = get_args(CpuBinding)
+
+# --- names shared by the CRD, config.json and the engine -----------------------------------------------------------
+
+QueuePolicy = Literal["fcfs", "priority", "longest-output-first"]
+QUEUE_POLICIES: tuple[str, ...] = get_args(QueuePolicy)
+
+DType = Literal["bfloat16", "float16", "float32"]
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+Device = Literal["npu", "cuda", "cpu"]
+
+# What the bundled engine runs today. The operator refuses to deploy anything else (a condition says why) instead
+# of rendering pods that would crash; the engine refuses it at start-up with the same words.
+SERVABLE_DEVICES: frozenset[str] = frozenset({"cpu"})
+MAX_SERVABLE_WORLD_SIZE = 1
+UNSERVABLE_REASON = "the issue that builds tensor parallel and the npu/cuda backends"
+
+
+def unservable(device: str, world_size: int, nodes: int = 1) -> str | None:
+    """Why the engine cannot serve this layout yet, or None when it can."""
+    problems = []
+    if device not in SERVABLE_DEVICES:
+        problems.append(f"device {device!r} (it runs on {', '.join(sorted(SERVABLE_DEVICES))} only)")
+    if world_size > MAX_SERVABLE_WORLD_SIZE:
+        problems.append(f"worldSize {world_size} (it runs one card per process: tensor parallel is not built)")
+    if nodes > 1:
+        problems.append(f"a replica spanning {nodes} nodes")
+    if not problems:
+        return None
+    return f"the bundled engine cannot serve {' and '.join(problems)} yet; it arrives with {UNSERVABLE_REASON}"
+
+
+def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str,
+                       world_size: int = 1) -> int:
+    """`2 x layers x block_size x kv_heads_per_card x head_dim x dtype_bytes` (DESIGN.md 3.2): the KV heads are
+    split over the cards, and replicated when there are fewer KV heads than cards."""
+    kv_heads_per_card = max(1, num_kv_heads // world_size)
+    return 2 * num_layers * block_size * kv_heads_per_card * head_dim * DTYPE_BYTES[dtype]
+
+
+# --- ScheduleConfig: one field table ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleField:
+    """One MindIE ScheduleConfig field: its type, MindIE's shipped default, its range, and how it takes effect."""
+
+    name: str
+    type: type
+    default: int | bool
+    hot: bool  # applied live (PUT /admin/schedule, a config file change); else the pods restart for it
+    description: str
+    ge: int | None = None
+    le: int | None = None
+    knob: bool = True  # settable in the CRD's spec.engine.schedule (and so by the tuner, unless pinned)
+
+
+SCHEDULE_FIELDS: tuple[ScheduleField, ...] = (
+    ScheduleField("cacheBlockSize", int, 128, False, "tokens per KV block; sizes the KV pool", 1, 1024),
+    ScheduleField("maxPrefillBatchSize", int, 50, True, "requests in one prefill step; 0 = maxBatchSize", 0, 5000),
+    ScheduleField("maxPrefillTokens", int, 8192, True, "prompt tokens in one prefill step", 1, 409600),
+    ScheduleField("prefillTimeMsPerReq", int, 150, True,
+                  "supportSelectBatch: estimated prefill cost per running request, ms", 0, 1000),
+    ScheduleField("prefillPolicyType", int, 0, True,
+                  "MindIE's prefill queue policy; only 0 (FCFS) runs here: the waiting order is npuserve.policy",
+                  0, 0, knob=False),
+    ScheduleField("decodeTimeMsPerReq", int, 50, True,
+                  "supportSelectBatch: estimated decode cost per empty batch slot, ms", 0, 1000),
+    ScheduleField("decodePolicyType", int, 0, True, "MindIE's decode queue policy; only 0 (FCFS) runs here",
+                  0, 0, knob=False),
+    ScheduleField("maxBatchSize", int, 200, True, "requests running at once (the decode batch)", 1, 5000),
+    ScheduleField("maxIterTimes", int, 512, True, "output tokens per request at most", 1, None, knob=False),
+    ScheduleField("maxPreemptCount", int, 0, True, "requests swapped to host memory in one step at most", 0, 5000),
+    ScheduleField("supportSelectBatch", bool, False, True,
+                  "MindIE's throughput policy: weigh prefill cost against idle decode slots"),
+    ScheduleField("maxQueueDelayMicroseconds", int, 5000, True,
+                  "how long the oldest waiting request may wait before a prefill starts", 500, 1_000_000),
+)
+SCHEDULE_FIELD_BY_NAME: dict[str, ScheduleField] = {f.name: f for f in SCHEDULE_FIELDS}
+HOT_SCHEDULE_FIELDS: frozenset[str] = frozenset(f.name for f in SCHEDULE_FIELDS if f.hot)
+RESTART_SCHEDULE_FIELDS: frozenset[str] = frozenset(f.name for f in SCHEDULE_FIELDS if not f.hot)
+SCHEDULE_KNOBS: tuple[str, ...] = tuple(f.name for f in SCHEDULE_FIELDS if f.knob)
+
+
+def schedule_field(name: str, *, required: bool = False, optional: bool = False) -> Any:
+    """The pydantic `Field` of a ScheduleConfig field, from the table: MindIE's default (or None when `optional`,
+    or no default when `required`), its range and its description. Every ScheduleConfig schema uses it."""
+    spec = SCHEDULE_FIELD_BY_NAME[name]
+    kwargs: dict[str, Any] = {"description": spec.description}
+    if spec.ge is not None:
+        kwargs["ge"] = spec.ge
+    if spec.le is not None:
+        kwargs["le"] = spec.le
+    if required:
+        return Field(**kwargs)
+    return Field(default=None if optional else spec.default, **kwargs)
+
+
+# --- /info ----------------------------------------------------------------------------------------------------------
+
+
+class EngineInfo(BaseModel):
+    """`GET /info`: what the engine actually runs. The operator reads `kv_blocks` into status.observed."""
+
+    model_config = ConfigDict(extra="allow")  # an older operator reads a newer engine
+
+    model: str
+    served_model_name: str
+    model_type: str
+    dtype: str
+    device: str
+    worldSize: int
+    kv_blocks: int = Field(description="KV blocks allocated per card")
+    kv_host_blocks: int
+    block_size: int
+    kv_bytes_per_block: int
+    kv_sizing: str = Field(description="how kv_blocks was chosen")
+    schedule: dict[str, Any] = Field(description="the ScheduleConfig the scheduler runs now")
+    version: str
+    ready: bool
+    max_waiting_requests: int
+    num_requests_in_flight: int
