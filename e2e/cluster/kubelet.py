@@ -3,7 +3,7 @@
 
 KWOK fakes everything a kubelet does for ordinary pods. For engine pods (a container whose command is
 `npuserve serve ...`) KWOK's stage only sets the pod Running with a loopback pod IP and leaves it not Ready
-(`localk8s.kwok_stages`); this process does the rest, as a kubelet would:
+(`kwok.kwok_pod_stages`); this process does the rest, as a kubelet would:
 
 - starts the container's command with the local `npuserve` (the virtual environment's), `--host <podIP>` and the
   pod's port, in the pod's folder `.cluster/pods/<namespace>_<name>/` (log: `engine.log`, PID: `pid`);
@@ -23,7 +23,7 @@ KWOK fakes everything a kubelet does for ordinary pods. For engine pods (a conta
   gets a freed IP starts only when the previous process on that address has exited.
 
 Namespaces labelled `npuserve.io/process-kubelet=ignore` are left alone (the reconcile benchmark uses this: its
-engine pods never start). Standard library only; started and stopped by `localk8s` (`make cluster-up/down`).
+engine pods never start). Standard library only; started and stopped by `lifecycle.py` (`make cluster-up/down`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import signal
 import ssl
 import subprocess
@@ -49,9 +48,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from binaries import default_npuserve
+from kwok import NODE_ANNOTATION, NODE_ANNOTATION_VALUE
+from processes import proc_starttime, sweep, tail
+
 IGNORE_LABEL = "npuserve.io/process-kubelet"
 IGNORE_VALUE = "ignore"
-KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 MAX_GRACE_SECONDS = 30.0
 BACKOFF_START, BACKOFF_MAX = 5.0, 120.0
 LOOP_SECONDS = 0.5
@@ -193,43 +195,6 @@ class Api:
         )
 
 
-# ---- processes ------------------------------------------------------------------------------------------------------
-def proc_starttime(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(")") + 2 :].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
-
-
-def kill_recorded(pid_file: Path, grace: float = 10.0) -> bool:
-    """End the process recorded in `pid_file` ("pid starttime") if it is still that process. True if one was ended."""
-    try:
-        pid, start = (int(x) for x in pid_file.read_text().split())
-    except (OSError, ValueError):
-        return False
-    pid_file.unlink(missing_ok=True)
-    if proc_starttime(pid) != start:
-        return False
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and proc_starttime(pid) == start:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        time.sleep(0.1)
-    if proc_starttime(pid) == start:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
-    return True
-
-
-def sweep(pods_dir: Path) -> list[str]:
-    """End engine processes a previous kubelet left behind (it was killed). Returns the pod folders they ran in."""
-    return [p.parent.name for p in sorted(pods_dir.glob("*/pid")) if kill_recorded(p)]
-
-
 @dataclass
 class Container:
     uid: str
@@ -302,7 +267,7 @@ class Kubelet:
             self.nodes = {
                 n["metadata"]["name"]
                 for n in nodes
-                if (n["metadata"].get("annotations") or {}).get(KWOK_NODE_ANNOTATION) == "fake"
+                if (n["metadata"].get("annotations") or {}).get(NODE_ANNOTATION) == NODE_ANNOTATION_VALUE
             }
             self.nodes_read = time.monotonic()
         return self.nodes
@@ -423,7 +388,7 @@ class Kubelet:
             "exitCode": code if code >= 0 else 128 - code,
             "reason": reason,
             "finishedAt": now(),
-            "message": _tail(c.folder / "engine.log"),
+            "message": tail(c.folder / "engine.log", lines=5, missing="")[-1000:],
         }
         if code < 0:
             terminated["signal"] = -code
@@ -632,13 +597,6 @@ class MissingReference(Exception):
     pass
 
 
-def _tail(path: Path, lines: int = 5) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])[-1000:]
-    except OSError:
-        return ""
-
-
 # ---- health endpoint and main ---------------------------------------------------------------------------------------
 def serve_health(port: int, kubelet: Kubelet) -> http.server.ThreadingHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -655,14 +613,6 @@ def serve_health(port: int, kubelet: Kubelet) -> http.server.ThreadingHTTPServer
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
-
-
-def default_npuserve() -> str:
-    beside = Path(sys.executable).parent / "npuserve"
-    if beside.exists():
-        return str(beside)
-    repo_venv = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "npuserve"
-    return str(repo_venv) if repo_venv.exists() else (shutil.which("npuserve") or str(repo_venv))
 
 
 def main(argv: list[str] | None = None) -> int:

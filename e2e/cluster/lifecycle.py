@@ -1,0 +1,402 @@
+"""The local cluster's lifecycle: `Cluster`, `up`/`down`, `acquire`/`release` for test sessions, `status` and
+`current`, and starting the components (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK, the
+process kubelet) under the state folder `.cluster/`. Standard library only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from binaries import K8S_VERSION, REPO_ROOT, Binaries, default_npuserve, ensure_binaries, file_lock
+from kwok import NODE_ANNOTATION, NODE_ANNOTATION_VALUE, NODE_NAMES, POD_CIDR, fake_node, kwok_config
+from pki import SERVICE_CIDR, make_pki, write_kubeconfig
+from processes import (
+    alive,
+    https_get,
+    insecure_ctx,
+    log,
+    port_free,
+    proc_stat,
+    read_pid,
+    spawn,
+    stop_one,
+    sweep,
+    wait_http,
+)
+
+KUBELET_PY = Path(__file__).resolve().with_name("kubelet.py")
+
+
+# ---- cluster ---------------------------------------------------------------------------------------------------
+# Ports avoid the usual ones (2379/2380/6443/10257/10259/10247) so a real cluster on the machine does not clash.
+PORT_DEFAULTS: dict[str, tuple[str, int]] = {
+    "etcd": ("NPUSERVE_ETCD_PORT", 23790),
+    "etcd_peer": ("NPUSERVE_ETCD_PEER_PORT", 23800),
+    "apiserver": ("NPUSERVE_APISERVER_PORT", 26443),
+    "controller_manager": ("NPUSERVE_CONTROLLER_MANAGER_PORT", 20257),
+    "scheduler": ("NPUSERVE_SCHEDULER_PORT", 20259),
+    "kwok": ("NPUSERVE_KWOK_PORT", 20247),
+    "kubelet": ("NPUSERVE_KUBELET_PORT", 20250),
+}
+# Start order; stop runs it backwards.
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubelet")
+
+
+def state_dir() -> Path:
+    explicit = os.environ.get("NPUSERVE_CLUSTER_DIR")
+    return Path(explicit).expanduser().resolve() if explicit else REPO_ROOT / ".cluster"
+
+
+def ports_from_env() -> dict[str, int]:
+    return {name: int(os.environ.get(var) or default) for name, (var, default) in PORT_DEFAULTS.items()}
+
+
+@dataclass
+class Cluster:
+    """A running local cluster, as recorded in its state folder."""
+
+    dir: Path
+    ports: dict[str, int]
+    binaries: Binaries
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.dir / "kubeconfig"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['apiserver']}"
+
+    @property
+    def pki(self) -> Path:
+        return self.dir / "pki"
+
+    def env(self) -> dict[str, str]:
+        """Environment for tools run against the cluster (kubectl, helm, kopf)."""
+        return dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
+        cmd = [str(self.binaries.kubectl), f"--kubeconfig={self.kubeconfig}", *args]
+        proc = subprocess.run(cmd, input=input, text=True, capture_output=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout
+
+    def kubectl_json(self, *args: str) -> dict[str, object]:
+        out: dict[str, object] = json.loads(self.kubectl(*args, "-o", "json"))
+        return out
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
+        return ctx
+
+    def api_get(self, path: str, timeout: float = 5) -> tuple[int, str]:
+        """GET on the API server with the admin credentials: (status, body)."""
+        return https_get("127.0.0.1", self.ports["apiserver"], path, self.ssl_context(), timeout)
+
+    def ready(self) -> bool:
+        try:
+            return self.api_get("/readyz")[0] == 200
+        except OSError:
+            return False
+
+
+# ---- up / down -------------------------------------------------------------------------------------------------
+def _running_components(cdir: Path) -> dict[str, bool]:
+    out = {}
+    for name in COMPONENTS:
+        rec = read_pid(cdir, name)
+        out[name] = rec is not None and alive(*rec)
+    return out
+
+
+def _load_state(cdir: Path) -> dict[str, object] | None:
+    try:
+        data: dict[str, object] = json.loads((cdir / "state.json").read_text())
+        return data
+    except (OSError, ValueError):
+        return None
+
+
+def current(cdir: Path | None = None) -> Cluster | None:
+    """The cluster recorded in the state folder if all its processes run and the API server is ready."""
+    cdir = cdir or state_dir()
+    state = _load_state(cdir)
+    if state is None or not all(_running_components(cdir).values()):
+        return None
+    ports = {k: int(v) for k, v in dict(state["ports"]).items()}  # type: ignore[call-overload]
+    bins = Binaries(**{k: Path(str(v)) for k, v in dict(state["binaries"]).items()})  # type: ignore[call-overload]
+    cluster = Cluster(dir=cdir, ports=ports, binaries=bins)
+    return cluster if cluster.ready() else None
+
+
+def _clean_env() -> dict[str, str]:
+    """The components must not pick up a developer's KUBECONFIG or ETCD_* settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ETCD_") and k != "KUBECONFIG"}
+
+
+def up(timeout: float = 180, owner: str = "cli") -> Cluster:
+    """Start the local cluster (building the binaries on first use). Returns the running cluster if there is one.
+
+    `owner` is recorded: a cluster started by the command line (`make cluster-up`) is never stopped by `release`."""
+    cdir = state_dir()
+    with file_lock(cdir / ".lock"):
+        return _up_locked(cdir, timeout, owner)
+
+
+def acquire(timeout: float = 180) -> Cluster:
+    """For test sessions: start the cluster if needed and register this process as a user of it. Sessions that run
+    at the same time in the same checkout share one cluster; the last `release` stops it, unless `make cluster-up`
+    started it."""
+    cdir = state_dir()
+    with file_lock(cdir / ".lock"):
+        cluster = _up_locked(cdir, timeout, owner="test")
+        users = cdir / "users"
+        users.mkdir(exist_ok=True)
+        stat = proc_stat(os.getpid())
+        (users / f"{os.getpid()}-{stat[1] if stat else 0}").touch()
+        return cluster
+
+
+def release() -> bool:
+    """Undo `acquire`: stop the cluster if no live user is left and a test session started it. True if stopped."""
+    cdir = state_dir()
+    with file_lock(cdir / ".lock"):
+        users = cdir / "users"
+        me = os.getpid()
+        live = 0
+        for entry in users.glob("*-*") if users.exists() else []:
+            pid_s, _, start_s = entry.name.partition("-")
+            if int(pid_s) == me or not (start_s.isdigit() and alive(int(pid_s), int(start_s))):
+                entry.unlink(missing_ok=True)
+            else:
+                live += 1
+        state = _load_state(cdir)
+        if live or (state is not None and state.get("owner") == "cli"):
+            return False
+        return bool(_down_locked(cdir))
+
+
+def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
+    running = current(cdir)
+    if running is not None:
+        log(f"cluster already running (API server {running.server}); KUBECONFIG={running.kubeconfig}")
+        state = _load_state(cdir)
+        if owner == "cli" and state is not None and state.get("owner") != "cli":
+            (cdir / "state.json").write_text(json.dumps({**state, "owner": "cli"}, indent=2) + "\n")  # keep it up
+        return running
+    if any(_running_components(cdir).values()):
+        log("a previous cluster is partly running; stopping it first")
+        _down_locked(cdir)
+    bins = ensure_binaries(with_helm=False)
+    started = time.monotonic()
+    ports = ports_from_env()
+    busy = [f"{n}={p} (set {PORT_DEFAULTS[n][0]})" for n, p in ports.items() if not port_free(p)]
+    if busy:
+        raise RuntimeError("ports in use: " + ", ".join(busy))
+
+    cdir.mkdir(parents=True, exist_ok=True)
+    sweep(cdir / "pods")  # engine processes of an earlier cluster whose kubelet was killed
+    for sub in ("pki", "etcd-data", "logs", "pids", "config", "users", "pods"):
+        shutil.rmtree(cdir / sub, ignore_errors=True)
+    for f in ("kubeconfig", "state.json"):
+        (cdir / f).unlink(missing_ok=True)
+    pki, conf = cdir / "pki", cdir / "config"
+    conf.mkdir()
+    make_pki(pki)
+    cluster = Cluster(dir=cdir, ports=ports, binaries=bins)
+    write_kubeconfig(cluster.kubeconfig, cluster.server, pki, "admin")
+    for user in ("controller-manager", "scheduler"):
+        write_kubeconfig(conf / f"{user}.kubeconfig", cluster.server, pki, user)
+    state = {
+        "k8s_version": K8S_VERSION,
+        "ports": ports,
+        "binaries": {k: str(v) for k, v in bins.__dict__.items()},
+        "server": cluster.server,
+        "owner": owner,
+    }
+    (cdir / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    env = _clean_env()
+    try:
+        _start_components(cluster, env, timeout)
+        _create_nodes(cluster, timeout)
+    except BaseException:
+        log("start failed; stopping what was started (logs stay in " + str(cdir / "logs") + ")")
+        _down_locked(cdir)
+        raise
+    log(
+        f"cluster up in {time.monotonic() - started:.1f}s: API server {cluster.server}; KUBECONFIG={cluster.kubeconfig}"
+    )
+    return cluster
+
+
+def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> None:
+    p, pki, conf, b, cdir = c.ports, c.pki, c.dir / "config", c.binaries, c.dir
+    etcd_url, peer_url = f"http://127.0.0.1:{p['etcd']}", f"http://127.0.0.1:{p['etcd_peer']}"
+    spawn(
+        cdir,
+        "etcd",
+        [
+            str(b.etcd),
+            "--name=default",
+            f"--data-dir={cdir / 'etcd-data'}",
+            f"--listen-client-urls={etcd_url}",
+            f"--advertise-client-urls={etcd_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster=default={peer_url}",
+            "--initial-cluster-state=new",
+            "--logger=zap",
+            "--log-level=warn",
+        ],
+        env,
+    )
+    wait_http("etcd", p["etcd"], "/health", None, cdir, "etcd", timeout)
+    spawn(
+        cdir,
+        "kube-apiserver",
+        [
+            str(b.kube_apiserver),
+            f"--etcd-servers={etcd_url}",
+            "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1",
+            f"--secure-port={p['apiserver']}",
+            f"--cert-dir={pki / 'apiserver-generated'}",
+            f"--tls-cert-file={pki / 'apiserver.crt'}",
+            f"--tls-private-key-file={pki / 'apiserver.key'}",
+            f"--client-ca-file={pki / 'ca.crt'}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={pki / 'sa.pub'}",
+            f"--service-account-signing-key-file={pki / 'sa.key'}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--authorization-mode=RBAC",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",  # loopback addresses are not valid Endpoints
+            "--profiling=false",
+            # 1.34 turns legacy watches (resourceVersion "" or "0") into watch-list streams, which need etcd's
+            # RequestWatchProgress (3.4.31+/3.5.13+); Debian bookworm's etcd is 3.4.23, so those watches would fail
+            # (KWOK's do, and its nodes go NotReady). Off, the API server serves them as 1.33 does.
+            "--feature-gates=WatchList=false",
+        ],
+        env,
+    )
+    wait_http("kube-apiserver", p["apiserver"], "/readyz", c.ssl_context(), cdir, "kube-apiserver", timeout)
+    common = ["--leader-elect=false", "--bind-address=127.0.0.1", "--profiling=false"]
+    kcm_kubeconfig = conf / "controller-manager.kubeconfig"
+    spawn(
+        cdir,
+        "kube-controller-manager",
+        [
+            str(b.kube_controller_manager),
+            f"--kubeconfig={kcm_kubeconfig}",
+            f"--authentication-kubeconfig={kcm_kubeconfig}",
+            f"--authorization-kubeconfig={kcm_kubeconfig}",
+            f"--secure-port={p['controller_manager']}",
+            f"--root-ca-file={pki / 'ca.crt'}",
+            f"--service-account-private-key-file={pki / 'sa.key'}",
+            "--use-service-account-credentials=true",
+            "--cluster-name=npuserve-local",
+            *common,
+        ],
+        env,
+    )
+    sched_kubeconfig = conf / "scheduler.kubeconfig"
+    spawn(
+        cdir,
+        "kube-scheduler",
+        [
+            str(b.kube_scheduler),
+            f"--kubeconfig={sched_kubeconfig}",
+            f"--authentication-kubeconfig={sched_kubeconfig}",
+            f"--authorization-kubeconfig={sched_kubeconfig}",
+            f"--secure-port={p['scheduler']}",
+            *common,
+        ],
+        env,
+    )
+    kwok_config_file = conf / "kwok.yaml"
+    kwok_config_file.write_text(kwok_config())
+    spawn(
+        cdir,
+        "kwok",
+        [
+            str(b.kwok),
+            f"--config={kwok_config_file}",
+            f"--kubeconfig={c.kubeconfig}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={NODE_ANNOTATION}={NODE_ANNOTATION_VALUE}",
+            f"--cidr={POD_CIDR}",
+            "--node-ip=127.0.0.1",
+            f"--server-address=127.0.0.1:{p['kwok']}",
+            "--node-lease-duration-seconds=40",  # heartbeats by Lease (renewed every 10s), as kubelets do
+        ],
+        env,
+    )
+    insecure = insecure_ctx()
+    wait_http("kube-controller-manager", p["controller_manager"], "/healthz", insecure, cdir, "kube-controller-manager")
+    wait_http("kube-scheduler", p["scheduler"], "/healthz", insecure, cdir, "kube-scheduler", timeout)
+    wait_http("kwok", p["kwok"], "/healthz", None, cdir, "kwok", timeout)
+    spawn(
+        cdir,
+        "kubelet",
+        [
+            sys.executable,
+            str(KUBELET_PY),
+            f"--cluster-dir={cdir}",
+            f"--port={p['kubelet']}",
+            f"--npuserve={default_npuserve()}",
+        ],
+        env,
+    )
+    wait_http("kubelet", p["kubelet"], "/healthz", None, cdir, "kubelet", timeout)
+
+
+def _create_nodes(c: Cluster, timeout: float) -> None:
+    nodes = {"apiVersion": "v1", "kind": "List", "items": [fake_node(n, i) for i, n in enumerate(NODE_NAMES)]}
+    c.kubectl("apply", "-f", "-", input=json.dumps(nodes))
+    c.kubectl("wait", "--for=condition=Ready", "node", *NODE_NAMES, f"--timeout={int(timeout)}s", timeout=timeout + 10)
+    # Pods are refused until the token controller has made the namespace's default ServiceAccount.
+    deadline = time.monotonic() + timeout
+    while c.kubectl("get", "serviceaccount", "default", "-n", "default", "--ignore-not-found", "-o", "name") == "":
+        if time.monotonic() > deadline:
+            raise RuntimeError("the default ServiceAccount was not created; see logs/kube-controller-manager.log")
+        time.sleep(0.2)
+
+
+def down(cdir: Path | None = None) -> list[str]:
+    """Stop the processes `up` started (by recorded PID and start time). Returns the names of those it ended."""
+    cdir = cdir or state_dir()
+    if not cdir.exists():
+        return []
+    with file_lock(cdir / ".lock"):
+        return _down_locked(cdir)
+
+
+def _down_locked(cdir: Path) -> list[str]:
+    stopped = [name for name in reversed(COMPONENTS) if stop_one(cdir, name, grace=45 if name == "kubelet" else 15)]
+    # The kubelet ends its engine processes as it stops; these are the ones a killed kubelet left behind.
+    stopped += [f"engine {folder}" for folder in sweep(cdir / "pods")]
+    shutil.rmtree(cdir / "users", ignore_errors=True)
+    shutil.rmtree(cdir / "etcd-data", ignore_errors=True)
+    (cdir / "state.json").unlink(missing_ok=True)
+    return stopped
+
+
+def status(cdir: Path | None = None) -> dict[str, object]:
+    cdir = cdir or state_dir()
+    cluster = current(cdir)
+    return {
+        "running": cluster is not None,
+        "components": _running_components(cdir),
+        "kubeconfig": str(cdir / "kubeconfig"),
+        "server": cluster.server if cluster else None,
+    }
