@@ -56,10 +56,6 @@ class BlockPool:
     def num_used(self) -> int:
         return len(self.blocks) - len(self._free)
 
-    @property
-    def num_cached(self) -> int:
-        return len(self._cached)
-
     def is_free(self, block_id: int) -> bool:
         return block_id in self._free
 
@@ -79,7 +75,7 @@ class BlockPool:
         return block_id
 
     def share(self, block_id: int) -> None:
-        """Take one more reference on a block (a prefix-cache hit or a fork)."""
+        """Take one more reference on a block (a prefix-cache hit)."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self._free[block_id]

@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping for sequences: prefill allocation with prefix hits, one block per appended
-`block_size` tokens, fork, the swap plan between device and host blocks, usage figures. No torch: this only
-decides which block ids a sequence owns; the runner turns block tables into tensors and copies.
+`block_size` tokens, the swap plan between device and host blocks, usage figures. No torch: this only decides
+which block ids a sequence owns; the runner turns block tables into tensors and copies.
 
 Contract with the scheduler (the only caller in the engine):
 - `allocate(seq)` before a prefill: `seq.block_table` covers `seq.num_tokens`; `seq.num_cached_tokens` is the
@@ -37,22 +37,13 @@ class KVCacheManager:
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the prefix cache
         self._host_pending_release: list[int] = []
-        self.prefix_queries = 0  # blocks looked up in allocate, for a hit-rate figure
-        self.prefix_hits = 0
+        self.prefix_hits = 0  # blocks that allocate found in the prefix cache
 
     # --- figures -----------------------------------------------------------------------------------------------
 
     @property
     def num_device_blocks(self) -> int:
         return self.device.num_blocks
-
-    @property
-    def num_host_blocks(self) -> int:
-        return self.host.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.device.num_free
 
     @property
     def num_used_blocks(self) -> int:
@@ -68,15 +59,6 @@ class KVCacheManager:
     def free_fraction(self) -> float:
         total = self.device.num_blocks
         return self.device.num_free / total if total else 0.0
-
-    @property
-    def num_free_host_blocks(self) -> int:
-        return self.host.num_free
-
-    @property
-    def host_usage(self) -> float:
-        total = self.host.num_blocks
-        return self.host.num_used / total if total else 0.0
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -136,7 +118,6 @@ class KVCacheManager:
         hits = self._match_prefix(seq)
         if self._allocation_cost(seq, hits) > self.device.num_free:
             raise RuntimeError(f"not enough free KV blocks for sequence {seq.seq_id}")
-        self.prefix_queries += max(0, (seq.num_tokens - 1) // self.block_size)
         self.prefix_hits += len(hits)
         for block_id in hits:
             self.device.share(block_id)
@@ -148,9 +129,6 @@ class KVCacheManager:
         self._num_registered[seq.seq_id] = len(hits)
 
     # --- decode ------------------------------------------------------------------------------------------------
-
-    def can_append(self, seq: Sequence) -> bool:
-        return seq.num_tokens <= len(seq.block_table) * self.block_size or self.device.num_free > 0
 
     def append(self, seq: Sequence) -> bool:
         """Make the block table cover `seq.num_tokens`; False (nothing changed) when no block is free."""
@@ -192,38 +170,6 @@ class KVCacheManager:
         seq.host_block_table = []
         self._hashes.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
-
-    # --- fork --------------------------------------------------------------------------------------------------
-
-    def can_fork(self, parent: Sequence) -> bool:
-        return parent.num_tokens % self.block_size == 0 or self.device.num_free > 0
-
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
-        """Give `child` the parent's tokens and KV: full blocks shared, the partial last block copied.
-
-        Returns the (src, dst) device block copies the runner must make before the child's next step.
-        """
-        if child.block_table or child.host_block_table:
-            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
-        if not parent.block_table:
-            raise RuntimeError(f"sequence {parent.seq_id} holds no device blocks to fork")
-        if not self.can_fork(parent):
-            raise RuntimeError("no free KV block for the fork's partial block")
-        child.token_ids = list(parent.token_ids)
-        child.num_cached_tokens = parent.num_cached_tokens
-        num_full = parent.num_tokens // self.block_size
-        shared = parent.block_table[:num_full]
-        for block_id in shared:
-            self.device.share(block_id)
-        child.block_table = list(shared)
-        copies: list[tuple[int, int]] = []
-        if parent.num_tokens % self.block_size:
-            # Both would write the partial block: the child gets its own copy.
-            new_block = self.device.allocate()
-            child.block_table.append(new_block)
-            copies.append((parent.block_table[num_full], new_block))
-        self._num_registered[child.seq_id] = min(self._num_registered.get(parent.seq_id, 0), num_full)
-        return copies
 
     # --- swap --------------------------------------------------------------------------------------------------
 

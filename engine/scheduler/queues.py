@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
 from typing import Literal
 
 from ..sequence import Sequence
@@ -38,9 +37,6 @@ class WaitingQueue:
 
     def __bool__(self) -> bool:
         return bool(self._entry)
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq.seq_id in self._entry
 
     def _primary(self, seq: Sequence) -> float:
         if self.policy == "priority":
@@ -95,8 +91,3 @@ class WaitingQueue:
                 return arrival
             heapq.heappop(heap)
         return None
-
-    def __iter__(self) -> Iterator[Sequence]:
-        """Waiting sequences in service order (a sorted copy: for inspection, not the hot path)."""
-        live = [(key, seq) for key, seq in self._heap if self._live(key[3], seq)]
-        return iter([seq for _, seq in sorted(live, key=lambda item: item[0])])

@@ -8,7 +8,7 @@ The engine drives it, from the step-loop thread only (it is not thread-safe):
     out = sched.schedule()               # one PREFILL or DECODE step (or IDLE); see SchedulerOutput
     ...copy out.swap_out, then out.swap_in; run the model on out.seqs; sample one token per seq...
     done = sched.update(out, token_ids, logprobs)   # appends the tokens; returns the sequences that finished
-    sched.finish(seq, FinishReason.STOP)  # a stop string the engine found in the text
+    sched.finish(seq, FinishReason.STOP)  # a stop string the output processor found in the text
     sched.abort(seq_id)                   # client gone: blocks freed now, reported in the next out.finished
 
 Rules:
@@ -82,7 +82,6 @@ class Scheduler:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.schedule_config = schedule
         self.kv = kv
-        self.policy: Policy = policy
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.recompute_threshold = recompute_threshold
@@ -114,9 +113,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         """True while a request is unfinished or an ended one has not been reported by `schedule()` yet."""
         return bool(self._seqs) or bool(self._pending_finished)
-
-    def get(self, seq_id: int) -> Sequence | None:
-        return self._seqs.get(seq_id)
 
     # --- requests ----------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Property test of the KV manager: over random allocate/compute/append/fork/free/swap/abort sequences, no block is
+"""Property test of the KV manager: over random allocate/compute/append/free/swap/abort sequences, no block is
 owned twice (a shared block always holds the same full prefix block for every owner), none leaks, and the pools'
 reference counts and free lists agree with the sequences' block tables."""
 
@@ -53,16 +53,6 @@ class KVMachine(RuleBasedStateMachine):
         if not self.kv.append(s):
             s.token_ids.pop()
 
-    @rule(target=seqs, parent=seqs)
-    def fork(self, parent: Sequence) -> Sequence:
-        child = self._new([0])
-        if parent.seq_id in self.live and parent.block_table and self.kv.can_fork(parent):
-            copies = self.kv.fork(parent, child)
-            for src, dst in copies:
-                assert src in parent.block_table and dst in child.block_table
-            self.live[child.seq_id] = child
-        return child
-
     @rule(s=seqs)
     def swap_out(self, s: Sequence) -> None:
         if s.seq_id in self.live and s.block_table and self.kv.can_swap_out(s):
@@ -92,8 +82,8 @@ class KVMachine(RuleBasedStateMachine):
             self.kv.free(s)
         self.live.clear()
         self.kv.begin_step()
-        assert self.kv.num_free_blocks == self.kv.num_device_blocks
-        assert self.kv.num_free_host_blocks == self.kv.num_host_blocks
+        assert self.kv.device.num_free == self.kv.device.num_blocks
+        assert self.kv.host.num_free == self.kv.host.num_blocks
 
     @invariant()
     def device_refs_match_tables(self) -> None:
@@ -106,7 +96,7 @@ class KVMachine(RuleBasedStateMachine):
         for block in self.kv.device.blocks:
             assert block.ref_count == owners[block.block_id]
             assert self.kv.device.is_free(block.block_id) == (block.ref_count == 0)
-        assert self.kv.num_free_blocks + len(owners) == self.kv.num_device_blocks
+        assert self.kv.device.num_free + len(owners) == self.kv.device.num_blocks
 
     @invariant()
     def shared_blocks_hold_one_full_prefix(self) -> None:
@@ -137,8 +127,8 @@ class KVMachine(RuleBasedStateMachine):
         for s in self.live.values():
             self.kv.free(s)
         self.kv.begin_step()
-        assert self.kv.num_free_blocks == self.kv.num_device_blocks, "device block leaked"
-        assert self.kv.num_free_host_blocks == self.kv.num_host_blocks, "host block leaked"
+        assert self.kv.device.num_free == self.kv.device.num_blocks, "device block leaked"
+        assert self.kv.host.num_free == self.kv.host.num_blocks, "host block leaked"
 
 
 KVMachine.TestCase.settings = settings(

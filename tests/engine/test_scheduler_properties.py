@@ -93,8 +93,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING and not seq.host_block_table
         owners.update(seq.block_table)
-    for seq in sched.waiting:
-        assert seq.status is SequenceStatus.WAITING and not seq.block_table and not seq.host_block_table
+    waiting = [seq for seq in sched._seqs.values() if seq.status is SequenceStatus.WAITING]
+    assert len(waiting) == len(sched.waiting)
+    for seq in waiting:
+        assert not seq.block_table and not seq.host_block_table
     host_owners: Counter[int] = Counter()
     for seq in sched.swapped:
         assert seq.status is SequenceStatus.SWAPPED and not seq.block_table
