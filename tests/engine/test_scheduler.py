@@ -395,11 +395,41 @@ def test_threshold_never_blocks_progress_when_nothing_can_run() -> None:
     assert out.seqs == [a] and out.preempted == [b]
 
 
-def test_threshold_read_from_both_environment_names() -> None:
-    for name in ("MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD"):
-        env = EngineEnvironment.from_environ({name: "0.9"})
-        sched, _kv, _ = make(threshold=env.recompute_threshold)
-        assert sched.recompute_threshold == 0.9
+def _decode_under_environment(environ: dict[str, str]) -> tuple[SchedulerOutput, Sequence, Sequence]:
+    """The decode step of `_two_running` with the threshold read from `environ` as the engine reads it."""
+    threshold = EngineEnvironment.from_environ(environ).recompute_threshold
+    sched, _, a, b = _two_running(threshold=threshold)
+    return step(sched)[0], a, b
+
+
+def _preempted(out: SchedulerOutput, a: Sequence, b: Sequence) -> bool:
+    """Which way the decode step went: b, the runnable request, holds 5 of 9 blocks (a share of 0.556)."""
+    if out.seqs == [b]:  # enough blocks are held by runnable requests: a stalls, keeping its blocks
+        assert a.status is SequenceStatus.RUNNING and a.block_table and b.num_preemptions == 0
+        return False
+    assert out.seqs == [a]  # too few: b, the most recently admitted, is recomputed and a runs
+    assert b.status is SequenceStatus.WAITING and not b.block_table and b.num_preemptions == 1
+    return True
+
+
+@pytest.mark.parametrize("name", ["MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD"])
+@pytest.mark.parametrize(("value", "preempts"), [("0.5", False), ("0.6", True)])
+def test_threshold_from_the_environment_decides_preemption(name: str, value: str, preempts: bool) -> None:
+    # MindIE's reading: below the threshold, the share held by the requests that can run triggers recomputation.
+    assert _preempted(*_decode_under_environment({name: value})) is preempts
+
+
+def test_threshold_default_is_mindies_half() -> None:
+    assert _preempted(*_decode_under_environment({})) is False  # 0.556 >= 0.5
+
+
+@pytest.mark.parametrize(("newer", "older", "preempts"), [("0.6", "0.5", True), ("0.5", "0.6", False)])
+def test_threshold_newer_environment_name_wins(newer: str, older: str, preempts: bool) -> None:
+    environ = {"MINDIE_LLM_RECOMPUTE_THRESHOLD": newer, "MIES_RECOMPUTE_THRESHOLD": older}
+    assert _preempted(*_decode_under_environment(environ)) is preempts
+
+
+def test_threshold_out_of_range_refused() -> None:
     with pytest.raises(ValueError):
         make(threshold=1.0)
 
