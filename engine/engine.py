@@ -1,9 +1,9 @@
 """`LLMEngine`: the offline/online engine loop. One `step()` = `Scheduler.schedule()` -> `ModelRunner` ->
-`Scheduler.update()` -> incremental detokenization and stop strings -> per-request outputs.
+`Scheduler.update()` -> the output processor (detokenization, stop strings) -> a `StepResult`.
 
-Thread model (for the HTTP server): `add_request` and `abort` may be called from any thread; they validate and
-queue, and the step-loop thread applies them at the start of the next `step()`. Everything else runs on the
-step-loop thread only.
+Thread model (for the HTTP server): `add_request`, `abort` and `update_schedule` may be called from any thread;
+they validate and queue, and the step-loop thread applies them at the start of the next `step()`. Everything else
+runs on the step-loop thread only; other threads read `snapshot` (replaced, never mutated, after each step).
 """
 
 from __future__ import annotations
@@ -14,19 +14,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from npuserve.engine.backends import get_backend
-from npuserve.engine.detokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLike
+from npuserve.engine.backends import get_backend, resolve_device
+from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.model.loader import TORCH_DTYPES, load_model
+from npuserve.engine.output_processor import OutputProcessor, RequestOutput
 from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
+from npuserve.engine.servable import check_servable
+from npuserve.engine_contract import EngineInfo
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
 from npuserve.modelspec import ModelSpec
 
@@ -37,37 +41,40 @@ class RequestError(ValueError):
     """A request the engine refuses (empty or too long a prompt, a duplicate id); the server answers 400."""
 
 
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request. `new_*` are the increments; the rest is cumulative."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[float] | None
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text so far (stop string excluded)
-    num_prompt_tokens: int
-    finished: bool
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # see `_metrics`
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    seq: Sequence
-    detok: IncrementalDetokenizer | None
-    num_emitted: int = 0  # output tokens already reported
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StepStats:
+    """What one step ran: its kind, sequences, tokens computed, seconds on the device."""
+
     kind: StepKind
     num_seqs: int
     num_tokens: int
     seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The scheduler's and KV cache's state after a step, taken on the step thread: what other threads read."""
+
+    running: int
+    waiting: int
+    swapped: int
+    kv_usage: float
+    kv_blocks_total: int
+    schedule: ScheduleSection
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    outputs: list[RequestOutput]
+    stats: StepStats | None  # None: no model ran (idle, or waiting out maxQueueDelayMicroseconds)
+    num_preemptions: int  # requests preempted (swapped or recomputed) in this step
+    snapshot: EngineSnapshot
+
+
+@dataclass(slots=True)
+class _PendingRequest:
+    request_id: str
+    seq: Sequence
 
 
 class LLMEngine:
@@ -92,6 +99,7 @@ class LLMEngine:
         self.model_name = ext.servedModelName or config.model.modelName
         self.spec = ModelSpec.from_pretrained(folder)
         self.clock = clock
+        check_servable(config, resolve_device(ext.device))  # before loading: refused settings fail fast
         self.backend = get_backend(ext.device)
         dtype = TORCH_DTYPES[self.spec.dtype if ext.dtype == "auto" else ext.dtype]
         self.dtype = dtype
@@ -131,12 +139,14 @@ class LLMEngine:
             self.tokenizer = Tokenizer(folder)
         elif load_format == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
             self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
-        self._requests: dict[str, _Request] = {}
-        self._by_seq: dict[int, _Request] = {}
-        self._inbox: list[_Request] = []
+        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self._request_ids: dict[str, int] = {}  # unfinished request id -> seq id (step thread)
+        self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []
+        self._schedule_updates: list[tuple[ScheduleSection, Future[ScheduleSection]]] = []
         self._lock = threading.Lock()
-        self.last_step: StepStats | None = None
+        self._preemptions_seen = 0
+        self.snapshot = self._snapshot()
         self.ready = False
         if warmup:
             self.runner.warmup()
@@ -192,12 +202,10 @@ class LLMEngine:
         if any(t < 0 or t >= self.spec.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)
-        detok = IncrementalDetokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        req = _Request(request_id, seq, detok)
         with self._lock:
-            if request_id in self._requests or any(r.request_id == request_id for r in self._inbox):
+            if request_id in self._request_ids or any(r.request_id == request_id for r in self._inbox):
                 raise RequestError(f"request id {request_id!r} is already in use")
-            self._inbox.append(req)
+            self._inbox.append(_PendingRequest(request_id, seq))
         return seq
 
     def abort(self, request_id: str) -> None:
@@ -205,80 +213,84 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
-    def has_unfinished(self) -> bool:
+    def update_schedule(self, schedule: ScheduleSection) -> Future[ScheduleSection]:
+        """Hot-apply ScheduleConfig: the scheduler takes it at the next step, which resolves the future with the
+        schedule it then runs."""
+        done: Future[ScheduleSection] = Future()
         with self._lock:
-            if self._inbox or self._aborts:
-                return True
-        return bool(self._requests) or self.scheduler.has_unfinished()
-
-    def update_schedule(self, schedule: ScheduleSection) -> None:
-        """Hot-apply ScheduleConfig (the scheduler takes it at its next step)."""
-        self.scheduler.update_schedule(schedule)
+            self._schedule_updates.append((schedule, done))
+        return done
 
     # --- the step loop (one thread) ------------------------------------------------------------------------------
 
-    def _drain_inbox(self) -> None:
+    def has_unfinished(self) -> bool:
+        """Work for `step()`: queued requests, aborts or schedule updates, or unfinished requests."""
+        with self._lock:
+            if self._inbox or self._aborts or self._schedule_updates:
+                return True
+        return bool(self.outputs) or self.scheduler.has_unfinished()
+
+    def _drain_inbox(self) -> list[Future[ScheduleSection]]:
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
-        for req in inbox:
-            self._requests[req.request_id] = req
-            self._by_seq[req.seq.seq_id] = req
-            self.scheduler.add(req.seq)
+            updates, self._schedule_updates = self._schedule_updates, []
+        for pending in inbox:
+            self._request_ids[pending.request_id] = pending.seq.seq_id
+            self.outputs.track(pending.request_id, pending.seq)
+            self.scheduler.add(pending.seq)
         for request_id in aborts:
-            aborted = self._requests.get(request_id)
-            if aborted is not None:
-                self.scheduler.abort(aborted.seq.seq_id)
+            seq_id = self._request_ids.get(request_id)
+            if seq_id is not None:
+                self.scheduler.abort(seq_id)
+        for schedule, _ in updates:
+            self.scheduler.update_schedule(schedule)
+        return [done for _, done in updates]
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns an output for every request that got a token or ended."""
+    def step(self) -> StepResult:
+        """One scheduler step: the outputs of every request that got a token or ended, and what the step ran."""
+        applied = self._drain_inbox()
+        out = self.scheduler.schedule()  # takes a pending schedule update first
+        for done in applied:
+            done.set_result(self.scheduler.schedule_config)
+        stats: StepStats | None = None
+        ran: list[Sequence] = []
+        if out.kind is not StepKind.IDLE and out.seqs:
+            num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
+            t0 = time.perf_counter()
+            self.runner.swap(out.swap_out, out.swap_in)
+            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)
+            self.scheduler.update(out, sampled.token_ids, sampled.logprobs)
+            stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0)
+            ran = out.seqs
+        outputs = self.outputs.process(out.finished, ran)
+        for output in outputs:
+            if output.finished:
+                self._request_ids.pop(output.request_id, None)
+        preemptions = self.scheduler.num_preemptions_total - self._preemptions_seen
+        self._preemptions_seen = self.scheduler.num_preemptions_total
+        self.snapshot = self._snapshot()
+        return StepResult(outputs, stats, preemptions, self.snapshot)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """After a step raised: ends every unfinished request with `error` (their blocks freed), so none hangs."""
         self._drain_inbox()
-        out = self.scheduler.schedule()
-        outputs: list[RequestOutput] = []
-        for seq in out.finished:  # aborts and admission errors
-            req = self._by_seq.get(seq.seq_id)
-            if req is not None:
-                outputs.append(self._output(req, finished=True))
-        if out.kind is StepKind.IDLE or not out.seqs:
-            self.last_step = None
-            return outputs
-        num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
-        t0 = time.perf_counter()
-        self.runner.swap(out.swap_out, out.swap_in)
-        sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)
-        ended = {s.seq_id for s in self.scheduler.update(out, sampled.token_ids, sampled.logprobs)}
-        self.last_step = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0)
-        for seq in out.seqs:
-            req = self._by_seq.get(seq.seq_id)
-            if req is None:
-                continue
-            finished = seq.seq_id in ended
-            if finished or seq.num_output_tokens > req.num_emitted:
-                outputs.append(self._output(req, finished=finished))
-        return outputs
+        failed = []
+        for request_id, seq_id in list(self._request_ids.items()):
+            seq = self.outputs.sequence(seq_id)
+            if seq is not None:
+                seq.error = error
+                self.scheduler.finish(seq, FinishReason.ERROR)
+                failed.extend(self.outputs.process([seq], []))
+            self._request_ids.pop(request_id, None)
+        self.snapshot = self._snapshot()
+        return failed
 
-    def _output(self, req: _Request, finished: bool) -> RequestOutput:
-        seq = req.seq
-        new_ids = seq.output_token_ids[req.num_emitted :]
-        new_logprobs = seq.output_logprobs[req.num_emitted :] if seq.sampling.logprobs else None
-        new_text = text = ""
-        if req.detok is not None:
-            new_text = req.detok.add(new_ids) if new_ids else ""
-            if req.detok.stopped and not finished:
-                self.scheduler.finish(seq, FinishReason.STOP)  # blocks freed now
-                finished = True
-            if finished:
-                new_text += req.detok.finish()
-            text = req.detok.text
-        req.num_emitted = seq.num_output_tokens
-        if finished:
-            self._requests.pop(req.request_id, None)
-            self._by_seq.pop(seq.seq_id, None)
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
-            token_ids=seq.output_token_ids, text=text, num_prompt_tokens=seq.num_prompt_tokens, finished=finished,
-            finish_reason=seq.finish_reason if finished else None, error=seq.error, metrics=_metrics(seq),
-        )
+    def _snapshot(self) -> EngineSnapshot:
+        scheduler, kv = self.scheduler, self.kv
+        return EngineSnapshot(running=scheduler.num_running, waiting=scheduler.num_waiting,
+                              swapped=scheduler.num_swapped, kv_usage=kv.usage, kv_blocks_total=kv.num_device_blocks,
+                              schedule=scheduler.schedule_config)
 
     # --- offline ---------------------------------------------------------------------------------------------------
 
@@ -298,29 +310,25 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         text: dict[str, str] = {}
         while self.has_unfinished():
-            for o in self.step():
+            result = self.step()
+            for o in result.outputs:
                 text[o.request_id] = text.get(o.request_id, "") + o.new_text
                 if o.finished:
                     final[o.request_id] = o
-            if self.last_step is None and not final.keys() >= set(ids):
+            if result.stats is None and not final.keys() >= set(ids):
                 time.sleep(0.0005)  # waiting out maxQueueDelayMicroseconds
         return [final[r] for r in ids]
 
-    def info(self) -> dict[str, Any]:
-        """What `/info` shows: model, device, the KV blocks actually allocated, the live schedule."""
-        return {
-            "model": self.model_name,
-            "model_type": self.spec.model_type,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": self.backend.name,
-            "worldSize": self.config.model.worldSize,
-            "kv_blocks": self.kv_plan.num_blocks,
-            "kv_host_blocks": self.kv_plan.num_host_blocks,
-            "block_size": self.kv_plan.block_size,
-            "kv_bytes_per_block": self.kv_plan.bytes_per_block,
-            "kv_sizing": self.kv_plan.source,
-            "schedule": self.scheduler.schedule_config.model_dump(mode="json"),
-        }
+    def info(self, **server: Any) -> EngineInfo:
+        """`/info`: model, device, the KV blocks actually allocated, the schedule the scheduler runs; `server`
+        adds the HTTP side's fields (served name, readiness, queue bound)."""
+        return EngineInfo(
+            model=self.model_name, model_type=self.spec.model_type, dtype=str(self.dtype).removeprefix("torch."),
+            device=self.backend.name, worldSize=self.config.model.worldSize, kv_blocks=self.kv_plan.num_blocks,
+            kv_host_blocks=self.kv_plan.num_host_blocks, block_size=self.kv_plan.block_size,
+            kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
+            schedule=self.snapshot.schedule.model_dump(mode="json"), **server,
+        )
 
 
 def make_config(
@@ -352,21 +360,3 @@ def make_config(
         data["npuserve"] = extensions
     return MindIEConfig.from_dict(data)
 
-
-def _metrics(seq: Sequence) -> dict[str, float]:
-    m: dict[str, float] = {"arrival_time": seq.arrival_time}
-    if seq.first_scheduled_time is not None:
-        m["queue_time"] = seq.first_scheduled_time - seq.arrival_time
-        if seq.first_token_time is not None:
-            m["prefill_time"] = seq.first_token_time - seq.first_scheduled_time
-    if seq.first_token_time is not None:
-        m["ttft"] = seq.first_token_time - seq.arrival_time
-        if seq.finished_time is not None:
-            m["decode_time"] = seq.finished_time - seq.first_token_time
-    if seq.finished_time is not None:
-        m["e2e"] = seq.finished_time - seq.arrival_time
-    m["prefill_batch_size"] = float(seq.prefill_batch_size)
-    if seq.num_decode_steps:
-        m["mean_decode_batch_size"] = seq.decode_batch_size_sum / seq.num_decode_steps
-    m["num_preemptions"] = float(seq.num_preemptions)
-    return m

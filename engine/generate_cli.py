@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from npuserve.engine_contract import FLAG_CONFIG
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model folder (default: the config's modelWeightPath)")
-    parser.add_argument("--config", help="a MindIE config.json")
+    parser.add_argument(FLAG_CONFIG, help="a MindIE config.json")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", help="JSONL of prompts (string, or object with prompt/question)")
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     except (MindIEConfigError, ValueError, FileNotFoundError) as e:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({"event": "ready", "load_seconds": round(load_s, 3), **engine.info()}), file=sys.stderr)
+    info = engine.info().model_dump(exclude_none=True)
+    print(json.dumps({"event": "ready", "load_seconds": round(load_s, 3), **info}), file=sys.stderr)
     params = [
         SamplingParams(max_tokens=mt or args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)

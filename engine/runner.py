@@ -35,13 +35,6 @@ class KVPlan:
     source: str  # how num_blocks was chosen, for the log and /info
 
 
-def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype, world_size: int = 1) -> int:
-    """`2 x layers x block_size x kv_heads_per_card x head_dim x dtype_bytes` (DESIGN.md 3.2)."""
-    kv_heads = max(1, spec.num_key_value_heads // world_size)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * kv_heads * spec.head_dim * itemsize
-
-
 def plan_kv_blocks(
     spec: ModelSpec,
     backend: Backend,
@@ -62,7 +55,7 @@ def plan_kv_blocks(
     half of the host's available memory, so a development box is not swallowed by the cache. Host (swap) blocks
     from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use.
     """
-    per_block = bytes_per_block(spec, block_size, dtype)
+    per_block = spec.kv_bytes_per_block(block_size, dtype=str(dtype).removeprefix("torch."))
     usable_blocks = max_batch_size * (math.ceil(max_seq_len / block_size) + 1)
     if npu_mem_size_gib > 0:
         num_blocks = (npu_mem_size_gib * GiB) // per_block

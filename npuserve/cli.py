@@ -1,7 +1,8 @@
 """The `npuserve` command: one entry, a subcommand per part of the system (DESIGN.md 2.3).
 
-Each subcommand lives in the module that owns it and exposes `configure(parser)` and `run(args) -> int`.
-Modules are imported only when their subcommand runs, so `npuserve plan` never imports torch.
+Each subcommand lives in the module that owns it and exposes `configure(parser)` and `run(args) -> int`. Only the
+module of the subcommand on the command line is imported (`--help` imports none), so `npuserve plan` runs where
+only the operator's dependencies are installed, and this package names the engine's modules without importing them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("operator", "run the kopf operator", "npuserve.operator.operator_cli"),
     Command("tune", "run the tuner (--simulate: against the simulated engine)", None, "a later issue (tuner)"),
     Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
-            "npuserve.model_cli"),
+            "npuserve.engine.model_cli"),
 )
 
 
@@ -47,7 +48,8 @@ def _pending(command: Command) -> Callable[[argparse.Namespace], int]:
     return run
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None, *, every: bool = False) -> argparse.ArgumentParser:
+    """The parser; the subcommand `only` (or `every` one) gets its module's arguments, the others just a name."""
     parser = argparse.ArgumentParser(
         prog="npuserve", description="LLM inference on Kubernetes clusters of Ascend NPUs."
     )
@@ -57,15 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
         if command.module is None:
             p.set_defaults(func=_pending(command))
-            continue
-        module = importlib.import_module(command.module)
-        module.configure(p)
-        p.set_defaults(func=module.run)
+        elif every or command.name == only:
+            module = importlib.import_module(command.module)
+            module.configure(p)
+            p.set_defaults(func=module.run)
     return parser
 
 
+def _chosen(argv: Sequence[str]) -> str | None:
+    names = {c.name for c in COMMANDS}
+    return next((arg for arg in argv if arg in names), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(_chosen(argv))
     args = parser.parse_args(argv)
     if args.version:
         from npuserve import __version__

@@ -169,7 +169,6 @@ class EngineInfo(BaseModel):
     model_config = ConfigDict(extra="allow")  # an older operator reads a newer engine
 
     model: str
-    served_model_name: str
     model_type: str
     dtype: str
     device: str
@@ -180,7 +179,9 @@ class EngineInfo(BaseModel):
     kv_bytes_per_block: int
     kv_sizing: str = Field(description="how kv_blocks was chosen")
     schedule: dict[str, Any] = Field(description="the ScheduleConfig the scheduler runs now")
-    version: str
-    ready: bool
-    max_waiting_requests: int
-    num_requests_in_flight: int
+    # The HTTP server's side (absent offline, from `npuserve generate`).
+    served_model_name: str | None = None
+    version: str | None = None
+    ready: bool | None = None
+    max_waiting_requests: int | None = None
+    num_requests_in_flight: int | None = None

@@ -17,10 +17,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-# MindIE's shipped defaults (DESIGN.md 2.1).
-DEFAULT_MAX_BATCH_SIZE = 200
-DEFAULT_MAX_PREFILL_BATCH_SIZE = 50
-DEFAULT_MAX_PREFILL_TOKENS = 8192
+from npuserve.engine_contract import (
+    NPU_MEMORY_FRACTION_ENV,
+    RECOMPUTE_THRESHOLD_ENVS,
+    SCHEDULE_FIELD_BY_NAME,
+    USE_MB_SWAPPER_ENV,
+    DType,
+    QueuePolicy,
+    schedule_field,
+)
+
+# MindIE's shipped defaults (DESIGN.md 2.1); the ScheduleConfig ones live in the contract's field table.
+DEFAULT_MAX_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxBatchSize"].default)
+DEFAULT_MAX_PREFILL_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxPrefillBatchSize"].default)
+DEFAULT_MAX_PREFILL_TOKENS = int(SCHEDULE_FIELD_BY_NAME["maxPrefillTokens"].default)
 DEFAULT_MAX_SEQ_LEN = 2560
 DEFAULT_MAX_INPUT_TOKEN_LEN = 2048
 
@@ -64,22 +74,32 @@ class ModelDeploySection(_MindIEModel):
 
 
 class ScheduleSection(_MindIEModel):
-    """Batching and scheduling; the tuner's knobs. Every field hot-applies through /admin/schedule."""
+    """Batching and scheduling; the tuner's knobs. Ranges, defaults and which fields apply live (all but
+    cacheBlockSize) come from the contract's field table (`npuserve.engine_contract.SCHEDULE_FIELDS`)."""
 
     templateType: str = "Standard"
     templateName: str = "Standard_LLM"
-    cacheBlockSize: int = Field(default=128, ge=1, le=1024)
-    maxPrefillBatchSize: int = Field(default=DEFAULT_MAX_PREFILL_BATCH_SIZE, ge=0, description="0 = maxBatchSize")
-    maxPrefillTokens: int = Field(default=DEFAULT_MAX_PREFILL_TOKENS, ge=1, le=409600)
-    prefillTimeMsPerReq: int = Field(default=150, ge=0, le=1000)
-    prefillPolicyType: int = Field(default=0, ge=0)
-    decodeTimeMsPerReq: int = Field(default=50, ge=0, le=1000)
-    decodePolicyType: int = Field(default=0, ge=0)
-    maxBatchSize: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=5000)
-    maxIterTimes: int = Field(default=512, ge=1)
-    maxPreemptCount: int = Field(default=0, ge=0)
-    supportSelectBatch: bool = False
-    maxQueueDelayMicroseconds: int = Field(default=5000, ge=500, le=1_000_000)
+    cacheBlockSize: int = schedule_field("cacheBlockSize")
+    maxPrefillBatchSize: int = schedule_field("maxPrefillBatchSize")
+    maxPrefillTokens: int = schedule_field("maxPrefillTokens")
+    prefillTimeMsPerReq: int = schedule_field("prefillTimeMsPerReq")
+    prefillPolicyType: int = schedule_field("prefillPolicyType")
+    decodeTimeMsPerReq: int = schedule_field("decodeTimeMsPerReq")
+    decodePolicyType: int = schedule_field("decodePolicyType")
+    maxBatchSize: int = schedule_field("maxBatchSize")
+    maxIterTimes: int = schedule_field("maxIterTimes")
+    maxPreemptCount: int = schedule_field("maxPreemptCount")
+    supportSelectBatch: bool = schedule_field("supportSelectBatch")
+    maxQueueDelayMicroseconds: int = schedule_field("maxQueueDelayMicroseconds")
+
+    @field_validator("templateType")
+    @classmethod
+    def _standard_template(cls, value: str) -> str:
+        # MindIE's "Mix" template is SplitFuse (chunked prefill mixed into decode steps), not built yet.
+        if value != "Standard":
+            raise ValueError(f"templateType {value!r} is not supported: the engine runs MindIE's 'Standard' "
+                             "template (a step is a prefill step or a decode step)")
+        return value
 
     @model_validator(mode="after")
     def _batch_limits(self) -> ScheduleSection:
@@ -123,24 +143,27 @@ class BackendSection(_MindIEModel):
         return self
 
 
-SchedulePolicy = Literal["fcfs", "priority", "longest-output-first"]
-
-
 class NpuserveExtensions(BaseModel):
     """What MindIE lacks; stored under the top-level `npuserve` key."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto"] | DType = "auto"
     loadFormat: Literal["auto", "safetensors", "dummy"] = "auto"
-    policy: SchedulePolicy = "fcfs"
+    policy: QueuePolicy = "fcfs"
     enablePrefixCaching: bool = True
     chunkedPrefill: bool = False
     maxWaitingRequests: int = Field(default=4096, ge=1, description="waiting queue bound; beyond it requests get 429")
     servedModelName: str | None = None
 
-
+    @field_validator("chunkedPrefill")
+    @classmethod
+    def _no_chunked_prefill(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("chunkedPrefill (SplitFuse) is not built yet; it arrives with the issue on the engine's "
+                             "API (chunked prefill): set it false or leave it out")
+        return value
 class MindIEConfig(_MindIEModel):
     Version: str = "1.0.0"
     LogConfig: dict[str, Any] = Field(default_factory=dict)
@@ -225,19 +248,27 @@ class EngineEnvironment(BaseModel):
     use_mb_swapper: bool = False
     npu_memory_fraction: float = Field(default=0.8, gt=0.0, le=1.0)
 
+    @field_validator("use_mb_swapper")
+    @classmethod
+    def _one_swapper(cls, value: bool) -> bool:
+        # MindIE's multi-block swapper is a different swap implementation; ours copies a step's blocks in one call.
+        if value:
+            raise ValueError(f"{USE_MB_SWAPPER_ENV} is set, but the engine has one swapper (a step's swapped blocks "
+                             "are copied together); unset it")
+        return value
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> EngineEnvironment:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        # The newer name wins when both are set; MindIE kept the older MIES_ spelling working.
-        for name in ("MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD"):
+        for name in RECOMPUTE_THRESHOLD_ENVS:  # the newer name first: it wins when both are set
             if name in env:
                 values["recompute_threshold"] = _parse(name, env[name], float)
                 break
-        if "MIES_USE_MB_SWAPPER" in env:
-            values["use_mb_swapper"] = env["MIES_USE_MB_SWAPPER"].strip().lower() in ("1", "true", "yes", "on")
-        if "NPU_MEMORY_FRACTION" in env:
-            values["npu_memory_fraction"] = _parse("NPU_MEMORY_FRACTION", env["NPU_MEMORY_FRACTION"], float)
+        if USE_MB_SWAPPER_ENV in env:
+            values["use_mb_swapper"] = env[USE_MB_SWAPPER_ENV].strip().lower() in ("1", "true", "yes", "on")
+        if NPU_MEMORY_FRACTION_ENV in env:
+            values["npu_memory_fraction"] = _parse(NPU_MEMORY_FRACTION_ENV, env[NPU_MEMORY_FRACTION_ENV], float)
         try:
             return cls.model_validate(values)
         except ValidationError as e:

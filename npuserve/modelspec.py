@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from npuserve.engine_contract import DTYPE_BYTES, DType, kv_bytes_per_block
+
 ModelType = Literal["llama", "qwen2", "qwen3", "mistral"]
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
 
-DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-DType = Literal["float32", "bfloat16", "float16"]
 
 _ARCHITECTURE_CLASS: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -99,10 +99,11 @@ class ModelSpec(BaseModel):
     def weight_bytes(self) -> int:
         return self.num_parameters * self.dtype_bytes
 
-    def kv_bytes_per_token(self, world_size: int = 1) -> int:
-        """K and V of one token over all layers on one card; kv heads split over cards, replicated when fewer."""
-        heads = max(1, self.num_key_value_heads // world_size)
-        return 2 * self.num_layers * heads * self.head_dim * self.dtype_bytes
+    def kv_bytes_per_block(self, block_size: int, world_size: int = 1, dtype: str | None = None) -> int:
+        """KV bytes of one block on one card (the contract's formula); `dtype` defaults to the model's."""
+        return kv_bytes_per_block(num_layers=self.num_layers, block_size=block_size,
+                                  num_kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                                  dtype=dtype or self.dtype, world_size=world_size)
 
     @property
     def eos_token_ids(self) -> list[int]:

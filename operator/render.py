@@ -3,10 +3,11 @@
 Objects: the ConfigMap holding MindIE's `config.json`, a Deployment (or a LeaderWorkerSet when one replica's cards
 span nodes), a Service, and optionally a PodMonitor. The host tuning of the guide is rendered as the spec asks:
 CPU pinning (integer CPU requests equal to limits, so the kubelet's static CPU manager gives exclusive cores, and
-`NPUSERVE_CPU_BINDING=numa`, which tells the engine to bind itself to the NUMA node of its cards as the guide's
-`taskset` does); transparent huge pages and the CPU performance governor, each from its own privileged init
-container and opt-in because each changes the whole node; jemalloc through `LD_PRELOAD`. The engine container
-itself runs as a non-root user, without privilege escalation or capabilities, on a read-only root filesystem.
+`NPUSERVE_CPU_BINDING=numa`, which tells the engine to bind itself at start-up to one NUMA node's cores among its
+exclusive ones, as the guide's `taskset` does); transparent huge pages and the CPU performance governor, each from
+its own privileged init container and opt-in because each changes the whole node; jemalloc through `LD_PRELOAD`.
+The engine container itself runs as a non-root user, without privilege escalation or capabilities, on a read-only
+root filesystem. The engine's port, flags and environment names come from `npuserve.engine_contract`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,25 @@ import math
 from typing import Any
 
 from npuserve.catalog.accelerators import get_accelerator
+from npuserve.engine_contract import (
+    ADMIN_TOKEN_ENV,
+    CPU_BINDING_ENV,
+    ENGINE_PORT,
+    HEALTH_PATH,
+    HOT_SCHEDULE_FIELDS,
+    METRICS_PATH,
+    NNODES_ENV,
+    NODE_RANK_ENV,
+    NPU_MEMORY_FRACTION_ENV,
+    READY_PATH,
+    serve_command,
+)
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
 from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan
 from npuserve.operator.planner import model_spec
 
-# --- the engine's command line and file layout: the one place they are spelled ---------------------------------
+# --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
-ENGINE_PORT = 8000
 PORT_NAME = "http"
 CONFIG_DIR = "/etc/npuserve"
 CONFIG_KEY = "config.json"
@@ -40,28 +53,10 @@ CONFIG_HASH_ANNOTATION = "npuserve.io/config-hash"
 INSTANCE_LABEL = "npuserve.io/inferenceservice"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
-ADMIN_TOKEN_ENV = "NPUSERVE_ADMIN_TOKEN"
 CPUS_PER_CARD = 8
 MIN_CPUS = 4
 HOST_MEMORY_OVERHEAD_GIB = 16
-# ScheduleConfig fields the engine applies live (/admin/schedule, or re-reading config.json): changing them must not
-# restart pods. cacheBlockSize changes the KV pool, so it stays in the hash with the memory parameters.
-HOT_SCHEDULE_FIELDS = frozenset(
-    {
-        "maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "prefillTimeMsPerReq", "decodeTimeMsPerReq",
-        "maxIterTimes", "maxPreemptCount", "supportSelectBatch", "maxQueueDelayMicroseconds",
-        "prefillPolicyType", "decodePolicyType",
-    }
-)
-
 Manifest = dict[str, Any]
-
-
-def engine_command(model_path: str) -> list[str]:
-    return [
-        "npuserve", "serve", "--model", model_path, "--config", CONFIG_PATH,
-        "--host", "0.0.0.0", "--port", str(ENGINE_PORT),
-    ]
 
 
 def model_path(isvc: InferenceService) -> str:
@@ -194,8 +189,8 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     acc = get_accelerator(spec.accelerator.type)
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": TMP_DIR},
-        {"name": "NPUSERVE_CPU_BINDING", "value": spec.host.cpuPinning},
-        {"name": "NPU_MEMORY_FRACTION", "value": str(spec.accelerator.memoryFraction)},
+        {"name": CPU_BINDING_ENV, "value": spec.host.cpuPinning},
+        {"name": NPU_MEMORY_FRACTION_ENV, "value": str(spec.accelerator.memoryFraction)},
         {"name": ADMIN_TOKEN_ENV,
          "valueFrom": {"secretKeyRef": {"name": f"{isvc.metadata.name}-admin", "key": "token", "optional": True}}},
     ]
@@ -204,10 +199,11 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     if spec.host.jemalloc:
         env += [{"name": "LD_PRELOAD", "value": JEMALLOC_PATH}, {"name": "MALLOC_CONF", "value": MALLOC_CONF}]
     if plan.nodes > 1:
-        # The engine reads LWS_LEADER_ADDRESS (set by the LeaderWorkerSet controller) to reach rank 0.
+        # The layout a multi-node engine needs (with LWS_LEADER_ADDRESS, which the LeaderWorkerSet controller sets).
+        # The bundled engine does not run across nodes yet, so the operator renders but does not apply these pods.
         env += [
-            {"name": "NPUSERVE_NNODES", "value": str(plan.nodes)},
-            {"name": "NPUSERVE_NODE_RANK", "valueFrom": {"fieldRef": {
+            {"name": NNODES_ENV, "value": str(plan.nodes)},
+            {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
                 "fieldPath": f"metadata.labels['{LWS_WORKER_INDEX_LABEL}']"}}},
         ]
     return env
@@ -237,7 +233,7 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
         "name": "engine",
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.imagePullPolicy,
-        "command": engine_command(model_path(isvc)),
+        "command": serve_command(model_path(isvc), CONFIG_PATH),
         "env": _env(isvc, plan),
         "resources": _resources(isvc, plan),
         "volumeMounts": mounts,
@@ -253,9 +249,9 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
     if leader:
         container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
         # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
-        container["startupProbe"] = _probe("/health", 10, 180)
-        container["livenessProbe"] = _probe("/health", 10, 3)
-        container["readinessProbe"] = _probe("/ready", 5, 3)
+        container["startupProbe"] = _probe(HEALTH_PATH, 10, 180)
+        container["livenessProbe"] = _probe(HEALTH_PATH, 10, 3)
+        container["readinessProbe"] = _probe(READY_PATH, 5, 3)
     return container
 
 
@@ -302,7 +298,7 @@ def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader
     annotations = {CONFIG_HASH_ANNOTATION: config_digest}
     if leader:
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT),
-                            "prometheus.io/path": "/metrics"})
+                            "prometheus.io/path": METRICS_PATH})
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -386,7 +382,7 @@ def render_podmonitor(isvc: InferenceService, plan: Plan) -> Manifest:
         "spec": {
             "selector": {"matchLabels": _serving_selector(isvc, plan)},
             "podMetricsEndpoints": [
-                {"port": PORT_NAME, "path": "/metrics", "interval": isvc.spec.monitoring.interval}
+                {"port": PORT_NAME, "path": METRICS_PATH, "interval": isvc.spec.monitoring.interval}
             ],
         },
     }

@@ -110,6 +110,28 @@ def test_environment_out_of_range(environ: dict[str, str], message: str) -> None
         EngineEnvironment.from_environ(environ)
 
 
-def test_swapper_flag() -> None:
-    assert EngineEnvironment.from_environ({"MIES_USE_MB_SWAPPER": "1"}).use_mb_swapper
+def test_swapper_flag_is_refused_when_set_and_accepted_when_off() -> None:
+    with pytest.raises(MindIEConfigError, match="MIES_USE_MB_SWAPPER is set"):
+        EngineEnvironment.from_environ({"MIES_USE_MB_SWAPPER": "1"})
     assert not EngineEnvironment.from_environ({"MIES_USE_MB_SWAPPER": "0"}).use_mb_swapper
+
+
+@pytest.mark.parametrize(
+    ("section", "change", "named"),
+    [
+        ("npuserve", {"chunkedPrefill": True}, "npuserve.chunkedPrefill"),
+        ("ScheduleConfig", {"prefillPolicyType": 1}, "ScheduleConfig.prefillPolicyType"),
+        ("ScheduleConfig", {"decodePolicyType": 3}, "ScheduleConfig.decodePolicyType"),
+        ("ScheduleConfig", {"templateType": "Mix"}, "ScheduleConfig.templateType"),
+    ],
+)
+def test_settings_the_engine_does_not_honour_are_refused_by_name(section: str, change: dict[str, object],
+                                                                 named: str) -> None:
+    data = json.loads(EXAMPLE.read_text())
+    if section == "npuserve":
+        data["npuserve"] = change
+    else:
+        data["BackendConfig"][section].update(change)
+    with pytest.raises(MindIEConfigError) as excinfo:
+        MindIEConfig.from_dict(data)
+    assert named in str(excinfo.value)

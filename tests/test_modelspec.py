@@ -43,11 +43,11 @@ def test_mistral_sliding_window_is_refused() -> None:
         ModelSpec.from_hf_config(config)
 
 
-def test_kv_bytes_per_token_splits_heads_and_replicates_when_fewer_than_cards() -> None:
+def test_kv_bytes_per_block_splits_heads_and_replicates_when_fewer_than_cards() -> None:
     spec = MODEL_PRESETS["llama3-8b"]  # 8 kv heads, 32 layers, head 128, bf16
-    assert spec.kv_bytes_per_token(1) == 2 * 32 * 8 * 128 * 2
-    assert spec.kv_bytes_per_token(2) == 2 * 32 * 4 * 128 * 2
-    assert spec.kv_bytes_per_token(16) == 2 * 32 * 1 * 128 * 2  # replicated: one head per card
+    assert spec.kv_bytes_per_block(128, 1) == 2 * 32 * 128 * 8 * 128 * 2
+    assert spec.kv_bytes_per_block(128, 2) == 2 * 32 * 128 * 4 * 128 * 2
+    assert spec.kv_bytes_per_block(128, 16) == 2 * 32 * 128 * 1 * 128 * 2  # replicated: one head per card
 
 
 def test_from_pretrained_reads_the_folder(tmp_path: Path) -> None:

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+from npuserve.engine_contract import SERVABLE_DEVICES, unservable
 
-__all__ = ["AttentionMetadata", "Backend", "MemoryInfo", "get_backend"]
+__all__ = ["AttentionMetadata", "Backend", "MemoryInfo", "get_backend", "resolve_device"]
+
+DEVICES = ("auto", "cpu", "cuda", "npu")
+
+
+def resolve_device(name: str = "auto") -> str:
+    """`auto` is the CPU here (the accelerator backends are not built yet)."""
+    if name not in DEVICES:
+        raise ValueError(f"unknown device backend {name!r}; expected one of {', '.join(DEVICES)}")
+    return "cpu" if name == "auto" else name
 
 
 def get_backend(name: str = "auto") -> Backend:
-    """`auto` picks the CPU here; the `npu` (torch_npu) and `cuda` backends are not built yet and say so."""
-    if name in ("auto", "cpu"):
-        from npuserve.engine.backends.cpu import CPUBackend
+    device = resolve_device(name)
+    if device not in SERVABLE_DEVICES:
+        raise NotImplementedError(unservable(device, 1))
+    from npuserve.engine.backends.cpu import CPUBackend
 
-        return CPUBackend()
-    if name in ("npu", "cuda"):
-        raise NotImplementedError(f"the {name!r} backend is not built yet; use device 'cpu'")
-    raise ValueError(f"unknown device backend {name!r}; expected auto, cpu, cuda or npu")
+    return CPUBackend()

@@ -14,9 +14,9 @@ import torch
 from safetensors.torch import save_file
 
 from npuserve.engine.model.dummy_tokenizer import BOS_ID, EOS_ID, PAD_ID, write_tokenizer
+from npuserve.engine.model.loader import TORCH_DTYPES
 from npuserve.modelspec import ModelSpec
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_MAX_SHARD_BYTES = 2 * 1000**3  # shard when over 2 GB, as transformers' save_pretrained does by default
 
 
@@ -66,7 +66,7 @@ def write_dummy_model(
     folder.mkdir(parents=True, exist_ok=True)
     # The tokenizer is ours, so the special ids are ours too, whatever the preset's real ids were.
     spec = spec.model_copy(update={"bos_token_id": BOS_ID, "eos_token_id": EOS_ID})
-    dtype = _TORCH_DTYPES[spec.dtype]
+    dtype = TORCH_DTYPES[spec.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
 
     shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]

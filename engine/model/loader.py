@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine_contract import DTYPE_BYTES
 from npuserve.modelspec import ModelSpec
 
-TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The contract's dtype table, as torch dtypes.
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
 class WeightLoadError(RuntimeError):

@@ -1,8 +1,10 @@
 """Live schedule changes: `PUT /admin/schedule` (bearer token) and a watch on the config file.
 
 Both go through `apply_schedule`: the new ScheduleConfig is validated against the whole running config (cross-field
-rules included) and applied at the next step; anything invalid is refused and the running config is kept.
-Fields that size memory (cacheBlockSize, npuMemSize, ...) are not hot-applied: the operator rolls the pods for them.
+rules included), handed to the step thread, and the call returns once the scheduler runs it (so `/info` shows it
+at once); anything invalid is refused and the running config is kept. Which fields apply live is the contract's
+table (`engine_contract.HOT_SCHEDULE_FIELDS`); the others (cacheBlockSize sizes the KV pool, and the
+ModelDeployConfig fields) need a restart: the operator rolls the pods for them.
 """
 
 from __future__ import annotations
@@ -18,23 +20,27 @@ from fastapi import APIRouter, Header
 from npuserve.engine.server.errors import APIError
 from npuserve.engine.server.protocol import ScheduleUpdate
 from npuserve.engine.server.state import ServerState, State
+from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ADMIN_TOKEN_ENV, RESTART_SCHEDULE_FIELDS
 from npuserve.mindie_config import MindIEConfig, MindIEConfigError
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
-ADMIN_TOKEN_ENV = "NPUSERVE_ADMIN_TOKEN"
-RESTART_ONLY_FIELDS = ("cacheBlockSize", "templateType", "templateName")
+# Besides the table's restart-only fields, MindIE's template names select the step template (only Standard runs).
+RESTART_ONLY_FIELDS = (*sorted(RESTART_SCHEDULE_FIELDS), "templateType", "templateName")
+APPLY_TIMEOUT_SECONDS = 30.0
 
 
-def apply_schedule(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]:
-    """Validates and hot-applies ScheduleConfig changes; returns the live schedule. Raises MindIEConfigError."""
+async def apply_schedule(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]:
+    """Validates ScheduleConfig changes and hot-applies them; returns the schedule the scheduler then runs.
+    Raises MindIEConfigError (invalid) or TimeoutError (the step thread did not take it)."""
     engine = state.engine.engine
     new_config = engine.config.with_schedule(**changes)
     engine.config = new_config
-    state.engine.update_schedule(new_config.schedule)
+    live = await asyncio.wait_for(asyncio.wrap_future(state.engine.update_schedule(new_config.schedule)),
+                                  APPLY_TIMEOUT_SECONDS)
     log.info("schedule updated: %s", changes)
-    return new_config.schedule.model_dump(mode="json")
+    return live.model_dump(mode="json")
 
 
 def _authorize(state: ServerState, authorization: str | None) -> None:
@@ -45,7 +51,7 @@ def _authorize(state: ServerState, authorization: str | None) -> None:
         raise APIError(401, "a valid bearer token is required", headers={"WWW-Authenticate": "Bearer"})
 
 
-@router.put("/admin/schedule")
+@router.put(ADMIN_SCHEDULE_PATH)
 async def put_schedule(body: ScheduleUpdate, state: State,
                        authorization: Annotated[str | None, Header()] = None) -> dict[str, Any]:
     _authorize(state, authorization)
@@ -53,9 +59,11 @@ async def put_schedule(body: ScheduleUpdate, state: State,
     if not changes:
         raise APIError(422, "no ScheduleConfig field given", param="body")
     try:
-        schedule = apply_schedule(state, changes)
+        schedule = await apply_schedule(state, changes)
     except MindIEConfigError as e:
         raise APIError(422, str(e), param=_first_field(str(e))) from e
+    except TimeoutError as e:
+        raise APIError(503, "the engine's step loop did not take the schedule in time; retry") from e
     return {"schedule": schedule}
 
 
@@ -86,7 +94,7 @@ class ConfigWatcher:
             return None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
-    def check(self) -> None:
+    async def check(self) -> None:
         fingerprint = self._fingerprint()
         if fingerprint is None or fingerprint == self._seen:
             return
@@ -108,7 +116,7 @@ class ConfigWatcher:
             log.warning("config file changes to %s need a restart; they are not applied", ", ".join(restart_only))
         if changes:
             try:
-                apply_schedule(self.state, changes)
+                await apply_schedule(self.state, changes)
                 self.applied += 1
             except MindIEConfigError as e:
                 self.rejected += 1
@@ -118,6 +126,6 @@ class ConfigWatcher:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                self.check()
+                await self.check()
             except Exception:  # the watcher must never take the server down
                 log.exception("config watch failed")

@@ -19,6 +19,7 @@ from npuserve.engine.server.async_engine import AsyncEngine
 from npuserve.engine.server.chat_template import ChatTemplate
 from npuserve.engine.server.errors import APIError, api_error_handler, validation_error_handler
 from npuserve.engine.server.state import ServerState, State
+from npuserve.engine_contract import HEALTH_PATH, INFO_PATH, METRICS_PATH, READY_PATH, EngineInfo
 
 
 def _chat_template(engine: AsyncEngine) -> ChatTemplate | None:
@@ -57,12 +58,12 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app.include_router(tgi_api.router)
     app.include_router(admin.router)
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> dict[str, str]:
         """The process is alive (liveness)."""
         return {"status": "ok"}
 
-    @app.get("/ready", response_model=None)
+    @app.get(READY_PATH, response_model=None)
     async def ready(state: State) -> dict[str, Any] | JSONResponse:
         """The model is loaded and warmed up and the server takes requests (readiness)."""
         engine = state.engine
@@ -71,18 +72,15 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
         reason = "draining" if engine.draining else engine.step_error or "loading"
         return JSONResponse({"ready": False, "reason": reason}, status_code=503)
 
-    @app.get("/info")
-    async def info(state: State) -> dict[str, Any]:
-        """Model, worldSize, the KV blocks actually allocated, block size and the live schedule."""
+    @app.get(INFO_PATH)
+    async def info(state: State) -> EngineInfo:
+        """Model, worldSize, the KV blocks actually allocated, block size and the schedule the scheduler runs."""
         engine = state.engine
-        # The accepted schedule: the scheduler takes it at its next step, which an idle server has not run yet.
-        schedule = engine.engine.config.schedule.model_dump(mode="json")
-        return {**engine.engine.info(), "schedule": schedule, "served_model_name": state.served_model_name,
-                "version": __version__,
-                "ready": engine.ready, "max_waiting_requests": engine.max_waiting,
-                "num_requests_in_flight": engine.num_in_flight()}
+        return engine.engine.info(served_model_name=state.served_model_name, version=__version__,
+                                  ready=engine.ready, max_waiting_requests=engine.max_waiting,
+                                  num_requests_in_flight=engine.num_in_flight())
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH)
     async def metrics(state: State) -> Response:
         return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

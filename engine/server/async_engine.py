@@ -13,9 +13,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 
-from npuserve.engine.engine import LLMEngine, RequestOutput
+from npuserve.engine.engine import EngineSnapshot, LLMEngine, StepResult
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.scheduler import StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
@@ -63,9 +65,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.draining = False
         self.step_error: str | None = None
-        self._preemptions_seen = 0
-        self.metrics.set_state(running=0, waiting=0, swapped=0, kv_usage=0.0,
-                               kv_blocks_total=engine.kv_plan.num_blocks)
+        self._publish_state(engine.snapshot)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -99,9 +99,10 @@ class AsyncEngine:
     # --- requests ----------------------------------------------------------------------------------------------
 
     def num_waiting(self) -> int:
-        """Requests not yet running: in the scheduler's waiting queue or still in the engine's inbox."""
-        scheduler = self.engine.scheduler
-        return max(0, self.num_in_flight() - scheduler.num_running - scheduler.num_swapped)
+        """Requests not yet running: in the scheduler's waiting queue or still in the engine's inbox (from the
+        snapshot the step thread published after its last step: the scheduler itself is the step thread's)."""
+        snapshot = self.engine.snapshot
+        return max(0, self.num_in_flight() - snapshot.running - snapshot.swapped)
 
     def submit(self, prompt: str | list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
@@ -133,9 +134,11 @@ class AsyncEngine:
             self.engine.abort(rid)  # client gone: blocks freed at the next step
             self._wake.set()
 
-    def update_schedule(self, schedule: ScheduleSection) -> None:
-        self.engine.update_schedule(schedule)
+    def update_schedule(self, schedule: ScheduleSection) -> Future[ScheduleSection]:
+        """Resolves with the schedule the scheduler runs once the step thread has taken it."""
+        done = self.engine.update_schedule(schedule)
         self._wake.set()
+        return done
 
     # --- the step thread ---------------------------------------------------------------------------------------
 
@@ -143,41 +146,36 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             if not engine.has_unfinished():
-                self._publish_state()
                 self._wake.wait(_IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 continue
             try:
-                outputs = engine.step()
+                result = engine.step()
             except Exception as e:  # a broken step must fail its requests, not hang them
                 log.exception("engine step failed")
                 self.step_error = f"{type(e).__name__}: {e}"
-                self._fail_all(self.step_error)
+                self._fail_all(ENGINE_FAILURE_PREFIX + self.step_error)
                 continue
+            self.step_error = None
             now = time.monotonic()
-            self._record_step()
-            for output in outputs:
+            self._record_step(result)
+            for output in result.outputs:
                 self._deliver(output, now)
-            if engine.last_step is None:
+            if result.stats is None:  # no model ran: waiting out maxQueueDelayMicroseconds
                 time.sleep(_DELAY_POLL_SECONDS)
 
-    def _record_step(self) -> None:
-        step = self.engine.last_step
-        scheduler = self.engine.scheduler
-        preemptions = scheduler.num_preemptions_total - self._preemptions_seen
-        self._preemptions_seen = scheduler.num_preemptions_total
+    def _record_step(self, result: StepResult) -> None:
+        step = result.stats
         if step is not None:
             kind = "prefill" if step.kind is StepKind.PREFILL else "decode"
-            self.metrics.observe_step(kind, step.num_seqs, preemptions)
-        elif preemptions:
-            self.metrics.observe_step("decode", 0, preemptions)
-        self._publish_state()
+            self.metrics.observe_step(kind, step.num_seqs, result.num_preemptions)
+        elif result.num_preemptions:
+            self.metrics.observe_step("decode", 0, result.num_preemptions)
+        self._publish_state(result.snapshot)
 
-    def _publish_state(self) -> None:
-        scheduler, kv = self.engine.scheduler, self.engine.kv
-        self.metrics.set_state(running=scheduler.num_running, waiting=scheduler.num_waiting,
-                               swapped=scheduler.num_swapped, kv_usage=kv.usage,
-                               kv_blocks_total=kv.num_device_blocks)
+    def _publish_state(self, snapshot: EngineSnapshot) -> None:
+        self.metrics.set_state(running=snapshot.running, waiting=snapshot.waiting, swapped=snapshot.swapped,
+                               kv_usage=snapshot.kv_usage, kv_blocks_total=snapshot.kv_blocks_total)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         with self._lock:
@@ -193,15 +191,24 @@ class AsyncEngine:
         if output.finished:
             self.metrics.observe_finished(_sample(output))
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, error: str) -> None:
+        """Every unfinished request ends with `error`, its blocks freed; its client gets the error."""
+        try:
+            failed = self.engine.fail_all(error)
+        except Exception:  # the engine's state is past repair: answer the clients anyway
+            log.exception("could not end the requests of a failed step")
+            failed = []
+        now = time.monotonic()
+        for output in failed:
+            self._deliver(output, now)
         with self._lock:
-            streams = dict(self._streams)
-        for rid, stream in streams.items():
-            self.engine.abort(rid)
-            failed = RequestOutput(request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[],
-                                   text="", num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR,
-                                   error=ENGINE_FAILURE_PREFIX + message)
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failed)
+            orphans = [(rid, stream) for rid, stream in self._streams.items()
+                       if rid not in {o.request_id for o in failed}]
+        for rid, stream in orphans:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
+                request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
+                num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error))
+        self._publish_state(self.engine.snapshot)
 
 
 class RequestStream:

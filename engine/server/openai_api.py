@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from npuserve.engine.engine import RequestOutput
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.chat_template import ChatTemplateError

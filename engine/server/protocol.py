@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from npuserve.engine_contract import schedule_field
+
 # --- shared --------------------------------------------------------------------------------------------------------
 
 
@@ -296,18 +298,19 @@ class GenerateResponse(BaseModel):
 
 
 class ScheduleUpdate(BaseModel):
-    """PUT /admin/schedule: any ScheduleConfig fields; the rest stay as they are."""
+    """PUT /admin/schedule: any of the hot ScheduleConfig fields; the rest stay as they are. Ranges are the
+    contract's; a restart-only field (cacheBlockSize) is refused by name."""
 
     model_config = ConfigDict(extra="forbid")
 
-    maxPrefillBatchSize: int | None = None
-    maxPrefillTokens: int | None = None
-    prefillTimeMsPerReq: int | None = None
-    decodeTimeMsPerReq: int | None = None
-    maxBatchSize: int | None = None
-    maxIterTimes: int | None = None
-    maxPreemptCount: int | None = None
-    supportSelectBatch: bool | None = None
-    maxQueueDelayMicroseconds: int | None = None
-    prefillPolicyType: int | None = None
-    decodePolicyType: int | None = None
+    maxPrefillBatchSize: int | None = schedule_field("maxPrefillBatchSize", optional=True)
+    maxPrefillTokens: int | None = schedule_field("maxPrefillTokens", optional=True)
+    prefillTimeMsPerReq: int | None = schedule_field("prefillTimeMsPerReq", optional=True)
+    decodeTimeMsPerReq: int | None = schedule_field("decodeTimeMsPerReq", optional=True)
+    maxBatchSize: int | None = schedule_field("maxBatchSize", optional=True)
+    maxIterTimes: int | None = schedule_field("maxIterTimes", optional=True)
+    maxPreemptCount: int | None = schedule_field("maxPreemptCount", optional=True)
+    supportSelectBatch: bool | None = schedule_field("supportSelectBatch", optional=True)
+    maxQueueDelayMicroseconds: int | None = schedule_field("maxQueueDelayMicroseconds", optional=True)
+    prefillPolicyType: int | None = schedule_field("prefillPolicyType", optional=True)
+    decodePolicyType: int | None = schedule_field("decodePolicyType", optional=True)

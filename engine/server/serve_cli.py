@@ -1,4 +1,8 @@
-"""`npuserve serve`: load the model, warm up, serve HTTP. Torch is imported only when the command runs."""
+"""`npuserve serve`: bind the CPUs, load the model, warm up, serve HTTP.
+
+Torch is imported only when the command runs, after the CPU binding (its thread pools size themselves from the
+process's affinity). The flags the operator passes are the contract's (`engine_contract.serve_command`).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,24 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from npuserve.engine_contract import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_HOST,
+    ENGINE_PORT,
+    FLAG_CONFIG,
+    FLAG_HOST,
+    FLAG_MODEL,
+    FLAG_PORT,
+)
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF model folder (default: the config's modelWeightPath)")
-    parser.add_argument("--config", help="MindIE config.json (watched: ScheduleConfig changes apply live)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(FLAG_MODEL, help="HF model folder (default: the config's modelWeightPath)")
+    parser.add_argument(FLAG_CONFIG, help="MindIE config.json (watched: ScheduleConfig changes apply live)")
+    parser.add_argument(FLAG_HOST, help=f"address to bind (default: the config's ServerConfig.ipAddress, else "
+                        f"{DEFAULT_HOST})")
+    parser.add_argument(FLAG_PORT, type=int,
+                        help=f"port (default: the config's ServerConfig.port, else {ENGINE_PORT})")
     parser.add_argument("--served-model-name", help="the model name clients send (default: modelName)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="overrides npuserve.device")
     parser.add_argument("--max-waiting-requests", type=int, help="waiting-queue bound before 429 "
@@ -51,24 +67,44 @@ def _config(args: argparse.Namespace) -> Any:
     return MindIEConfig.from_dict(data, source=args.config or "arguments")
 
 
+def _address(args: argparse.Namespace, config: Any) -> tuple[str, int]:
+    """--host/--port, else MindIE's ServerConfig.ipAddress/port, else the contract's defaults."""
+    server = config.ServerConfig
+    host = args.host or server.get("ipAddress") or DEFAULT_HOST
+    port = args.port if args.port is not None else int(server.get("port") or ENGINE_PORT)
+    return str(host), port
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from npuserve.mindie_config import MindIEConfigError
+    from npuserve.engine.affinity import CPUBindingError, apply_cpu_binding
+    from npuserve.engine.servable import UnservableConfigError
+    from npuserve.mindie_config import EngineEnvironment, MindIEConfigError
 
     try:
+        apply_cpu_binding()  # before torch is imported
+        environment = EngineEnvironment.from_environ()
         config = _config(args)
-    except (ValueError, MindIEConfigError, OSError) as e:
+        host, port = _address(args, config)
+    except (ValueError, MindIEConfigError, OSError, CPUBindingError) as e:
         print(f"npuserve serve: {e}", file=sys.stderr)
         return 2
+    if config.LogConfig:
+        logging.getLogger(__name__).warning(
+            "LogConfig is not acted on: the engine logs to stderr at --log-level (%s)", args.log_level)
 
     import uvicorn
 
     from npuserve.engine.engine import LLMEngine
-    from npuserve.engine.server.admin import ADMIN_TOKEN_ENV
     from npuserve.engine.server.app import build_app
     from npuserve.engine.server.async_engine import AsyncEngine
 
-    engine = AsyncEngine(LLMEngine(config, seed=args.seed))
+    try:
+        llm = LLMEngine(config, env=environment, seed=args.seed)
+    except UnservableConfigError as e:
+        print(f"npuserve serve: {e}", file=sys.stderr)
+        return 2
+    engine = AsyncEngine(llm)
     app = build_app(engine, admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
                     config_path=Path(args.config) if args.config else None, drain_timeout=args.drain_timeout)
 
@@ -79,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             engine.draining = True
             super().handle_exit(sig, frame)
 
-    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.drain_timeout)))
     # uvicorn re-raises the signal it caught once it has shut down; with a Python handler in place that re-raise
     # is a no-op, so a drained SIGTERM ends with exit status 0 (what Kubernetes records as a clean stop).

@@ -9,7 +9,8 @@ from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 
-from npuserve.engine.engine import RequestError, RequestOutput
+from npuserve.engine.engine import RequestError
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.async_engine import (
     AsyncEngine,

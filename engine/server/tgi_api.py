@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from npuserve.engine.engine import RequestOutput
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.errors import error_body

@@ -170,12 +170,14 @@ def test_engine_image_provides_jemalloc_where_the_renderer_preloads_it(engine: D
 
 
 def test_engine_image_runs_as_the_renderers_uid_with_npuserve_as_entrypoint(engine: Dockerfile) -> None:
-    from npuserve.operator.render import ENGINE_UID, engine_command
+    from npuserve.engine_contract import serve_command
+    from npuserve.operator.render import ENGINE_UID
 
     assert user_id(engine.final) == ENGINE_UID != 0
     assert str(ENGINE_UID) == stage_arg(engine.final, "ENGINE_UID")
     assert exec_form(engine.final.last("ENTRYPOINT")) == ["npuserve"]
-    assert engine_command("/models")[0] == "npuserve"  # pods replace the entrypoint with the same program
+    # pods replace the entrypoint with the same program
+    assert serve_command("/models", "/etc/npuserve/config.json")[0] == "npuserve"
     steps = [ins for ins, _ in engine.final.steps]
     assert steps.index("USER") > max(i for i, ins in enumerate(steps) if ins == "RUN")  # nothing runs as root after
 

@@ -296,7 +296,7 @@ def test_operator_cli_parses_the_rendered_command(helm: Path, tmp_path: Path) ->
     """The rendered command line through the real `npuserve operator` parser gives back the values."""
     from npuserve import cli
 
-    parser = cli.build_parser()
+    parser = cli.build_parser(every=True)
     parsed = {}
     for name, values in VALUE_SETS.items():
         c = container(render(helm, tmp_path, values))

@@ -25,7 +25,7 @@ def engine(tiny_model_dir: Path) -> LLMEngine:
 def run_all(engine: LLMEngine) -> dict[str, list[object]]:
     outs: dict[str, list[object]] = {}
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in engine.step().outputs:
             outs.setdefault(o.request_id, []).append(o)
     return outs
 
@@ -35,7 +35,7 @@ def test_aborts_leak_no_block(engine: LLMEngine) -> None:
     for i in range(8):
         engine.add_request(f"a{i}", prompt_token_ids=list(range(5, 5 + 3 * i + 2)), params=params)
     engine.abort("a7")  # aborted before it was ever scheduled
-    early = [o for _ in range(5) for o in engine.step()]
+    early = [o for _ in range(5) for o in engine.step().outputs]
     engine.abort("a0")
     engine.abort("a3")
     engine.abort("unknown")  # ignored
@@ -95,7 +95,7 @@ def test_refused_requests(engine: LLMEngine) -> None:
 
 def test_info_reports_blocks(engine: LLMEngine) -> None:
     info = engine.info()
-    assert info["kv_blocks"] == 64 and info["block_size"] == 4 and info["device"] == "cpu"
+    assert info.kv_blocks == 64 and info.block_size == 4 and info.device == "cpu"
 
 
 def test_generate_cli(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,8 +129,25 @@ def test_step_stats_count_the_tokens_computed(engine: LLMEngine) -> None:
     engine.add_request("stats-b", None, params, prompt_token_ids=[21, 22, 23])
     seen: list[tuple[str, int, int]] = []
     while engine.has_unfinished():
-        engine.step()
-        if engine.last_step is not None:
-            seen.append((engine.last_step.kind.value, engine.last_step.num_seqs, engine.last_step.num_tokens))
+        stats = engine.step().stats
+        if stats is not None:
+            seen.append((stats.kind.value, stats.num_seqs, stats.num_tokens))
     assert seen[0] == ("prefill", 2, 8)  # every prompt token, not one per sequence
     assert all(tokens == seqs for kind, seqs, tokens in seen[1:] if kind == "decode")
+
+
+def test_schedule_update_takes_effect_at_the_next_step_and_reports_what_runs(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    done = engine.update_schedule(engine.config.with_schedule(maxBatchSize=2, maxPrefillBatchSize=2).schedule)
+    assert not done.done()  # taken on the step thread, not by the caller
+    for i in range(5):
+        engine.add_request(f"sched-{i}", None, params, prompt_token_ids=[10 + i, 20, 30])
+    batches = []
+    while engine.has_unfinished():
+        result = engine.step()
+        if result.stats is not None:
+            batches.append(result.stats.num_seqs)
+        assert result.snapshot.running <= 2
+    assert done.result(timeout=0).maxBatchSize == 2
+    assert engine.info().schedule["maxBatchSize"] == 2
+    assert max(batches) == 2

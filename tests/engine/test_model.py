@@ -17,7 +17,7 @@ from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.engine.backends import get_backend  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import WeightLoadError, load_model  # noqa: E402
-from npuserve.engine.runner import GiB, bytes_per_block, plan_kv_blocks  # noqa: E402
+from npuserve.engine.runner import GiB, plan_kv_blocks  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -86,7 +86,7 @@ def test_llama3_rope_matches_transformers() -> None:
 def test_kv_sizing() -> None:
     spec = get_model_preset("tiny")
     backend = get_backend("cpu")
-    per_block = bytes_per_block(spec, 16, torch.float32)
+    per_block = spec.kv_bytes_per_block(16, dtype="float32")
     assert per_block == 2 * spec.num_layers * 16 * spec.num_key_value_heads * spec.head_dim * 4
     fixed = plan_kv_blocks(spec, backend, block_size=16, dtype=torch.float32, npu_mem_size_gib=1,
                            cpu_mem_size_gib=0, max_batch_size=4, max_seq_len=64)

@@ -1,7 +1,7 @@
 """Which HTTP status an output that ended in error gets: the server's fault (a crashed step) is 500, a request
 that can never be served (longer than the whole KV cache) is 400."""
 
-from npuserve.engine.engine import RequestOutput
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason
 from npuserve.engine.server.async_engine import ENGINE_FAILURE_PREFIX
 from npuserve.engine.server.state import error_status

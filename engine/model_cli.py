@@ -1,4 +1,5 @@
-"""`npuserve model ...`: model folder utilities. Torch is imported only when a command runs."""
+"""`npuserve model ...`: model folder utilities (the engine's: they write weights). Torch is imported only when a
+command runs."""
 
 from __future__ import annotations
 

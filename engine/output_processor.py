@@ -1,0 +1,114 @@
+"""From scheduled sequences to per-request outputs: incremental detokenization, stop strings, output assembly.
+
+vLLM's front end keeps this apart from the core loop; so do we. The engine hands over, after each step, the
+sequences that got a token or ended; the processor turns them into `RequestOutput`s (the increments since the last
+output and the totals). A stop string found in the text ends its request through `Scheduler.finish`, the one way
+back into the scheduler, so its blocks are freed in the same step. Runs on the step-loop thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from npuserve.engine.detokenizer import IncrementalDetokenizer, TokenizerLike
+from npuserve.engine.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request. `new_*` are the increments; the rest is cumulative."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float] | None
+    token_ids: list[int]  # all output tokens so far
+    text: str  # all output text so far (stop string excluded)
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)  # see `request_metrics`
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request_id: str
+    seq: Sequence
+    detok: IncrementalDetokenizer | None
+    num_emitted: int = 0  # output tokens already reported
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: TokenizerLike | None, finish: Callable[[Sequence, FinishReason], None]) -> None:
+        self.tokenizer = tokenizer
+        self._finish = finish  # Scheduler.finish
+        self._by_seq: dict[int, _Tracked] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_seq)
+
+    def sequence(self, seq_id: int) -> Sequence | None:
+        tracked = self._by_seq.get(seq_id)
+        return tracked.seq if tracked is not None else None
+
+    def track(self, request_id: str, seq: Sequence) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop) if self.tokenizer is not None else None
+        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, detok)
+
+    def process(self, ended: Iterable[Sequence], stepped: Iterable[Sequence]) -> list[RequestOutput]:
+        """`ended`: sequences the scheduler ended outside the model (aborts, admission errors); `stepped`: those
+        the step ran, finished or not. Returns an output for each one that got a token or ended."""
+        outputs = [self._output(t, finished=True) for t in self._tracked(ended)]
+        for tracked in self._tracked(stepped):
+            seq = tracked.seq
+            finished = seq.finish_reason is not None
+            if finished or seq.num_output_tokens > tracked.num_emitted:
+                outputs.append(self._output(tracked, finished))
+        return outputs
+
+    def _tracked(self, seqs: Iterable[Sequence]) -> list[_Tracked]:
+        return [t for t in (self._by_seq.get(s.seq_id) for s in seqs) if t is not None]
+
+    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        seq = tracked.seq
+        new_ids = seq.output_token_ids[tracked.num_emitted :]
+        new_logprobs = seq.output_logprobs[tracked.num_emitted :] if seq.sampling.logprobs else None
+        new_text = text = ""
+        if tracked.detok is not None:
+            new_text = tracked.detok.add(new_ids) if new_ids else ""
+            if tracked.detok.stopped and not finished:
+                self._finish(seq, FinishReason.STOP)  # its blocks are freed now
+                finished = True
+            if finished:
+                new_text += tracked.detok.finish()
+            text = tracked.detok.text
+        tracked.num_emitted = seq.num_output_tokens
+        if finished:
+            self._by_seq.pop(seq.seq_id, None)
+        return RequestOutput(
+            request_id=tracked.request_id, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
+            token_ids=seq.output_token_ids, text=text, num_prompt_tokens=seq.num_prompt_tokens, finished=finished,
+            finish_reason=seq.finish_reason if finished else None, error=seq.error, metrics=request_metrics(seq),
+        )
+
+
+def request_metrics(seq: Sequence) -> dict[str, float]:
+    """Per-request timings (seconds) and batch sizes: the `npuserve` field of responses, and the histograms."""
+    m: dict[str, float] = {"arrival_time": seq.arrival_time}
+    if seq.first_scheduled_time is not None:
+        m["queue_time"] = seq.first_scheduled_time - seq.arrival_time
+        if seq.first_token_time is not None:
+            m["prefill_time"] = seq.first_token_time - seq.first_scheduled_time
+    if seq.first_token_time is not None:
+        m["ttft"] = seq.first_token_time - seq.arrival_time
+        if seq.finished_time is not None:
+            m["decode_time"] = seq.finished_time - seq.first_token_time
+    if seq.finished_time is not None:
+        m["e2e"] = seq.finished_time - seq.arrival_time
+    m["prefill_batch_size"] = float(seq.prefill_batch_size)
+    if seq.num_decode_steps:
+        m["mean_decode_batch_size"] = seq.decode_batch_size_sum / seq.num_decode_steps
+    m["num_preemptions"] = float(seq.num_preemptions)
+    return m

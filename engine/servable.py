@@ -1,0 +1,45 @@
+"""What the engine refuses at start-up: MindIE settings it would otherwise accept and not act on.
+
+A MindIE `config.json` loads as it is (npuserve/mindie_config.py), but a setting that changes what MindIE does and
+that this engine does not do is refused here, each with a message naming it, rather than silently ignored. The
+device and worldSize limits are the contract's (`engine_contract.unservable`), the same words the operator puts in
+the InferenceService's status.
+"""
+
+from __future__ import annotations
+
+from npuserve.engine_contract import unservable
+from npuserve.mindie_config import MindIEConfig
+
+
+class UnservableConfigError(ValueError):
+    """The configuration asks for something this engine does not do; the message names each setting."""
+
+
+def refusals(config: MindIEConfig, device: str) -> list[str]:
+    """Every setting of `config` the engine would not honour, as `path: why`; `device` is the resolved backend."""
+    backend, model = config.BackendConfig, config.model
+    out: list[str] = []
+    layout = unservable(device, model.worldSize)
+    if layout is not None:
+        out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize / npuserve.device: {layout}")
+    if backend.multiNodesInferEnabled:
+        out.append("BackendConfig.multiNodesInferEnabled: multi-node inference is not built yet")
+    if backend.modelInstanceNumber != 1:
+        out.append(f"BackendConfig.modelInstanceNumber is {backend.modelInstanceNumber}: one engine serves one "
+                   "model instance; run more replicas instead")
+    if len(backend.ModelDeployConfig.ModelConfig) != 1:
+        out.append("BackendConfig.ModelDeployConfig.ModelConfig: one engine serves exactly one model")
+    if model.trustRemoteCode:
+        out.append("ModelConfig[0].trustRemoteCode: the engine runs only its built-in architectures and never "
+                   "runs a model's own code; set it false")
+    if config.ServerConfig.get("httpsEnabled"):
+        out.append("ServerConfig.httpsEnabled: the engine serves plain HTTP; terminate TLS in front of it "
+                   "(Service mesh, ingress) and set it false")
+    return out
+
+
+def check_servable(config: MindIEConfig, device: str) -> None:
+    problems = refusals(config, device)
+    if problems:
+        raise UnservableConfigError("the engine cannot serve this configuration:\n  " + "\n  ".join(problems))

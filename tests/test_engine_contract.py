@@ -1,0 +1,118 @@
+"""The operator-engine contract (npuserve/engine_contract.py): defined once, and every schema takes it from there."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from npuserve import engine_contract as contract
+from npuserve.catalog.models import get_model_preset
+from npuserve.mindie_config import ScheduleSection
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_DIRS = ("npuserve", "engine", "operator", "loadgen")
+
+# MindIE's shipped ScheduleConfig defaults and documented ranges (DESIGN.md 2.1), written out here on purpose.
+MINDIE_DEFAULTS = {"cacheBlockSize": 128, "maxPrefillBatchSize": 50, "maxPrefillTokens": 8192,
+                   "prefillTimeMsPerReq": 150, "decodeTimeMsPerReq": 50, "maxBatchSize": 200, "maxIterTimes": 512,
+                   "maxPreemptCount": 0, "supportSelectBatch": False, "maxQueueDelayMicroseconds": 5000}
+
+
+def _schemas() -> dict[str, type[BaseModel]]:
+    from npuserve.engine.server.protocol import ScheduleUpdate
+    from npuserve.operator.api import PlanSchedule, ScheduleKnobs
+
+    return {"config.json": ScheduleSection, "CRD spec.engine.schedule": ScheduleKnobs, "plan": PlanSchedule,
+            "PUT /admin/schedule": ScheduleUpdate}
+
+
+def _bounds(prop: dict[str, Any]) -> tuple[Any, Any]:
+    """minimum/maximum of a JSON-schema property (through anyOf for optional fields)."""
+    for variant in [prop, *prop.get("anyOf", [])]:
+        if "minimum" in variant or "maximum" in variant or variant.get("type") in ("integer", "boolean"):
+            return variant.get("minimum"), variant.get("maximum")
+    return None, None
+
+
+def test_mindie_defaults_and_ranges() -> None:
+    assert {f.name: f.default for f in contract.SCHEDULE_FIELDS} == MINDIE_DEFAULTS | {
+        "prefillPolicyType": 0, "decodePolicyType": 0}
+    by_name = contract.SCHEDULE_FIELD_BY_NAME
+    assert (by_name["maxQueueDelayMicroseconds"].ge, by_name["maxQueueDelayMicroseconds"].le) == (500, 1_000_000)
+    assert (by_name["maxBatchSize"].ge, by_name["maxBatchSize"].le) == (1, 5000)
+    assert {"cacheBlockSize"} == contract.RESTART_SCHEDULE_FIELDS
+    assert ScheduleSection().model_dump(include=set(MINDIE_DEFAULTS)) == MINDIE_DEFAULTS
+
+
+@pytest.mark.parametrize("where", ["config.json", "CRD spec.engine.schedule", "plan", "PUT /admin/schedule"])
+def test_every_schedule_schema_takes_its_ranges_from_the_table(where: str) -> None:
+    schema = _schemas()[where].model_json_schema()["properties"]
+    for name, prop in schema.items():
+        if name in ("templateType", "templateName"):
+            continue
+        field = contract.SCHEDULE_FIELD_BY_NAME[name]  # a field outside the table is a second definition
+        assert _bounds(prop) == (field.ge, field.le), f"{where}: {name}"
+
+
+def test_which_schema_has_which_fields() -> None:
+    schemas = _schemas()
+    assert set(schemas["PUT /admin/schedule"].model_fields) == contract.HOT_SCHEDULE_FIELDS
+    assert set(schemas["CRD spec.engine.schedule"].model_fields) == set(contract.SCHEDULE_KNOBS)
+    assert set(schemas["config.json"].model_fields) >= set(contract.SCHEDULE_FIELD_BY_NAME)
+
+
+def test_the_crd_on_disk_carries_the_table_ranges() -> None:
+    crd = yaml.safe_load((ROOT / "deploy" / "crds" / "inferenceservices.npuserve.io.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    knobs = spec["properties"]["engine"]["properties"]["schedule"]["properties"]
+    assert set(knobs) == set(contract.SCHEDULE_KNOBS)
+    for name, prop in knobs.items():
+        field = contract.SCHEDULE_FIELD_BY_NAME[name]
+        assert (prop.get("minimum"), prop.get("maximum")) == (field.ge, field.le), name
+
+
+def test_kv_bytes_per_block() -> None:
+    llama3 = dict(num_layers=32, block_size=128, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+    assert contract.kv_bytes_per_block(**llama3) == 16 * 1024 * 1024  # 2 x 32 x 128 x 8 x 128 x 2 bytes
+    assert contract.kv_bytes_per_block(**llama3, world_size=2) == 8 * 1024 * 1024  # kv heads split over 2 cards
+    assert contract.kv_bytes_per_block(**llama3, world_size=16) == 2 * 1024 * 1024  # fewer heads: replicated
+    assert get_model_preset("llama3-8b").kv_bytes_per_block(128, 2) == 8 * 1024 * 1024
+
+
+def test_unservable_names_what_is_missing() -> None:
+    assert contract.unservable("cpu", 1) is None
+    assert "device 'npu'" in (contract.unservable("npu", 1) or "")
+    message = contract.unservable("cpu", 4, nodes=2) or ""
+    assert "worldSize 4" in message and "2 nodes" in message
+
+
+def _literal_defined_in(literal: str) -> list[str]:
+    pattern = re.compile(re.escape(f'"{literal}"'))
+    return sorted(str(p.relative_to(ROOT)) for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
+                  if pattern.search(p.read_text()))
+
+
+@pytest.mark.parametrize("literal", [
+    contract.ADMIN_TOKEN_ENV, contract.CPU_BINDING_ENV, contract.NUMA_NODE_ENV, contract.NNODES_ENV,
+    contract.NODE_RANK_ENV, contract.LEADER_ADDRESS_ENV, contract.USE_MB_SWAPPER_ENV,
+    contract.NPU_MEMORY_FRACTION_ENV, *contract.RECOMPUTE_THRESHOLD_ENVS, contract.FLAG_CONFIG,
+    contract.ADMIN_SCHEDULE_PATH, contract.INFO_PATH,
+])
+def test_each_contract_name_is_spelled_once(literal: str) -> None:
+    assert _literal_defined_in(literal) == ["npuserve/engine_contract.py"]
+
+
+def test_contracts_import_neither_the_engine_nor_the_operator() -> None:
+    modules = sorted(f"npuserve.{p.stem}" for p in (ROOT / "npuserve").glob("*.py") if p.stem != "__init__")
+    code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' "
+            "or m.split('.')[:2] in (['npuserve', 'engine'], ['npuserve', 'operator']))\nprint(bad)")
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
