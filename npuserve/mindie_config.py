@@ -2,9 +2,11 @@
 
 Field names are exactly MindIE's (the classes are named `...Section` because MindIE names its
 fields after their sections), so a user's existing MindIE file loads as it is. Sections npuserve does not act on
-(LogConfig, ServerConfig and the TLS fields of BackendConfig) are kept as given, so a file dumps back unchanged.
-Ranges are MindIE's documented ones; a value out of range is refused with the field's path in the message.
-Extensions MindIE lacks live under the top-level `npuserve` key, which MindIE ignores.
+(LogConfig, ServerConfig but its address, and the TLS fields of BackendConfig) are kept as given, so a file dumps
+back unchanged. Ranges are MindIE's documented ones (the ScheduleConfig ones from the contract's field table); a
+value out of range, or a setting this engine does not honour, is refused with the field's path in the message
+(more refusals at engine start-up: `npuserve.engine.servable`). Extensions MindIE lacks live under the top-level
+`npuserve` key, which MindIE ignores.
 """
 
 from __future__ import annotations
