@@ -1,6 +1,6 @@
 from prometheus_client.parser import text_string_to_metric_families
 
-from npuserve.engine.server.metrics import TTFT_BUCKETS, EngineMetrics, FinishedRequestSample
+from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
 
 DESIGN_NAMES = {
     "npuserve:time_to_first_token_seconds", "npuserve:time_per_output_token_seconds",
@@ -67,10 +67,51 @@ def test_steps_and_state() -> None:
     assert s["npuserve:kv_cache_usage_perc"] == 0.5
 
 
+# vLLM's published bucket boundaries, copied from vllm/v1/metrics/loggers.py of vLLM v0.11 (`PrometheusStatLogger`;
+# the TTFT, TPOT and request-latency lists are the same in the v0.10 series). vLLM buckets
+# vllm:inter_token_latency_seconds as vllm:time_per_output_token_seconds.
+VLLM_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0, 160.0, 640.0, 2560.0]
+VLLM_TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                     40.0, 80.0]
+VLLM_REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# vLLM has no per-step batch-size histogram: these are ours, powers of two, pinned so that a change is deliberate.
+BATCH_SIZE_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+
+EXPECTED_BUCKETS = {
+    "npuserve:time_to_first_token_seconds": VLLM_TTFT_BUCKETS,
+    "npuserve:time_per_output_token_seconds": VLLM_TPOT_BUCKETS,
+    "npuserve:inter_token_latency_seconds": VLLM_TPOT_BUCKETS,
+    "npuserve:e2e_request_latency_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "npuserve:request_queue_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "npuserve:request_prefill_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "npuserve:request_decode_time_seconds": VLLM_REQUEST_LATENCY_BUCKETS,
+    "npuserve:prefill_batch_size": BATCH_SIZE_BUCKETS,
+    "npuserve:decode_batch_size": BATCH_SIZE_BUCKETS,
+}
+
+
+def _exported_buckets(metrics: EngineMetrics) -> dict[str, list[float]]:
+    """Each histogram's upper bounds as /metrics exports them (the `le` labels, +Inf left out)."""
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        if family.type == "histogram":
+            out[family.name] = [float(s.labels["le"]) for s in family.samples
+                                if s.name.endswith("_bucket") and s.labels["le"] != "+Inf"]
+    return out
+
+
 def test_buckets_are_vllms() -> None:
-    assert TTFT_BUCKETS[0] == 0.001 and TTFT_BUCKETS[-1] == 2560.0
+    exported = _exported_buckets(EngineMetrics("m"))
+    assert set(exported) == set(EXPECTED_BUCKETS)
+    for name, expected in EXPECTED_BUCKETS.items():
+        assert exported[name] == [float(b) for b in expected], name
 
 
 def test_two_engines_in_one_process_do_not_collide() -> None:
-    EngineMetrics("a")
-    EngineMetrics("b")
+    a, b = EngineMetrics("a"), EngineMetrics("b")  # a shared registry would refuse the second
+    a.observe_step("decode", 3)
+    assert _samples(a)["npuserve:decode_batch_size_count"] == 1
+    assert _samples(b)["npuserve:decode_batch_size_count"] == 0
+    assert 'model_name="b"' in b.render().decode() and 'model_name="a"' not in b.render().decode()
