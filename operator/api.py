@@ -312,7 +312,11 @@ class CapacitySpec(_Model):
 
 
 class AutotuneSpec(_Model):
-    enabled: bool = True
+    enabled: bool = Field(
+        default=False,
+        description="closed-loop tuning of the ScheduleConfig (not built yet: true is reported on the Tuning "
+        "condition, reason AutotuneNotBuilt, and nothing tunes)",
+    )
     mode: Literal["online", "benchmark"] = Field(
         default="online", description="online: live traffic; benchmark: a load-generator Job"
     )

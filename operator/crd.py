@@ -3,13 +3,15 @@
 The models are the one source: their JSON schema is rewritten into a Kubernetes *structural* schema (every node
 typed, `$ref`s inlined, no `anyOf` of types, no `additionalProperties: false`, OpenAPI v3.0 exclusive bounds),
 and the CEL rules declared beside each model's validator travel as `x-kubernetes-validations`. The committed file
-`deploy/crds/inferenceservices.npuserve.io.yaml` must equal `crd_yaml()`; a test checks it, and
-`NPUSERVE_UPDATE_CRD=1 pytest tests/operator/test_crd.py` rewrites it.
+`deploy/crds/inferenceservices.npuserve.io.yaml` and its copy in the Helm chart (`deploy/helm/npuserve/crds/`, which
+Helm installs before the templates) must equal `crd_yaml()`; tests check both, and
+`NPUSERVE_UPDATE_CRD=1 pytest tests/operator/test_crd.py` rewrites both (`write_crd`) without checking.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -18,6 +20,7 @@ from pydantic import BaseModel
 from npuserve.operator import api
 
 CRD_FILE = "deploy/crds/inferenceservices.npuserve.io.yaml"
+HELM_CRD_FILE = "deploy/helm/npuserve/crds/inferenceservices.npuserve.io.yaml"
 
 # Keys of a JSON schema node that Kubernetes' JSONSchemaProps accepts (plus our x-kubernetes-* ones).
 _DROP = {"title"}
@@ -187,3 +190,12 @@ def crd_yaml() -> str:
         "# Regenerate: NPUSERVE_UPDATE_CRD=1 .venv/bin/pytest tests/operator/test_crd.py\n"
     )
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+
+
+def write_crd(repo: Path) -> list[Path]:
+    """Writes the generated CRD and the chart's copy under the repository root `repo`; returns their paths."""
+    text = crd_yaml()
+    paths = [repo / CRD_FILE, repo / HELM_CRD_FILE]
+    for path in paths:
+        path.write_text(text)
+    return paths
