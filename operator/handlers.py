@@ -1,36 +1,46 @@
 """The kopf handlers: thin wrappers that feed the pure planner, renderer and status logic and write results.
 
+Every status change goes through `kube.update_status`, the one writer (read, apply a pure `status -> new status`
+function from `status.py`, merge-patch with the read's resourceVersion, retry on 409): the InferenceService
+handlers and the readiness handler never overwrite each other's conditions. kopf's own `patch` carries only kopf's
+annotations.
+
+- create, update of `spec`, resume: plan; write the plan to the status first; where the engine cannot serve the plan
+  yet (`engine_contract.unservable`), deploy nothing (and delete what an earlier spec deployed), phase Planned,
+  condition Deployed=False with reason EngineCannotServe; otherwise apply the rendered objects (a required kind whose
+  API is not served: Deployed=False and a retry; an optional one, PodMonitor: skipped with a warning event), prune
+  what the render no longer has, condition Deployed=True.
+- an engine Deployment or LeaderWorkerSet changes: readiness from its pods and each engine's `/info`, judged against
+  `status.plan` (never re-planned). LeaderWorkerSets are watched only where their CRD is installed: kopf logs that
+  an unserved resource cannot be watched and starts watching when the CRD appears.
+
 kopf settings, chosen on purpose:
 - standalone (no peering): one operator replica, Deployment strategy Recreate, so no peering CRDs or RBAC;
 - progress and the last-handled spec live in annotations under npuserve.io, not in `status`, whose schema the
   CRD prunes (kopf's default status storage would be dropped by the API server);
-- no finalizer: the delete handler is optional, and readiness comes from watching the engine Deployments rather
+- no finalizer: the delete handler is optional, and readiness comes from watching the engine workloads rather
   than from a timer or daemon on the InferenceService (kopf puts a finalizer on objects with timers, which would
   block `kubectl delete` while the operator is down); children go with their owner by garbage collection;
-- events at info level: ours (Planned, Applied, PlanFailed, Ready) and kopf's per-handler outcomes.
+- events at info level: ours (Planned, Applied, Ready; warnings PlanFailed, EngineCannotServe, AutotuneNotBuilt,
+  <Kind>NotInstalled) and kopf's per-handler outcomes.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import kopf
+from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
 from . import kube as kube_module
+from . import status as st
 from .api import InferenceService, Plan
-from .kube import GROUP, PLURAL, VERSION
-from .planner import PlanError, plan
+from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
+from .planner import PlanError, plan, servability
 from .render import INSTANCE_LABEL, render, selector
-from .status import (
-    now_rfc3339,
-    plan_failed_status,
-    plan_summary,
-    planned_status,
-    readiness_status,
-)
 
 PROMETHEUS_URL: str | None = None  # set by `npuserve operator --prometheus-url`; read by the tuner
 
@@ -57,63 +67,109 @@ def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
     kube()
 
 
-def _parse(body: kopf.Body) -> InferenceService:
-    return _parse_dict({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                        "metadata": dict(body.metadata), "spec": dict(body.spec)})
+def _parse(body: Mapping[str, Any]) -> InferenceService:
+    return InferenceService.model_validate({k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
 
 
-def _parse_dict(data: Mapping[str, Any]) -> InferenceService:
-    return InferenceService.model_validate({k: data.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
+def _write(namespace: str, name: str, change: Callable[[Mapping[str, Any]], st.Status | None],
+           ) -> kube_module.StatusUpdate | None:
+    return kube().update_status(namespace, name, change)
 
 
-def _conditions(body: kopf.Body) -> list[dict[str, Any]]:
-    return [dict(c) for c in body.status.get("conditions", [])]
-
-
-def reconcile(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> Plan:
-    """Plan, render, apply, prune; write the plan and the Planned/Deployed conditions."""
+def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
+    """Plan; write the plan; apply and prune, or deploy nothing where the engine cannot serve the plan yet."""
+    name, namespace = body.metadata.name or "", body.metadata.namespace or "default"
     generation = body.metadata.get("generation")
-    now = now_rfc3339()
     try:
-        isvc = _parse(body)
+        isvc = _parse({"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
+                       "metadata": dict(body.metadata), "spec": dict(body.spec)})
         result = plan(isvc.spec)
     except (PlanError, ValidationError) as e:
         message = str(e)
-        patch.status.update(plan_failed_status(message, _conditions(body), generation, now))
+        _write(namespace, name, lambda o: st.plan_failed(o.get("status") or {}, message, generation, st.now_rfc3339()))
         kopf.warn(body, reason="PlanFailed", message=message[:1024])
         raise kopf.PermanentError(f"cannot plan: {message}") from e
-    objects = render(isvc, result)
+    sel, autotune = selector(isvc), isvc.spec.autotune.enabled
+    tuning = st.autotune_message(autotune)
+    if tuning is not None:
+        kopf.warn(body, reason=st.AUTOTUNE_NOT_BUILT, message=tuning)
     client = kube()
-    for manifest in objects:
-        client.apply(manifest)
-    removed = client.prune(isvc.metadata.namespace, isvc.metadata.name, objects)
-    kinds = [m["kind"] for m in objects]
-    workload = "LeaderWorkerSet" if "LeaderWorkerSet" in kinds else "Deployment"
-    status = planned_status(result, _conditions(body), generation, selector(isvc), workload, now)
-    if body.status.get("phase") in (None, "Pending", "Failed", "Planned"):
-        status["phase"] = "Deploying"
-    patch.status.update(status)
-    kopf.info(body, reason="Planned", message=plan_summary(result))
-    kopf.info(body, reason="Applied", message=f"applied {', '.join(kinds)}"
+    why = servability(result)
+    if why is not None:
+        _write(namespace, name, lambda o: st.cannot_serve(o.get("status") or {}, result, why, generation, sel,
+                                                          st.now_rfc3339(), autotune))
+        removed = client.prune(namespace, name, [])  # what an earlier spec deployed
+        kopf.warn(body, reason=st.ENGINE_CANNOT_SERVE, message=st.cannot_serve_message(why)[:1024])
+        logger.warning("not deployed: %s%s", why, f"; removed {', '.join(removed)}" if removed else "")
+        return result
+
+    # The plan reaches the status before anything is applied: a failing apply still leaves it readable.
+    _write(namespace, name, lambda o: st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(),
+                                                 autotune))
+    kopf.info(body, reason="Planned", message=st.plan_summary(result))
+    objects = render(isvc, result)
+    applied, skipped = _apply(body, namespace, name, generation, objects)
+    removed = client.prune(namespace, name, objects)
+    _write(namespace, name, lambda o: st.deployed(o.get("status") or {}, applied, skipped, generation,
+                                                  st.now_rfc3339()))
+    kopf.info(body, reason="Applied", message=f"applied {', '.join(applied)}"
               + (f"; removed {', '.join(removed)}" if removed else ""))
-    logger.info("reconciled: %s", plan_summary(result))
+    logger.info("reconciled: %s", st.plan_summary(result))
     return result
 
 
+def _apply(body: kopf.Body, namespace: str, name: str, generation: int | None,
+           objects: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """Server-side apply of each object; (kinds applied, optional kinds skipped because their API is not served).
+    A required kind that is not served, or an apply the API server refuses, is said on the Deployed condition and
+    raised for kopf to retry."""
+    client = kube()
+    applied: list[str] = []
+    skipped: list[str] = []
+    for manifest in objects:
+        kind = manifest["kind"]
+        if not client.serves(manifest):
+            hint = INSTALL_HINTS.get(kind, "its CRD")
+            if kind in OPTIONAL_KINDS:
+                skipped.append(kind)
+                kopf.warn(body, reason=f"{kind}NotInstalled",
+                          message=f"{kind} skipped: the API server does not serve {manifest['apiVersion']}; "
+                                  f"install {hint}")
+                continue
+            message = f"the API server does not serve {manifest['apiVersion']} {kind}; install {hint}"
+            _fail_deploy(body, namespace, name, generation, f"{kind}NotInstalled", message)
+            raise kopf.TemporaryError(message, delay=60)
+        try:
+            client.apply(manifest)
+        except k8s_client.ApiException as e:
+            _fail_deploy(body, namespace, name, generation, "ApplyFailed",
+                         f"{kind}/{manifest['metadata']['name']}: {e.status} {e.reason}: {e.body}"[:1024])
+            raise
+        applied.append(kind)
+    return applied, skipped
+
+
+def _fail_deploy(body: kopf.Body, namespace: str, name: str, generation: int | None, reason: str,
+                 message: str) -> None:
+    _write(namespace, name, lambda o: st.not_deployed(o.get("status") or {}, reason, message, generation,
+                                                      st.now_rfc3339()))
+    kopf.warn(body, reason=reason, message=message)
+
+
 @kopf.on.create(GROUP, VERSION, PLURAL)
-def on_create(*, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, patch, logger)
+def on_create(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    reconcile(body, logger)
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def on_update(*, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, patch, logger)
+def on_update(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    reconcile(body, logger)
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_resume(*, body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+def on_resume(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
     """After an operator restart: re-apply (idempotent by server-side apply) so nothing drifted while it was away."""
-    reconcile(body, patch, logger)
+    reconcile(body, logger)
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -126,37 +182,39 @@ def on_delete(*, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
 @kopf.on.event("apps", "v1", "deployments", labels={INSTANCE_LABEL: kopf.PRESENT})
 def on_engine_deployment(*, body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
     """An engine Deployment changed (its pods became ready or not): update its InferenceService's readiness."""
+    _on_workload(body, type, logger)
+
+
+# Watched only where the LeaderWorkerSet CRD is installed (kopf warns "Unresolved resources cannot be served" and
+# carries on without it, and starts watching when the CRD is created).
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={INSTANCE_LABEL: kopf.PRESENT})
+def on_engine_leaderworkerset(*, body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+    """A multi-node replica's LeaderWorkerSet changed: the same readiness update as for a Deployment."""
+    _on_workload(body, type, logger)
+
+
+def _on_workload(body: kopf.Body, type: str | None, logger: kopf.Logger) -> None:
     if type == "DELETED":
         return
-    name, namespace = body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default"
-    update_readiness(name, namespace, logger)
+    update_readiness(body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default", logger)
 
 
 def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:
-    """Pods ready, the Ready condition, phase, and the KV blocks each engine actually allocated (its /info)."""
+    """Pods ready, the Ready condition, phase, and the KV blocks each engine actually allocated (its /info), judged
+    against the plan in the status."""
     client = kube()
-    isvc_body = client.get_inference_service(namespace, name)
-    if isvc_body is None:
-        return
-    status = isvc_body.get("status") or {}
-    if status.get("phase") == "Failed":
-        return
-    try:
-        isvc = _parse_dict(isvc_body)
-        result = plan(isvc.spec)  # pure: the same plan the create/update handler wrote
-    except (PlanError, ValidationError):
-        return
-    sel = selector(isvc)
-    ready_pods, pods = client.ready_pods(namespace, sel)
+    obj = client.get_inference_service(namespace, name)
+    status = (obj or {}).get("status") or {}
+    sel = status.get("selector")
+    if obj is None or not sel or not st.engines_expected(status):
+        return  # no plan yet, a failed plan, or nothing deployed: nothing to judge
+    pods = client.engine_pods(namespace, sel)
+    ready = sum(1 for p in pods if p.ready)
     engines = kube_module.read_engines(pods)
-    generation = isvc_body["metadata"].get("generation")
-    new = readiness_status(result, result.replicas * result.nodes, ready_pods, engines,
-                           status.get("conditions", []), generation, now_rfc3339(), status.get("observed"))
-    changed = {k: v for k, v in new.items() if status.get(k) != v}
-    if not changed:
+    update = client.update_status(namespace, name, lambda o: st.readiness(
+        o.get("status") or {}, ready, engines, o["metadata"].get("generation"), st.now_rfc3339()))
+    if update is None or update.new.get("phase") != "Ready" or update.old.get("phase") == "Ready":
         return
-    client.patch_inference_service_status(namespace, name, changed)
-    if new["phase"] == "Ready" and status.get("phase") != "Ready":
-        message = f"{ready_pods}/{result.replicas * result.nodes} engine pods ready"
-        kopf.info(kopf.Body(cast(kopf.RawBody, isvc_body)), reason="Ready", message=message)
-        logger.info("%s/%s ready: %s", namespace, name, message)
+    message = str((st.condition(update.new, "Ready") or {}).get("message", ""))
+    kopf.info(kopf.Body(cast(kopf.RawBody, obj)), reason="Ready", message=message)
+    logger.info("%s/%s ready: %s", namespace, name, message)

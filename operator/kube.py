@@ -1,25 +1,38 @@
-"""The operator's only contact with the API server: server-side apply, pruning, and reading engine pods.
+"""The operator's only contact with the API server and the engines: server-side apply, pruning, the one status
+writer, and reading the engine pods and their `/info`.
 
 Server-side apply under one field manager makes every reconcile idempotent (a restarted operator re-applies the
-same objects: no duplicates), and leaves fields owned by others (the HPA's replicas, a user's annotations) alone.
+same objects: no duplicates) and leaves fields owned by other managers (a user's annotations and labels) alone.
+Nothing in npuserve makes a HorizontalPodAutoscaler: the operator owns the workload's replicas (the plan's), and a
+`kubectl scale` of the InferenceService changes `spec.replicas`, which re-plans.
+
+Status has one writer, `update_status`: it reads the InferenceService, applies a pure `status -> new status`
+function (`status.py`) and sends the difference as a merge patch carrying the object's `metadata.resourceVersion`,
+so the API server refuses (409) a write computed from a stale read; it then reads again and re-applies the function.
+The reconcile handlers and the readiness handler both write through it, so neither loses the other's update.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import httpx
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from pydantic import ValidationError
 
-from .render import ENGINE_PORT, INSTANCE_LABEL
-from .status import EngineReport
+from npuserve.engine_contract import ENGINE_PORT, INFO_PATH, EngineInfo
+
+from .render import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .status import EngineReport, Status, merge_patch
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +47,85 @@ MANAGED_KINDS: tuple[tuple[str, str], ...] = (
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
 )
+# Kinds whose API a cluster may lack, and what to install for each.
+INSTALL_HINTS: dict[str, str] = {
+    "LeaderWorkerSet": "the LeaderWorkerSet controller and its CRD (https://lws.sigs.k8s.io)",
+    "PodMonitor": "the Prometheus Operator's CRDs (monitoring.coreos.com), or set spec.monitoring.podMonitor false",
+}
+# Kinds an InferenceService runs without: skipped with a warning event when their API is not served.
+OPTIONAL_KINDS = frozenset({"PodMonitor"})
+STATUS_WRITE_ATTEMPTS = 5
+INFO_TIMEOUT_S = 2.0  # one engine's /info, connect to last byte
+MAX_CONCURRENT_INFO = 16  # /info reads in flight at once, per readiness update
+
+
+class StatusConflict(RuntimeError):
+    """The status write conflicted `STATUS_WRITE_ATTEMPTS` times in a row (kopf retries the handler)."""
+
+
+class StatusApi(Protocol):
+    """The two calls of `kubernetes.client.CustomObjectsApi` the status writer makes."""
+
+    def get_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
+                                     name: str) -> object: ...
+
+    def patch_namespaced_custom_object_status(self, group: str, version: str, namespace: str, plural: str,
+                                              name: str, body: dict[str, Any]) -> object: ...
+
+
+@dataclass(frozen=True)
+class StatusUpdate:
+    """What one status write saw and wrote (`old` == `new` when nothing changed)."""
+
+    old: Status
+    new: Status
+    attempts: int
+
+
+def get_inference_service(api: StatusApi, namespace: str, name: str) -> dict[str, Any] | None:
+    try:
+        return cast(dict[str, Any], api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def update_status(api: StatusApi, namespace: str, name: str,
+                  change: Callable[[Mapping[str, Any]], Status | None],
+                  attempts: int = STATUS_WRITE_ATTEMPTS) -> StatusUpdate | None:
+    """Read the InferenceService, `change` its status (the whole object is passed; it returns the new status, or
+    None to leave it), and write the difference with the read's resourceVersion; on 409 Conflict read and apply
+    again, at most `attempts` times. None when the object is gone."""
+    for attempt in range(1, attempts + 1):
+        obj = get_inference_service(api, namespace, name)
+        if obj is None:
+            return None
+        old: Status = obj.get("status") or {}
+        new = change(obj)
+        patch = merge_patch(old, new) if new is not None else {}
+        if not patch:
+            return StatusUpdate(old, old if new is None else new, attempt)
+        body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": patch}
+        try:
+            api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
+        except client.ApiException as e:
+            if e.status == 409:
+                log.debug("%s/%s: status write conflicted (attempt %d); reading again", namespace, name, attempt)
+                continue
+            if e.status == 404:
+                return None
+            raise
+        return StatusUpdate(old, cast(Status, new), attempt)
+    raise StatusConflict(f"{namespace}/{name}: the status write conflicted {attempts} times in a row")
+
+
+@dataclass(frozen=True)
+class EnginePod:
+    name: str
+    ip: str | None
+    ready: bool
+    serves_http: bool = True  # a LeaderWorkerSet's worker pods run no HTTP server; their leader answers /info
 
 
 class Kube:
@@ -48,7 +140,6 @@ class Kube:
         self.api_client = api_client
         self.dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
         self.core = client.CoreV1Api(api_client)
-        self.apps = client.AppsV1Api(api_client)
         # The dynamic client's discovery cache is not thread-safe: kopf runs handlers in a thread pool, and
         # concurrent lookups raised KeyError ('resources', 'apis') inside it, which kopf retried a minute later.
         self._discovery_lock = threading.Lock()
@@ -70,17 +161,21 @@ class Kube:
             self._resources[key] = (found, time.monotonic())
             return found
 
+    def serves(self, manifest: Mapping[str, Any]) -> bool:
+        """Whether the API server serves this manifest's kind (a CRD such as PodMonitor may be missing)."""
+        return self._resource(manifest["apiVersion"], manifest["kind"]) is not None
+
     def apply(self, manifest: dict[str, Any]) -> None:
         resource = self._resource(manifest["apiVersion"], manifest["kind"])
         if resource is None:
             raise ResourceNotFoundError(f"the API server does not serve {manifest['apiVersion']} "
-                                        f"{manifest['kind']}; install its CRD")
+                                        f"{manifest['kind']}; install {INSTALL_HINTS.get(manifest['kind'], 'its CRD')}")
         meta = manifest["metadata"]
         resource.server_side_apply(body=manifest, name=meta["name"], namespace=meta.get("namespace"),
                                    field_manager=FIELD_MANAGER, force_conflicts=True)
 
-    def prune(self, namespace: str, instance: str, keep: Iterable[dict[str, Any]]) -> list[str]:
-        """Deletes objects this operator made for `instance` that the current render no longer has."""
+    def prune(self, namespace: str, instance: str, keep: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Deletes objects this operator made for `instance` that `keep` (the current render) does not have."""
         wanted = {(m["kind"], m["metadata"]["name"]) for m in keep}
         removed = []
         for api_version, kind in MANAGED_KINDS:
@@ -99,46 +194,53 @@ class Kube:
         return removed
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            obj = cast(dict[str, Any],
-                       self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
-        except client.ApiException as e:
-            if e.status == 404:
-                return None
-            raise
-        return obj
+        return get_inference_service(self.custom, namespace, name)
 
-    def patch_inference_service_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name,
-                                                          {"status": status})
+    def update_status(self, namespace: str, name: str,
+                      change: Callable[[Mapping[str, Any]], Status | None]) -> StatusUpdate | None:
+        """The one status writer (module docstring)."""
+        return update_status(self.custom, namespace, name, change)
 
-    def ready_pods(self, namespace: str, selector: str) -> tuple[int, list[tuple[str, str | None, bool]]]:
-        """(ready count, [(pod, podIP, ready)]) of the engine pods."""
+    def engine_pods(self, namespace: str, selector: str) -> list[EnginePod]:
+        """The engine pods (not being deleted) and whether each is Ready."""
         pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
-        out: list[tuple[str, str | None, bool]] = []
+        out: list[EnginePod] = []
         for pod in pods:
             meta, status = pod.metadata, pod.status
             if meta is None or status is None or meta.deletion_timestamp is not None:
                 continue
             ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
-            out.append((str(meta.name), status.pod_ip, ready))
-        return sum(1 for _, _, r in out if r), out
+            worker_index = (meta.labels or {}).get(LWS_WORKER_INDEX_LABEL)
+            out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=worker_index in (None, "0")))
+        return out
 
 
-def read_engines(pods: list[tuple[str, str | None, bool]], port: int = ENGINE_PORT,
-                 timeout: float = 2.0) -> list[EngineReport]:
-    """Each ready engine's /info (the KV blocks it actually allocated)."""
-    reports = []
-    for name, ip, ready in pods:
-        if not ip:
-            reports.append(EngineReport(name, False, error="no pod IP yet"))
-            continue
-        if not ready:
-            reports.append(EngineReport(name, False, error="not ready"))
-            continue
-        try:
-            info = httpx.get(f"http://{ip}:{port}/info", timeout=timeout).json()
-            reports.append(EngineReport(name, True, kv_blocks=int(info["kv_blocks"])))
-        except (httpx.HTTPError, ValueError, KeyError) as e:
-            reports.append(EngineReport(name, True, error=f"/info unreadable: {e}"))
-    return reports
+def read_engines(pods: Sequence[EnginePod], *, port: int = ENGINE_PORT, timeout: float = INFO_TIMEOUT_S,
+                 limit: int = MAX_CONCURRENT_INFO, transport: httpx.AsyncBaseTransport | None = None,
+                 ) -> list[EngineReport]:
+    """Each ready engine's /info (the KV blocks it actually allocated), at most `limit` reads at once, each bounded
+    by `timeout`. Runs its own event loop: call it from a worker thread (kopf runs sync handlers in one)."""
+    return asyncio.run(_read_engines(pods, port, timeout, limit, transport))
+
+
+async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, limit: int,
+                        transport: httpx.AsyncBaseTransport | None) -> list[EngineReport]:
+    gate = asyncio.Semaphore(limit)
+    async with httpx.AsyncClient(transport=transport, timeout=timeout) as http:
+
+        async def one(pod: EnginePod) -> EngineReport:
+            if not pod.ready:
+                return EngineReport(pod.name, False, error="not ready" if pod.ip else "no pod IP yet")
+            if not pod.serves_http or not pod.ip:
+                return EngineReport(pod.name, True)
+            async with gate:
+                try:
+                    async with asyncio.timeout(timeout):
+                        response = await http.get(f"http://{pod.ip}:{port}{INFO_PATH}")
+                    response.raise_for_status()
+                    info = EngineInfo.model_validate(response.json())
+                except (httpx.HTTPError, TimeoutError, ValueError, ValidationError) as e:
+                    return EngineReport(pod.name, True, error=f"{INFO_PATH} unreadable: {e!r}")
+            return EngineReport(pod.name, True, kv_blocks=info.kv_blocks)
+
+        return list(await asyncio.gather(*(one(p) for p in pods)))

@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
 from npuserve.catalog.models import get_model_preset
+from npuserve.engine_contract import unservable
 from npuserve.mindie_config import (
     DEFAULT_MAX_PREFILL_TOKENS,
     ScheduleSection,
@@ -268,6 +269,10 @@ class _Planner:
             explain=sorted(self.explain, key=lambda e: e.step), warnings=self.warnings,
         )
         _check_schedule(plan)
+        why = servability(plan)
+        if why is not None:
+            plan.warnings.append(f"engine: {why}; the operator writes this plan to the status and deploys nothing "
+                                 f"(condition Deployed=False, reason EngineCannotServe)")
         return plan
 
     # --- step 5: the schedule ----------------------------------------------------------------------------------
@@ -439,6 +444,11 @@ def model_spec(spec: InferenceServiceSpec) -> ModelSpec:
 
 def accelerator_of(spec: InferenceServiceSpec) -> Accelerator:
     return get_accelerator(spec.accelerator.type)
+
+
+def servability(plan: Plan) -> str | None:
+    """Why the bundled engine cannot serve this plan yet (its device, worldSize or multi-node layout), or None."""
+    return unservable(get_accelerator(plan.accelerator).npu_device_type, plan.worldSize, plan.nodes)
 
 
 def _check_schedule(plan: Plan) -> None:

@@ -1,10 +1,15 @@
-"""Pure status logic: conditions, phase and the status patch, from the plan and what the cluster reports.
+"""Pure status logic: conditions, phase and the status of an InferenceService, from the plan and what the cluster
+reports.
 
-The kopf handlers only gather inputs and write the result; everything here is testable without a cluster.
+Every function here takes the status as it is now and returns the whole new status (`status -> new status`); the
+one status writer (`kube.update_status`) reads the object, applies one of them and writes the difference with the
+object's resourceVersion, retrying on a conflict. The kopf handlers only gather inputs; everything here is testable
+without a cluster.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -13,6 +18,13 @@ from typing import Any
 from .api import Plan, ScheduleKnobs
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
+# Reasons a person acts on (docs/operator.md lists them).
+ENGINE_CANNOT_SERVE = "EngineCannotServe"
+AUTOTUNE_NOT_BUILT = "AutotuneNotBuilt"
+# Phases the first successful plan moves on from: nothing runs yet, or what ran was refused.
+_UNDEPLOYED_PHASES = (None, "Pending", "Failed", "Planned")
+
+Status = dict[str, Any]
 
 
 def now_rfc3339() -> str:
@@ -40,6 +52,41 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], type_: str, status: b
     return out
 
 
+def condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] | None:
+    return next((c for c in status.get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _with_condition(status: Mapping[str, Any], type_: str, value: bool, reason: str, message: str, now: str,
+                    generation: int | None) -> Status:
+    new = copy.deepcopy(dict(status))
+    new["conditions"] = set_condition(new.get("conditions") or [], type_, value, reason, message, now, generation)
+    return new
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed keys, removed keys as null, maps
+    recursively, lists whole (a merge patch replaces a list)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif key not in old or before != value:
+            patch[key] = copy.deepcopy(value)
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
+
+
+def plan_of(status: Mapping[str, Any]) -> Plan | None:
+    """The plan the operator wrote to `status.plan` (readiness never re-plans), or None when there is none."""
+    data = status.get("plan")
+    return None if data is None else Plan.model_validate(data)
+
+
 def plan_summary(plan: Plan) -> str:
     s = plan.schedule
     return (f"worldSize {plan.worldSize}, npuMemSize {plan.npuMemSizeGiB} GiB, {plan.totalBlocks} KV blocks per "
@@ -47,27 +94,85 @@ def plan_summary(plan: Plan) -> str:
             f"{plan.replicas} replica(s)")
 
 
-def planned_status(plan: Plan, conditions: Sequence[Mapping[str, Any]], generation: int | None, selector: str,
-                   workload_kind: str, now: str) -> dict[str, Any]:
-    """The status after a successful plan and apply."""
-    conds = set_condition(conditions, "Planned", True, "Planned", plan_summary(plan), now, generation)
-    conds = set_condition(conds, "Deployed", True, "Applied",
-                          f"ConfigMap, {workload_kind} and Service applied by server-side apply", now, generation)
-    return {
+def autotune_message(enabled: bool) -> str | None:
+    """Why `spec.autotune.enabled: true` does nothing yet, or None when it is off."""
+    if not enabled:
+        return None
+    return ("spec.autotune.enabled is true, but the closed-loop tuner is not built yet: nothing tunes, the plan's "
+            "ScheduleConfig runs unchanged; set spec.autotune.enabled to false (the default), or pin knobs in "
+            "spec.engine.schedule")
+
+
+def planned(status: Mapping[str, Any], plan: Plan, generation: int | None, selector: str, now: str,
+            autotune: bool = False) -> Status:
+    """The plan is written: status.plan (exactly `npuserve plan --format json`), the schedule, the selector, the
+    Planned condition, and the Tuning condition while autotune is asked for and not built. Phase Deploying when
+    nothing was running; a running service keeps its phase until its pods say otherwise."""
+    new = _with_condition(status, "Planned", True, "Planned", plan_summary(plan), now, generation)
+    new.update({
         "observedGeneration": generation,
         "plan": plan.model_dump(mode="json"),
         # status.schedule holds the tunable knobs only (maxIterTimes is not one: it comes from the workload)
         "schedule": {k: v for k, v in plan.schedule.model_dump(mode="json", exclude_none=True).items()
                      if k in ScheduleKnobs.model_fields},
         "selector": selector,
-        "conditions": conds,
-    }
+    })
+    tuning = autotune_message(autotune)
+    if tuning is not None:
+        new["conditions"] = set_condition(new["conditions"], "Tuning", False, AUTOTUNE_NOT_BUILT, tuning, now,
+                                          generation)
+    else:
+        new["conditions"] = [c for c in new["conditions"] if c.get("type") != "Tuning"]
+    if new.get("phase") in _UNDEPLOYED_PHASES:
+        new["phase"] = "Deploying"
+    return new
 
 
-def plan_failed_status(message: str, conditions: Sequence[Mapping[str, Any]], generation: int | None,
-                       now: str) -> dict[str, Any]:
-    conds = set_condition(conditions, "Planned", False, "PlanFailed", message, now, generation)
-    return {"phase": "Failed", "observedGeneration": generation, "conditions": conds}
+def deployed(status: Mapping[str, Any], applied: Sequence[str], skipped: Sequence[str], generation: int | None,
+             now: str) -> Status:
+    """Deployed=True after the apply: which kinds were applied and which optional ones were skipped."""
+    message = f"{', '.join(applied)} applied by server-side apply"
+    if skipped:
+        message += f"; skipped (API not served): {', '.join(skipped)}"
+    return _with_condition(status, "Deployed", True, "Applied", message, now, generation)
+
+
+def not_deployed(status: Mapping[str, Any], reason: str, message: str, generation: int | None, now: str) -> Status:
+    """Deployed=False: the apply could not be done (a required kind is not served, the API server refused)."""
+    return _with_condition(status, "Deployed", False, reason, message, now, generation)
+
+
+def cannot_serve_message(why: str) -> str:
+    return (f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, use "
+            "spec.accelerator.type cpu with cards 1 and memoryGiB set (a model that fits in host memory)")
+
+
+def cannot_serve(status: Mapping[str, Any], plan: Plan, why: str, generation: int | None, selector: str,
+                 now: str, autotune: bool = False) -> Status:
+    """The plan needs what the bundled engine cannot serve yet (`engine_contract.unservable`): the plan is written,
+    nothing runs. Phase Planned (planned, not deployed), Deployed=False and Ready=False with reason
+    EngineCannotServe, no replicas, and no blocks observed from engines that are gone."""
+    new = planned(status, plan, generation, selector, now, autotune)
+    message = cannot_serve_message(why)
+    new["conditions"] = set_condition(new["conditions"], "Deployed", False, ENGINE_CANNOT_SERVE, message, now,
+                                      generation)
+    new["conditions"] = set_condition(new["conditions"], "Ready", False, ENGINE_CANNOT_SERVE,
+                                      "no engine pods: the engine cannot serve this plan yet (see Deployed)", now,
+                                      generation)
+    new["phase"] = "Planned"
+    new["replicas"] = 0
+    observed = {k: v for k, v in (new.get("observed") or {}).items() if k != "kvBlocksAllocated"}
+    if observed:
+        new["observed"] = observed
+    else:
+        new.pop("observed", None)
+    return new
+
+
+def plan_failed(status: Mapping[str, Any], message: str, generation: int | None, now: str) -> Status:
+    new = _with_condition(status, "Planned", False, "PlanFailed", message, now, generation)
+    new.update({"phase": "Failed", "observedGeneration": generation})
+    return new
 
 
 @dataclass(frozen=True)
@@ -80,32 +185,41 @@ class EngineReport:
     error: str | None = None
 
 
-def readiness_status(plan: Plan, desired_pods: int, ready_pods: int, engines: Sequence[EngineReport],
-                     conditions: Sequence[Mapping[str, Any]], generation: int | None, now: str,
-                     observed: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Phase, the Ready condition, replicas and the KV blocks the engines actually allocated."""
+def engines_expected(status: Mapping[str, Any]) -> bool:
+    """Whether engines may be running: a plan, not failed, and not one the engine cannot serve (nothing deployed;
+    a workload event then comes from the workload being deleted)."""
+    cond = condition(status, "Deployed") or {}
+    return (status.get("plan") is not None and status.get("phase") != "Failed"
+            and cond.get("reason") != ENGINE_CANNOT_SERVE)
+
+
+def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[EngineReport], generation: int | None,
+              now: str) -> Status | None:
+    """Phase, the Ready condition, replicas and the KV blocks the engines actually allocated, from the plan in
+    `status.plan`; None when there is nothing to judge (no plan, a failed plan, nothing deployed)."""
+    plan = plan_of(status) if engines_expected(status) else None
+    if plan is None:
+        return None
+    desired_pods = plan.replicas * plan.nodes
     ready = desired_pods > 0 and ready_pods >= desired_pods
     if ready:
         reason, message = "EnginesReady", f"{ready_pods}/{desired_pods} engine pods ready"
     elif not engines:
-        reason, message = "NoEnginePods", (f"0/{desired_pods} engine pods exist yet; check the Deployment's events "
+        reason, message = "NoEnginePods", (f"0/{desired_pods} engine pods exist yet; check the workload's events "
                                            "(scheduling, image pulls, accelerator resources)")
     else:
         waiting = [e.pod + (f" ({e.error})" if e.error else "") for e in engines if not e.ready]
         reason, message = "EnginesNotReady", (f"{ready_pods}/{desired_pods} engine pods ready; waiting for "
                                               f"{', '.join(waiting) or 'pods to be created'}")
-    conds = set_condition(conditions, "Ready", ready, reason, message, now, generation)
+    new = _with_condition(status, "Ready", ready, reason, message, now, generation)
     blocks = sorted({e.kv_blocks for e in engines if e.kv_blocks is not None})
-    observed_out = dict(observed or {})
     if blocks:
-        observed_out["kvBlocksAllocated"] = blocks[0]  # the smallest pool bounds what any replica can hold
+        new["observed"] = {**(new.get("observed") or {}), "kvBlocksAllocated": blocks[0]}  # the smallest bounds all
         if blocks[0] < plan.totalBlocks:
-            conds = set_condition(conds, "Planned", True, "FewerBlocksThanPlanned",
-                                  f"{plan_summary(plan)}; the engines allocated {blocks[0]} blocks, fewer than the "
-                                  f"{plan.totalBlocks} planned (idle memory higher than the catalog's?)",
-                                  now, generation)
-    status: dict[str, Any] = {"phase": "Ready" if ready else "Deploying", "replicas": ready_pods // max(plan.nodes, 1),
-                              "conditions": conds}
-    if observed_out:
-        status["observed"] = observed_out
-    return status
+            new["conditions"] = set_condition(
+                new["conditions"], "Planned", True, "FewerBlocksThanPlanned",
+                f"{plan_summary(plan)}; the engines allocated {blocks[0]} blocks, fewer than the {plan.totalBlocks} "
+                "planned (idle memory higher than the catalog's?)", now, generation)
+    new["phase"] = "Ready" if ready else "Deploying"
+    new["replicas"] = ready_pods // max(plan.nodes, 1)
+    return new

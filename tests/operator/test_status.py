@@ -1,27 +1,56 @@
-"""The operator's pure status logic: conditions keep their transition time, phase and readiness follow the pods,
-and the engines' real KV blocks reach the status."""
+"""The operator's pure status logic: conditions keep their transition time, phase and readiness follow the pods, the
+engines' real KV blocks reach the status, a plan the engine cannot serve is planned and not deployed, and the merge
+patch the one writer sends. Expected values are written out (the guide's worked numbers), never read from the code
+under test."""
 
 from __future__ import annotations
 
-from npuserve.operator.api import InferenceService
+from typing import Any
+
+from npuserve.operator.api import InferenceServiceSpec
 from npuserve.operator.planner import plan
 from npuserve.operator.status import (
     EngineReport,
-    plan_failed_status,
-    planned_status,
-    readiness_status,
+    cannot_serve,
+    deployed,
+    engines_expected,
+    merge_patch,
+    plan_failed,
+    planned,
+    readiness,
     set_condition,
 )
 
-TINY = InferenceService.model_validate({
-    "metadata": {"name": "tiny"},
-    "spec": {"model": {"name": "tiny", "preset": "tiny", "weights": {"loadFormat": "dummy"}},
-             "accelerator": {"type": "cpu", "cards": 1, "memoryGiB": 2, "reservedGiB": 0}, "replicas": 2,
-             "workload": {"avgInputTokens": 64, "avgOutputTokens": 32, "maxOutputTokens": 64,
-                          "maxInputTokens": 256},
-             "slo": {"objective": "throughput"}},
+# A two-layer model on the CPU: 1 GiB of KV per pod (floor((2 - 0.002) x 0.8)), blocks of 2 x 2 layers x 128 tokens
+# x 2 KV heads x 32 x 4 bytes = 128 KiB, so 8192 blocks; one block per prompt of 64 tokens, two per request.
+TINY = InferenceServiceSpec.model_validate({
+    "model": {"name": "tiny", "preset": "tiny", "weights": {"loadFormat": "dummy"}},
+    "accelerator": {"type": "cpu", "cards": 1, "memoryGiB": 2, "reservedGiB": 0}, "replicas": 2,
+    "workload": {"avgInputTokens": 64, "avgOutputTokens": 32, "maxOutputTokens": 64, "maxInputTokens": 256},
+    "slo": {"objective": "throughput"},
 })
-PLAN = plan(TINY.spec)
+TINY_PLAN = plan(TINY)
+TINY_BLOCKS = 8192
+# The MindIE guide's example: LLaMA3-8B on two 32 GB 910B4 cards, 3 GB reserved, GSM8K-shaped traffic.
+GUIDE = InferenceServiceSpec.model_validate({
+    "model": {"name": "llama3-8b", "preset": "llama3-8b", "weights": {"loadFormat": "dummy"}},
+    "accelerator": {"type": "ascend-910b4", "cards": 2, "memoryGiB": 32, "reservedGiB": 3},
+    "workload": {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512},
+})
+GUIDE_PLAN = plan(GUIDE)
+GUIDE_SUMMARY = ("worldSize 2, npuMemSize 17 GiB, 2176 KV blocks per card, maxBatchSize 435 (range 362..1088), "
+                 "1 replica(s)")
+SELECTOR = "npuserve.io/inferenceservice=tiny,app.kubernetes.io/component=engine"
+
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_the_tiny_plan_has_the_numbers_worked_out_by_hand() -> None:
+    assert (TINY_PLAN.npuMemSizeGiB, TINY_PLAN.blockBytesPerCard, TINY_PLAN.totalBlocks) == (1, 131072, TINY_BLOCKS)
+    assert (TINY_PLAN.blocksPerRequest.min, TINY_PLAN.blocksPerRequest.avg, TINY_PLAN.blocksPerRequest.max) == (1, 2, 2)
+    assert (TINY_PLAN.replicas, TINY_PLAN.nodes, TINY_PLAN.warnings) == (2, 1, [])
 
 
 def test_condition_transition_time_moves_only_on_change() -> None:
@@ -33,54 +62,139 @@ def test_condition_transition_time_moves_only_on_change() -> None:
     assert conds[0]["lastTransitionTime"] == "t3" and conds[0]["status"] == "True"
 
 
-def test_planned_status_carries_the_plan_and_both_conditions() -> None:
-    status = planned_status(PLAN, [], 3, "npuserve.io/inferenceservice=tiny", "Deployment", "t")
-    assert status["plan"] == PLAN.model_dump(mode="json")  # what `npuserve plan --format json` prints
-    assert status["observedGeneration"] == 3
-    types = {c["type"]: c for c in status["conditions"]}
-    assert types["Planned"]["status"] == "True" and str(PLAN.totalBlocks) in types["Planned"]["message"]
-    assert types["Deployed"]["status"] == "True" and "Deployment" in types["Deployed"]["message"]
+def test_planned_carries_the_guides_plan_and_the_planned_condition() -> None:
+    status = planned({}, GUIDE_PLAN, 3, SELECTOR, "t")
+    assert status["phase"] == "Deploying" and status["observedGeneration"] == 3 and status["selector"] == SELECTOR
+    assert status["plan"]["npuMemSizeGiB"] == 17 and status["plan"]["totalBlocks"] == 2176
+    assert status["plan"]["blocksPerRequest"] == {"min": 2, "avg": 5, "max": 6}
+    assert status["plan"]["maxBatchSize"] == {"min": 362, "avg": 435, "max": 1088}
+    assert status["conditions"] == [{"type": "Planned", "status": "True", "reason": "Planned",
+                                     "message": GUIDE_SUMMARY, "lastTransitionTime": "t", "observedGeneration": 3}]
+    # status.schedule: the tunable knobs only (maxIterTimes comes from the workload; the schema would prune it)
+    assert status["schedule"] == {"cacheBlockSize": 128, "maxBatchSize": 435, "maxPrefillBatchSize": 217,
+                                  "maxPrefillTokens": 8192, "prefillTimeMsPerReq": 150, "decodeTimeMsPerReq": 50,
+                                  "maxPreemptCount": 0, "supportSelectBatch": True,
+                                  "maxQueueDelayMicroseconds": 5000}
+
+
+def test_a_running_service_keeps_its_phase_when_replanned() -> None:
+    assert planned({"phase": "Ready"}, TINY_PLAN, 2, SELECTOR, "t")["phase"] == "Ready"
+    assert planned({"phase": "Failed"}, TINY_PLAN, 2, SELECTOR, "t")["phase"] == "Deploying"
+
+
+def test_deployed_names_what_was_applied_and_skipped() -> None:
+    status = deployed({}, ["ConfigMap", "Deployment", "Service"], ["PodMonitor"], 1, "t")
+    assert status["conditions"][0] == {
+        "type": "Deployed", "status": "True", "reason": "Applied", "lastTransitionTime": "t", "observedGeneration": 1,
+        "message": "ConfigMap, Deployment, Service applied by server-side apply; skipped (API not served): PodMonitor"}
+
+
+def test_autotune_enabled_is_reported_on_the_tuning_condition_and_cleared_when_off() -> None:
+    status = planned({}, TINY_PLAN, 1, SELECTOR, "t", autotune=True)
+    tuning = _conditions(status)["Tuning"]
+    assert (tuning["status"], tuning["reason"]) == ("False", "AutotuneNotBuilt")
+    assert "not built yet" in tuning["message"] and "nothing tunes" in tuning["message"]
+    assert "Tuning" not in _conditions(planned(status, TINY_PLAN, 2, SELECTOR, "t2", autotune=False))
 
 
 def test_plan_failure_is_a_failed_phase_with_the_reason() -> None:
-    status = plan_failed_status("spec.accelerator.cards: 3 does not divide 32 heads", [], 1, "t")
+    status = plan_failed({}, "spec.accelerator.cards: 3 does not divide 32 heads", 1, "t")
     assert status["phase"] == "Failed"
     assert status["conditions"][0]["reason"] == "PlanFailed" and "cards" in status["conditions"][0]["message"]
 
 
-def test_readiness_follows_the_pods_and_reads_allocated_blocks() -> None:
-    engines = [EngineReport("tiny-a", True, kv_blocks=PLAN.totalBlocks), EngineReport("tiny-b", False,
-                                                                                       error="not ready")]
-    status = readiness_status(PLAN, 2, 1, engines, [], 1, "t")
-    assert status["phase"] == "Deploying" and status["replicas"] == 1
-    ready = status["conditions"][0]
-    assert ready["status"] == "False" and "tiny-b (not ready)" in ready["message"]
-    assert status["observed"]["kvBlocksAllocated"] == PLAN.totalBlocks
+# --- what the engine cannot serve yet ------------------------------------------------------------------------------
 
-    engines = [EngineReport("tiny-a", True, kv_blocks=PLAN.totalBlocks),
-               EngineReport("tiny-b", True, kv_blocks=PLAN.totalBlocks)]
-    status = readiness_status(PLAN, 2, 2, engines, status["conditions"], 1, "t2")
-    assert status["phase"] == "Ready" and status["conditions"][0]["reason"] == "EnginesReady"
+
+def test_the_guides_ascend_plan_is_planned_not_deployed() -> None:
+    assert GUIDE_PLAN.warnings == [
+        "engine: the bundled engine cannot serve device 'npu' (it runs on cpu only) and worldSize 2 (it runs one card "
+        "per process: tensor parallel is not built) yet; it arrives with the issue that builds tensor parallel and "
+        "the npu/cuda backends; the operator writes this plan to the status and deploys nothing (condition "
+        "Deployed=False, reason EngineCannotServe)"]
+    # Was Ready on the CPU, then edited to ascend: the old engines' readiness and blocks must not linger.
+    before = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192},
+              "conditions": set_condition([], "Ready", True, "EnginesReady", "1/1", "t0", 1)}
+    status = cannot_serve(before, GUIDE_PLAN, "the bundled engine cannot serve device 'npu' yet", 2, SELECTOR, "t")
+    assert status["phase"] == "Planned" and status["replicas"] == 0 and "observed" not in status
+    assert status["plan"]["totalBlocks"] == 2176
+    conds = _conditions(status)
+    assert (conds["Planned"]["status"], conds["Planned"]["message"]) == ("True", GUIDE_SUMMARY)
+    assert (conds["Deployed"]["status"], conds["Deployed"]["reason"]) == ("False", "EngineCannotServe")
+    assert conds["Deployed"]["message"].startswith("the bundled engine cannot serve device 'npu' yet. Nothing is "
+                                                   "deployed")
+    assert "spec.accelerator.type cpu" in conds["Deployed"]["message"]  # what the user can do
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"], conds["Ready"]["lastTransitionTime"]) == (
+        "False", "EngineCannotServe", "t")
+    # A Deployment event while the old one is being deleted does not judge readiness.
+    assert not engines_expected(status)
+    assert readiness(status, 1, [EngineReport("tiny-a", True, kv_blocks=8192)], 2, "t2") is None
+
+
+def test_a_cpu_plan_of_one_card_is_servable() -> None:
+    assert engines_expected(planned({}, TINY_PLAN, 1, SELECTOR, "t"))
+
+
+# --- readiness -------------------------------------------------------------------------------------------------------
+
+
+def _deployed_tiny() -> dict[str, Any]:
+    return deployed(planned({}, TINY_PLAN, 1, SELECTOR, "t0"), ["ConfigMap", "Deployment", "Service"], [], 1, "t0")
+
+
+def test_readiness_follows_the_pods_and_reads_allocated_blocks() -> None:
+    engines = [EngineReport("tiny-a", True, kv_blocks=TINY_BLOCKS), EngineReport("tiny-b", False, error="not ready")]
+    status = readiness(_deployed_tiny(), 1, engines, 1, "t")
+    assert status is not None
+    assert status["phase"] == "Deploying" and status["replicas"] == 1
+    ready = _conditions(status)["Ready"]
+    assert ready["status"] == "False" and ready["message"] == "1/2 engine pods ready; waiting for tiny-b (not ready)"
+    assert status["observed"] == {"kvBlocksAllocated": 8192}
+
+    engines = [EngineReport("tiny-a", True, kv_blocks=TINY_BLOCKS), EngineReport("tiny-b", True, kv_blocks=TINY_BLOCKS)]
+    status = readiness(status, 2, engines, 1, "t2")
+    assert status is not None
+    assert status["phase"] == "Ready" and status["replicas"] == 2
+    assert _conditions(status)["Ready"] == {"type": "Ready", "status": "True", "reason": "EnginesReady",
+                                            "message": "2/2 engine pods ready", "lastTransitionTime": "t2",
+                                            "observedGeneration": 1}
+    # The conditions written before (Planned, Deployed) are kept.
+    assert [c["type"] for c in status["conditions"]] == ["Planned", "Deployed", "Ready"]
 
 
 def test_fewer_blocks_than_planned_is_said_on_the_planned_condition() -> None:
-    engines = [EngineReport("tiny-a", True, kv_blocks=PLAN.totalBlocks - 10)]
-    status = readiness_status(PLAN, 1, 1, engines, [], 1, "t")
-    planned = next(c for c in status["conditions"] if c["type"] == "Planned")
-    assert planned["reason"] == "FewerBlocksThanPlanned"
-    assert status["observed"]["kvBlocksAllocated"] == PLAN.totalBlocks - 10
+    status = readiness(_deployed_tiny(), 2, [EngineReport("tiny-a", True, kv_blocks=8000),
+                                             EngineReport("tiny-b", True, kv_blocks=8100)], 1, "t")
+    assert status is not None
+    planned_cond = _conditions(status)["Planned"]
+    assert planned_cond["reason"] == "FewerBlocksThanPlanned"
+    assert "the engines allocated 8000 blocks, fewer than the 8192 planned" in planned_cond["message"]
+    assert status["observed"] == {"kvBlocksAllocated": 8000}  # the smallest pool bounds what any replica holds
 
 
 def test_no_pods_tells_where_to_look() -> None:
-    status = readiness_status(PLAN, 2, 0, [], [], 1, "t")
-    assert status["conditions"][0]["reason"] == "NoEnginePods"
-    assert "events" in status["conditions"][0]["message"]
+    status = readiness(_deployed_tiny(), 0, [], 1, "t")
+    assert status is not None
+    assert _conditions(status)["Ready"]["reason"] == "NoEnginePods"
+    assert "events" in _conditions(status)["Ready"]["message"]
 
 
-def test_status_schedule_holds_only_what_the_status_schema_keeps() -> None:
-    from npuserve.operator.api import ScheduleKnobs
+def test_readiness_needs_a_plan_and_skips_a_failed_one() -> None:
+    assert readiness({}, 1, [], 1, "t") is None
+    assert readiness(plan_failed(_deployed_tiny(), "bad", 2, "t"), 1, [], 2, "t") is None
 
-    status = planned_status(PLAN, [], 1, "x=y", "Deployment", "t")
-    assert set(status["schedule"]) <= set(ScheduleKnobs.model_fields)
-    assert status["schedule"]["maxBatchSize"] == PLAN.schedule.maxBatchSize
-    assert "maxIterTimes" not in status["schedule"]  # the API server would prune it and kopf would warn
+
+# --- the merge patch the writer sends -------------------------------------------------------------------------------
+
+
+def test_merge_patch_sends_changes_and_nulls_removed_keys() -> None:
+    old = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192, "ttftMs": 12.0},
+           "conditions": [{"type": "Ready", "status": "True"}]}
+    new = {"phase": "Planned", "replicas": 1, "observed": {"ttftMs": 12.0},
+           "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
+    assert merge_patch(old, new) == {
+        "phase": "Planned", "observed": {"kvBlocksAllocated": None},
+        # lists are replaced whole: the patch carries every condition, computed from the fresh read
+        "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
+    assert merge_patch(new, new) == {}
+    assert merge_patch({"observed": {"a": 1}}, {}) == {"observed": None}

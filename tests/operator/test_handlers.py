@@ -1,0 +1,115 @@
+"""The reconcile and readiness handlers over an in-memory API server: what the engine cannot serve is planned and not
+deployed (and what an earlier spec deployed is removed), the plan reaches the status before anything is applied, an
+optional kind whose API is missing is skipped with a warning, autotune is reported, readiness reads the plan from
+the status."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import kopf
+import pytest
+from fake_kube import TINY, FakeKube
+
+from npuserve.operator import handlers, kube
+from npuserve.operator.status import EngineReport
+
+LOG = logging.getLogger("test")
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    posted: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(kopf, "info", lambda body, *, reason, message="": posted.append(("Normal", reason, message)))
+    monkeypatch.setattr(kopf, "warn", lambda body, *, reason, message="": posted.append(("Warning", reason, message)))
+    return posted
+
+
+def _cluster(monkeypatch: pytest.MonkeyPatch, obj: dict[str, Any], served: set[str] | None = None) -> FakeKube:
+    fake = FakeKube(obj, served)
+    monkeypatch.setattr(handlers, "_kube", fake)
+    return fake
+
+
+def _reconcile(fake: FakeKube, spec_changes: dict[str, Any] | None = None) -> None:
+    obj = copy.deepcopy(fake.custom.obj)  # type: ignore[attr-defined]
+    obj["spec"].update(spec_changes or {})
+    fake.custom.obj["spec"] = obj["spec"]  # type: ignore[attr-defined]
+    handlers.reconcile(kopf.Body(obj), LOG)  # type: ignore[arg-type]
+
+
+def _conditions(fake: FakeKube) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in fake.status.get("conditions", [])}
+
+
+def test_a_cpu_service_is_planned_applied_and_deployed(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)
+    assert fake.kinds() == ["ConfigMap/tiny-config", "Deployment/tiny", "Service/tiny"]
+    assert fake.status["phase"] == "Deploying" and fake.status["plan"]["totalBlocks"] == 8192
+    assert {t: c["status"] for t, c in _conditions(fake).items()} == {"Planned": "True", "Deployed": "True"}
+    assert [e[1] for e in events] == ["Planned", "Applied"]
+
+
+def test_an_ascend_service_is_planned_not_deployed_and_earlier_engines_removed(
+    monkeypatch: pytest.MonkeyPatch, events: list[Any]
+) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)  # served on the CPU first
+    events.clear()
+    _reconcile(fake, {"accelerator": {"type": "ascend-910b4", "cards": 2, "memoryGiB": 32, "reservedGiB": 3}})
+    assert fake.kinds() == []  # the CPU Deployment, its ConfigMap and Service are gone; nothing new is applied
+    assert fake.deleted == ["ConfigMap/tiny-config", "Service/tiny", "Deployment/tiny"]
+    status = fake.status
+    assert status["phase"] == "Planned" and status["replicas"] == 0
+    assert (status["plan"]["accelerator"], status["plan"]["worldSize"], status["plan"]["npuMemSizeGiB"]) == (
+        "ascend-910b4", 2, 23)  # floor((32 - 3 - 0.002 / 2) x 0.8)
+    deployed = _conditions(fake)["Deployed"]
+    assert (deployed["status"], deployed["reason"]) == ("False", "EngineCannotServe")
+    assert "cannot serve device 'npu'" in deployed["message"] and "worldSize 2" in deployed["message"]
+    assert [(e[0], e[1]) for e in events] == [("Warning", "EngineCannotServe")]
+
+
+def test_the_plan_is_written_before_a_required_kind_fails(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY, served={"ConfigMap", "Service"})  # no Deployment API (absurd, but required)
+    with pytest.raises(kopf.TemporaryError):
+        _reconcile(fake)
+    assert fake.status["plan"]["totalBlocks"] == 8192
+    deployed = _conditions(fake)["Deployed"]
+    assert (deployed["status"], deployed["reason"]) == ("False", "DeploymentNotInstalled")
+    assert ("Warning", "DeploymentNotInstalled") in [(e[0], e[1]) for e in events]
+
+
+def test_a_missing_podmonitor_api_is_skipped_with_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                            events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake, {"monitoring": {"podMonitor": True}})
+    assert fake.kinds() == ["ConfigMap/tiny-config", "Deployment/tiny", "Service/tiny"]
+    deployed = _conditions(fake)["Deployed"]
+    assert deployed["status"] == "True" and deployed["message"].endswith("skipped (API not served): PodMonitor")
+    (warning,) = [e for e in events if e[0] == "Warning"]
+    assert warning[1] == "PodMonitorNotInstalled" and "Prometheus Operator" in warning[2]
+
+
+def test_autotune_enabled_is_reported_not_silently_accepted(monkeypatch: pytest.MonkeyPatch,
+                                                            events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake, {"autotune": {"enabled": True}})
+    tuning = _conditions(fake)["Tuning"]
+    assert (tuning["status"], tuning["reason"]) == ("False", "AutotuneNotBuilt")
+    assert ("Warning", "AutotuneNotBuilt") in [(e[0], e[1]) for e in events]
+
+
+def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)
+    # The spec changes behind the operator's back (no reconcile yet): readiness judges against status.plan.
+    fake.custom.obj["spec"]["replicas"] = 3  # type: ignore[attr-defined]
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", True)])
+    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", True, kv_blocks=8192)])
+    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    assert fake.status["phase"] == "Ready" and fake.status["observed"] == {"kvBlocksAllocated": 8192}
+    assert _conditions(fake)["Ready"]["message"] == "1/1 engine pods ready"
+    assert events[-1] == ("Normal", "Ready", "1/1 engine pods ready")

@@ -1,0 +1,157 @@
+"""kube.py: the one status writer (optimistic concurrency, retry on 409), pruning of what a previous render made, and
+the engines' /info read concurrently with a bound and a timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import httpx
+import pytest
+from fake_kube import TINY, FakeKube, FakeStatusApi
+
+from npuserve.operator import status as st
+from npuserve.operator.api import InferenceService
+from npuserve.operator.kube import STATUS_WRITE_ATTEMPTS, EnginePod, StatusConflict, read_engines, update_status
+from npuserve.operator.planner import plan
+from npuserve.operator.render import render
+
+NS, NAME = TINY["metadata"]["namespace"], TINY["metadata"]["name"]
+ISVC = InferenceService.model_validate(TINY)
+PLAN = plan(ISVC.spec)
+READY = {"type": "Ready", "status": "True", "reason": "EnginesReady", "message": "1/1 engine pods ready",
+         "lastTransitionTime": "t1", "observedGeneration": 1}
+
+
+def _types(status: dict[str, Any]) -> dict[str, str]:
+    return {c["type"]: c["status"] for c in status.get("conditions", [])}
+
+
+# --- the status writer -----------------------------------------------------------------------------------------------
+
+
+def test_a_write_from_a_stale_read_is_retried_and_loses_nothing() -> None:
+    """Reconcile re-plans while the readiness handler marks the service Ready between reconcile's read and write:
+    the API server answers 409 to the stale write, the writer reads again, and both updates survive."""
+    api = FakeStatusApi({**TINY, "status": st.deployed(st.planned({}, PLAN, 1, "sel", "t0"), ["Deployment"], [], 1,
+                                                         "t0")})
+    api.before_next_patch = lambda: api.write({"phase": "Ready", "conditions": [
+        *api.obj["status"]["conditions"], READY]})  # type: ignore[index]
+    calls: list[dict[str, Any]] = []
+
+    def replan(obj: Any) -> dict[str, Any]:
+        calls.append(copy.deepcopy(obj["status"]))
+        return st.planned(obj["status"], PLAN, 2, "sel", "t2")
+
+    update = update_status(api, NS, NAME, replan)
+    assert update is not None and update.attempts == 2
+    assert api.conflicts == 1 and len(calls) == 2
+    assert "Ready" not in _types(calls[0]) and _types(calls[1])["Ready"] == "True"  # the second try saw the write
+    final = api.obj["status"]  # type: ignore[index]
+    assert _types(final) == {"Planned": "True", "Deployed": "True", "Ready": "True"}
+    assert final["phase"] == "Ready" and final["observedGeneration"] == 2
+    # Every write carried the resourceVersion of the read it was computed from.
+    assert [p["metadata"]["resourceVersion"] for p in api.patches] == ["1", "2"]
+
+
+def test_the_writer_gives_up_after_a_bounded_number_of_conflicts() -> None:
+    api = FakeStatusApi({**TINY, "status": {}})
+
+    def always_conflict() -> None:
+        api.write({"replicas": 0})
+        api.before_next_patch = always_conflict
+
+    api.before_next_patch = always_conflict
+    with pytest.raises(StatusConflict):
+        update_status(api, NS, NAME, lambda o: {**o["status"], "phase": "Deploying"})
+    assert api.conflicts == STATUS_WRITE_ATTEMPTS
+
+
+def test_nothing_is_written_when_nothing_changes_and_a_gone_object_is_none() -> None:
+    api = FakeStatusApi({**TINY, "status": {"phase": "Ready"}})
+    update = update_status(api, NS, NAME, lambda o: dict(o["status"]))
+    assert update is not None and update.old == update.new == {"phase": "Ready"} and api.patches == []
+    assert update_status(api, NS, NAME, lambda o: None) is not None and api.patches == []
+    assert update_status(FakeStatusApi(None), NS, NAME, lambda o: {"phase": "Ready"}) is None
+
+
+def test_the_patch_removes_what_the_new_status_drops() -> None:
+    api = FakeStatusApi({**TINY, "status": {"phase": "Ready", "observed": {"kvBlocksAllocated": 8192}}})
+    update_status(api, NS, NAME, lambda o: {"phase": "Planned"})
+    assert api.obj["status"] == {"phase": "Planned"}  # type: ignore[index]
+
+
+# --- prune -----------------------------------------------------------------------------------------------------------
+
+
+def test_prune_removes_the_objects_of_a_previous_render_only() -> None:
+    kube = FakeKube(TINY, served={"ConfigMap", "Service", "Deployment", "PodMonitor"})
+    monitored = {**TINY, "spec": {**TINY["spec"], "monitoring": {"podMonitor": True}}}
+    with_monitor = InferenceService.model_validate(monitored)
+    for manifest in render(with_monitor, PLAN):
+        kube.apply(manifest)
+    other = InferenceService.model_validate({**TINY, "metadata": {**TINY["metadata"], "name": "other"}})
+    for manifest in render(other, PLAN):
+        kube.apply(manifest)
+    assert "PodMonitor/tiny" in kube.kinds()
+
+    removed = kube.prune(NS, NAME, render(ISVC, PLAN))  # the spec no longer asks for a PodMonitor
+    assert removed == ["PodMonitor/tiny"]
+    assert kube.kinds() == ["ConfigMap/other-config", "ConfigMap/tiny-config", "Deployment/other", "Deployment/tiny",
+                            "Service/other", "Service/tiny"]
+    assert kube.prune(NS, NAME, []) == ["ConfigMap/tiny-config", "Service/tiny", "Deployment/tiny"]
+    assert kube.kinds() == ["ConfigMap/other-config", "Deployment/other", "Service/other"]
+
+
+# --- the engines' /info ----------------------------------------------------------------------------------------------
+
+INFO = {"model": "/etc/npuserve/model", "served_model_name": "tiny", "model_type": "llama", "dtype": "float32",
+        "device": "cpu", "worldSize": 1, "kv_blocks": 8192, "kv_host_blocks": 0, "block_size": 128,
+        "kv_bytes_per_block": 131072, "kv_sizing": "npuMemSize 1 GiB", "schedule": {"maxBatchSize": 4096},
+        "version": "0.1.0", "ready": True, "max_waiting_requests": 1024, "num_requests_in_flight": 0}
+
+
+def test_info_reads_run_concurrently_with_a_bound() -> None:
+    in_flight, peak, asked = 0, 0, []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, peak
+        asked.append(request.url.host)
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        return httpx.Response(200, json={**INFO, "kv_blocks": 8000 + int(request.url.host.rsplit(".", 1)[1])})
+
+    pods = [EnginePod(f"tiny-{i}", f"127.1.0.{i}", True) for i in range(20)]
+    reports = read_engines(pods, limit=4, transport=httpx.MockTransport(handler))
+    assert peak == 4  # concurrent, and never more than the bound
+    assert [r.kv_blocks for r in reports] == [8000 + i for i in range(20)]  # in the pods' order
+    assert sorted(asked) == sorted(f"127.1.0.{i}" for i in range(20))
+
+
+def test_info_reads_time_out_and_bad_bodies_are_errors_not_crashes() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host == "127.1.0.1":
+            await asyncio.sleep(5)
+        if host == "127.1.0.2":
+            return httpx.Response(200, json={"kv_blocks": 10})  # not an EngineInfo
+        if host == "127.1.0.3":
+            return httpx.Response(503, text="loading")
+        assert request.url.port == 8000 and request.url.path == "/info"
+        return httpx.Response(200, json=INFO)
+
+    pods = [EnginePod("slow", "127.1.0.1", True), EnginePod("odd", "127.1.0.2", True),
+            EnginePod("busy", "127.1.0.3", True), EnginePod("good", "127.1.0.4", True),
+            EnginePod("starting", None, False), EnginePod("waiting", "127.1.0.5", False),
+            EnginePod("worker", "127.1.0.6", True, serves_http=False)]
+    reports = {r.pod: r for r in read_engines(pods, timeout=0.2, transport=httpx.MockTransport(handler))}
+    assert reports["good"] == st.EngineReport("good", True, kv_blocks=8192)
+    for name in ("slow", "odd", "busy"):
+        assert reports[name].ready and reports[name].kv_blocks is None
+        assert (reports[name].error or "").startswith("/info unreadable"), reports[name]
+    assert reports["starting"] == st.EngineReport("starting", False, error="no pod IP yet")
+    assert reports["waiting"] == st.EngineReport("waiting", False, error="not ready")
+    assert reports["worker"] == st.EngineReport("worker", True)  # an LWS worker serves no HTTP: not asked
