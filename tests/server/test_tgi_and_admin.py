@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from tests.server.conftest import RunningServer, running_server, wait_until
+from tests.server.runner_control import RunnerControl, histogram, histogram_delta
 
 
 def test_generate_headers_and_body(server: RunningServer) -> None:
@@ -94,30 +97,48 @@ def test_admin_refuses_invalid_values_and_keeps_the_config(server: RunningServer
     assert server.get("/info").json()["schedule"] == before
 
 
-async def _concurrent_completions(url: str, n: int, max_tokens: int) -> list[dict[str, object]]:
+async def _concurrent_completions(url: str, n: int, max_tokens: int) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=60) as client:
         responses = await asyncio.gather(*(
             client.post(url + "/v1/completions", json={"prompt": f"request {i}", "max_tokens": max_tokens,
                                                        "ignore_eos": True}) for i in range(n)))
+    for r in responses:
+        r.raise_for_status()
     return [r.json() for r in responses]
 
 
-def test_hot_reload_of_max_batch_size_is_observed(tiny_model_dir: Path) -> None:
+def _decode_steps_while(s: RunningServer, control: RunnerControl, n: int) -> tuple[dict[float, float], list[float]]:
+    """Runs n concurrent requests, all queued before the engine goes on; returns the decode-batch-size histogram of
+    the steps they ran (cumulative count per upper bound) and each request's mean decode batch size."""
+    before = histogram(s, "npuserve:decode_batch_size")
+    control.hold_until(n)
+    results = asyncio.run(_concurrent_completions(s.url, n, 12))
+    wait_until(lambda: s.metric("npuserve:num_requests_running") == 0)
+    steps = histogram_delta(before, histogram(s, "npuserve:decode_batch_size"))
+    return steps, [r["npuserve"]["mean_decode_batch_size"] for r in results]
+
+
+def test_admin_schedule_reaches_the_scheduler(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PUT /admin/schedule changes the batches the scheduler forms, not only what the server reports."""
+    auth = {"Authorization": "Bearer t"}
     with running_server(tiny_model_dir, admin_token="t", maxBatchSize=16) as s:
-        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 2, "maxPrefillBatchSize": 2},
-                      headers={"Authorization": "Bearer t"}, timeout=30)
+        control = RunnerControl(s.engine.engine, monkeypatch)
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 2, "maxPrefillBatchSize": 2}, headers=auth, timeout=30)
         assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 2
+        steps, means = _decode_steps_while(s, control, 6)
+        inf = float("inf")
+        assert steps[inf] > 0
+        assert steps[2.0] == steps[inf]  # no decode step ran more than two requests ...
+        assert steps[2.0] - steps[1.0] > 0  # ... and some ran two: six requests were there to batch
+        assert max(means) <= 2
         assert s.get("/info").json()["schedule"]["maxBatchSize"] == 2
-        results = asyncio.run(_concurrent_completions(s.url, 6, 12))
-        decode_sizes = [r["npuserve"]["mean_decode_batch_size"] for r in results]  # type: ignore[index]
-        assert max(decode_sizes) <= 2  # type: ignore[type-var]
-        assert s.metric('npuserve:decode_batch_size_bucket{le="2.0",model_name') == s.metric(
-            "npuserve:decode_batch_size_count")
-        # and back up: decode steps now batch more than two requests
-        httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 16},
-                  headers={"Authorization": "Bearer t"}, timeout=30).raise_for_status()
-        results = asyncio.run(_concurrent_completions(s.url, 6, 12))
-        assert max(r["npuserve"]["mean_decode_batch_size"] for r in results) > 2  # type: ignore[index]
+
+        # and back up: the same six requests now decode together
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 16}, headers=auth, timeout=30)
+        assert r.status_code == 200
+        steps, means = _decode_steps_while(s, control, 6)
+        assert steps[inf] - steps[4.0] > 0 and max(means) > 2
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 16
 
 
 def test_config_file_changes_apply_live_and_bad_ones_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
