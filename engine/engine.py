@@ -257,6 +257,10 @@ class LLMEngine:
         ran: list[Sequence] = []
         if out.kind is not StepKind.IDLE and out.seqs:
             num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
+            if out.kind is StepKind.PREFILL:
+                for seq in out.seqs:  # the prefix cache's hits, for usage.prompt_tokens_details.cached_tokens
+                    if seq.num_prompt_cached_tokens is None:
+                        seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             t0 = time.perf_counter()
             self.runner.swap(out.swap_out, out.swap_in)
             sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)

@@ -28,6 +28,7 @@ class RequestOutput:
     num_prompt_tokens: int
     finished: bool
     finish_reason: FinishReason | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # see `request_metrics`
 
@@ -91,6 +92,7 @@ class OutputProcessor:
             request_id=tracked.request_id, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
             token_ids=seq.output_token_ids, text=text, num_prompt_tokens=seq.num_prompt_tokens, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error, metrics=request_metrics(seq),
+            num_cached_prompt_tokens=seq.num_prompt_cached_tokens or 0,
         )
 
 

@@ -59,6 +59,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # device blocks, in order
     host_block_table: list[int] = field(default_factory=list)  # host blocks while swapped out
     num_cached_tokens: int = 0  # tokens whose KV is already in the cache (prefix hits, or computed before)
+    num_prompt_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at its first prefill
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     error: str | None = None

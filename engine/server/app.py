@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from npuserve import __version__
 from npuserve.engine.server import admin, openai_api, tgi_api
 from npuserve.engine.server.async_engine import AsyncEngine
+from npuserve.engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
 from npuserve.engine.server.chat_template import ChatTemplate
 from npuserve.engine.server.errors import APIError, api_error_handler, validation_error_handler
 from npuserve.engine.server.state import ServerState, State
@@ -32,7 +33,7 @@ def _chat_template(engine: AsyncEngine) -> ChatTemplate | None:
 
 
 def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_path: Path | None = None,
-              drain_timeout: float = 30.0) -> FastAPI:
+              drain_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     state = ServerState(engine=engine, served_model_name=engine.engine.model_name,
                         chat_template=_chat_template(engine), admin_token=admin_token)
     watcher = admin.ConfigWatcher(state, config_path) if config_path is not None else None
@@ -52,6 +53,7 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app = FastAPI(title="npuserve engine", version=__version__, lifespan=lifespan)
     app.state.server = state
     app.state.config_watcher = watcher
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.include_router(openai_api.router)
@@ -59,11 +61,13 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app.include_router(admin.router)
 
     @app.get(HEALTH_PATH)
+    @app.head(HEALTH_PATH, include_in_schema=False)  # probes and load balancers use HEAD
     async def health() -> dict[str, str]:
         """The process is alive (liveness)."""
         return {"status": "ok"}
 
     @app.get(READY_PATH, response_model=None)
+    @app.head(READY_PATH, response_model=None, include_in_schema=False)
     async def ready(state: State) -> dict[str, Any] | JSONResponse:
         """The model is loaded and warmed up and the server takes requests (readiness)."""
         engine = state.engine
@@ -81,6 +85,7 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
                                   num_requests_in_flight=engine.num_in_flight())
 
     @app.get(METRICS_PATH)
+    @app.head(METRICS_PATH, include_in_schema=False)
     async def metrics(state: State) -> Response:
         return Response(state.engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

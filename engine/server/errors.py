@@ -9,7 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          422: "UnprocessableEntityError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+          503: "ServiceUnavailableError"}
 
 
 class APIError(Exception):

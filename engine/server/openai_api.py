@@ -63,8 +63,20 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: bool) -> Sa
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    data = payload.model_dump_json(exclude_none=True) if isinstance(payload, BaseModel) else json.dumps(payload)
+    """One event. Fields given explicitly are sent, null included (a chunk's `finish_reason` and `logprobs`, as in
+    OpenAI's schema); fields left at their default are not."""
+    data = payload.model_dump_json(exclude_unset=True) if isinstance(payload, BaseModel) else json.dumps(payload)
     return f"data: {data}\n\n"
+
+
+def _final_extras(output: RequestOutput, usage: Usage | None) -> dict[str, Any]:
+    """A chunk's optional fields: usage (continuous_usage_stats) and, on the last, the request's timings."""
+    extras: dict[str, Any] = {}
+    if usage is not None:
+        extras["usage"] = usage
+    if output.finished:
+        extras["npuserve"] = RequestTimings.from_engine(output.metrics)
+    return extras
 
 
 def finish_reason(output: RequestOutput) -> str | None:
@@ -115,6 +127,7 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
 
 
 @router.get("/v1/models", response_model=ModelList)
+@router.head("/v1/models", response_model=ModelList, include_in_schema=False)
 async def list_models(request: Request) -> ModelList:
     state = get_state(request)
     engine = state.engine.engine
@@ -160,7 +173,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         return results
 
     results = await cancel_on_disconnect(request, collect())
-    choices, timings, prompt_tokens, completion_tokens = [], [], 0, 0
+    choices, timings, finals = [], [], []
     for index, r in enumerate(results):
         assert r.final is not None
         raise_for_error(r.final)
@@ -174,17 +187,14 @@ async def create_completion(body: CompletionRequest, request: Request,
         choices.append(CompletionChoice(index=index, text=r.final.text, logprobs=logprobs,
                                         finish_reason=finish_reason(r.final)))
         timings.append(RequestTimings.from_engine(r.final.metrics))
-        prompt_tokens += r.final.num_prompt_tokens
-        completion_tokens += len(r.final.token_ids)
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                  total_tokens=prompt_tokens + completion_tokens)
-    return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=usage,
+        finals.append(r.final)
+    return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
                               npuserve=timings[0] if len(timings) == 1 else timings)
 
 
 async def _completion_events(state: ServerState, body: CompletionRequest, streams: list[RequestStream], rid: str,
                              created: int, model: str) -> AsyncIterator[str]:
-    prompt_tokens = completion_tokens = 0
+    latest: dict[int, RequestOutput] = {}
     want_logprobs = body.logprobs is not None
     try:
         async for index, output in _merge(streams):
@@ -192,26 +202,24 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
             if status is not None:
                 yield sse(error_body(status, output.error or "the request failed"))
                 break
+            latest[index] = output
             logprobs = None
             if want_logprobs and output.new_token_ids:
                 logprobs = CompletionLogprobs(tokens=[state.token_text(t) for t in output.new_token_ids],
                                               token_logprobs=output.new_logprobs or [])
             if not output.new_text and not output.finished and logprobs is None:
                 continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
+            usage = Usage.of(list(latest.values())) if body.continuous_usage else None
             chunk = CompletionResponse(
                 id=rid, created=created, model=model,
                 choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
                                           finish_reason=finish_reason(output))],
-                npuserve=RequestTimings.from_engine(output.metrics) if output.finished else None,
+                **_final_extras(output, usage),
             )
             yield sse(chunk)
-            if output.finished:
-                prompt_tokens += output.num_prompt_tokens
-                completion_tokens += len(output.token_ids)
         else:
             if body.include_usage:
-                usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
+                usage = Usage.of(list(latest.values()))
                 yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
         yield "data: [DONE]\n\n"
     finally:
@@ -267,8 +275,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 
     final, entries = await cancel_on_disconnect(request, collect())
     raise_for_error(final)
-    usage = Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=len(final.token_ids),
-                  total_tokens=final.num_prompt_tokens + len(final.token_ids))
+    usage = Usage.of([final])
     choice = ChatChoice(index=0, message=AssistantMessage(content=final.text),
                         logprobs=ChatChoiceLogprobs(content=entries) if body.logprobs else None,
                         finish_reason=finish_reason(final))
@@ -279,15 +286,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
 async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: RequestStream, rid: str,
                        created: int, model: str) -> AsyncIterator[str]:
     with contextlib.closing(stream):
-        first = ChatCompletionChunk(id=rid, created=created, model=model,
-                                    choices=[ChatChunkChoice(index=0, delta=ChatDelta(role="assistant", content=""))])
-        yield sse(first)
         final: RequestOutput | None = None
+        role_sent = False
         async for output in stream:
             status = error_status(output)
             if status is not None:
                 yield sse(error_body(status, output.error or "the request failed"))
                 break
+            usage = Usage.of([output]) if body.continuous_usage else None
+            if not role_sent:
+                # As vLLM: the role goes out once the first token is computed, never before prefill, so a client's
+                # time to the first chunk with choices is the time to the first token.
+                role_sent = True
+                yield sse(ChatCompletionChunk(
+                    id=rid, created=created, model=model, choices=[ChatChunkChoice(
+                        index=0, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)],
+                    **({"usage": Usage.of([output])} if usage is not None else {})))
             logprobs = _chat_logprobs(state, output) if body.logprobs and output.new_token_ids else None
             if not output.new_text and not output.finished and logprobs is None:
                 continue
@@ -295,13 +309,11 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: 
                 id=rid, created=created, model=model,
                 choices=[ChatChunkChoice(index=0, delta=ChatDelta(content=output.new_text or None),
                                          logprobs=logprobs, finish_reason=finish_reason(output))],
-                npuserve=RequestTimings.from_engine(output.metrics) if output.finished else None,
+                **_final_extras(output, usage),
             )
             yield sse(chunk)
             if output.finished:
                 final = output
         if final is not None and body.include_usage:
-            usage = Usage(prompt_tokens=final.num_prompt_tokens, completion_tokens=len(final.token_ids),
-                          total_tokens=final.num_prompt_tokens + len(final.token_ids))
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=usage))
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=Usage.of([final])))
         yield "data: [DONE]\n\n"

@@ -10,8 +10,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
+from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine_contract import schedule_field
 
 # --- shared --------------------------------------------------------------------------------------------------------
@@ -24,6 +32,7 @@ class _Request(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(default=False, description="vLLM: usage in every chunk")
 
 
 class SamplingFields(_Request):
@@ -59,6 +68,10 @@ class SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingFields):
@@ -119,10 +132,24 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, outputs: list[RequestOutput]) -> Usage:
+        """Usage of one or more requests (the choices of one response), from their latest outputs."""
+        prompt = sum(o.num_prompt_tokens for o in outputs)
+        completion = sum(len(o.token_ids) for o in outputs)
+        cached = sum(o.num_cached_prompt_tokens for o in outputs)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class RequestTimings(BaseModel):
@@ -227,12 +254,17 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI's deltas carry only what changed: {"role": ..., "content": ...} first, {"content": ...}, then {}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
+    logprobs: ChatChoiceLogprobs | None = None  # null, not absent, as in OpenAI's chunk schema
+    finish_reason: str | None = None  # likewise
 
 
 class ChatCompletionChunk(BaseModel):

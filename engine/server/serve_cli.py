@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from npuserve.engine.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from npuserve.engine_contract import (
     ADMIN_TOKEN_ENV,
     DEFAULT_HOST,
@@ -37,6 +38,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="overrides npuserve.device")
     parser.add_argument("--max-waiting-requests", type=int, help="waiting-queue bound before 429 "
                         "(overrides npuserve.maxWaitingRequests)")
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="request bodies over this many bytes get 413 before they are read (default 16 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to finish running requests after SIGTERM")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -106,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     engine = AsyncEngine(llm)
     app = build_app(engine, admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
-                    config_path=Path(args.config) if args.config else None, drain_timeout=args.drain_timeout)
+                    config_path=Path(args.config) if args.config else None, drain_timeout=args.drain_timeout,
+                    max_body_bytes=args.max_body_bytes)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT: readiness turns false and new requests get 503 while running ones finish."""

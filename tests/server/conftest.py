@@ -40,12 +40,12 @@ class RunningServer:
 @contextmanager
 def running_server(model_dir: Path, *, admin_token: str | None = None, config_path: Path | None = None,
                    max_waiting: int | None = None, engine_kwargs: dict[str, Any] | None = None,
-                   **config: Any) -> Iterator[RunningServer]:
+                   app_kwargs: dict[str, Any] | None = None, **config: Any) -> Iterator[RunningServer]:
     mindie = make_config(model_dir, **{"max_seq_len": 512, "maxIterTimes": 256, **config})
     if config_path is not None:
         mindie.save(config_path)
     engine = AsyncEngine(LLMEngine(mindie, **(engine_kwargs or {})), max_waiting=max_waiting)
-    app = build_app(engine, admin_token=admin_token, config_path=config_path, drain_timeout=5)
+    app = build_app(engine, admin_token=admin_token, config_path=config_path, drain_timeout=5, **(app_kwargs or {}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
