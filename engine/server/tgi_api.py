@@ -41,11 +41,15 @@ def _start(state: ServerState, body: GenerateRequest) -> RequestStream:
     return state.submit(prompt, _params(body, max_tokens), "inputs")
 
 
-def _tgi_finish_reason(state: ServerState, output: RequestOutput) -> str:
+def _tgi_finish_reason(state: ServerState, output: RequestOutput, ignore_eos: bool) -> str:
+    """TGI's spelling: "length", "eos_token" or "stop_sequence". A STOP ends on an end-of-sequence token unless
+    ignore_eos is set (then that token ends nothing); otherwise a stop string ended it (this route takes no stop
+    token ids)."""
     reason = output.finish_reason.value if output.finish_reason else "length"
     if reason == "stop":
-        eos = set(state.engine.engine.scheduler.eos_token_ids)
-        return "eos_token" if output.token_ids and output.token_ids[-1] in eos else "stop_sequence"
+        eos = state.engine.engine.scheduler.eos_token_ids
+        ended_on_eos = not ignore_eos and bool(output.token_ids) and output.token_ids[-1] in eos
+        return "eos_token" if ended_on_eos else "stop_sequence"
     return reason
 
 
@@ -85,7 +89,8 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> JSO
     raise_for_error(final)
     details = None
     if body.parameters.details:
-        details = GenerateDetails(finish_reason=_tgi_finish_reason(state, final), generated_tokens=len(final.token_ids),
+        details = GenerateDetails(finish_reason=_tgi_finish_reason(state, final, body.parameters.ignore_eos),
+                                  generated_tokens=len(final.token_ids),
                                   seed=body.parameters.seed, tokens=tokens)
     response = GenerateResponse(generated_text=final.text, details=details)
     return JSONResponse(response.model_dump(exclude_none=True), headers=timing_headers(final))
@@ -118,7 +123,8 @@ async def _events(state: ServerState, body: GenerateRequest, stream: RequestStre
                     "details": None,
                 }
                 if last and output.finished:
-                    event["details"] = {"finish_reason": _tgi_finish_reason(state, output),
+                    reason = _tgi_finish_reason(state, output, body.parameters.ignore_eos)
+                    event["details"] = {"finish_reason": reason,
                                         "generated_tokens": len(output.token_ids), "seed": body.parameters.seed,
                                         **timing_headers(output)}
                 yield sse(event)
