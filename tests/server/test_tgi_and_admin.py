@@ -123,7 +123,8 @@ def test_admin_schedule_reaches_the_scheduler(tiny_model_dir: Path, monkeypatch:
     auth = {"Authorization": "Bearer t"}
     with running_server(tiny_model_dir, admin_token="t", maxBatchSize=16) as s:
         control = RunnerControl(s.engine.engine, monkeypatch)
-        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 2, "maxPrefillBatchSize": 2}, headers=auth, timeout=30)
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 2, "maxPrefillBatchSize": 2}, headers=auth,
+                      timeout=30)
         assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 2
         steps, means = _decode_steps_while(s, control, 6)
         inf = float("inf")
