@@ -53,7 +53,15 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     errors = exc.errors()
     first = errors[0] if errors else {"loc": ("body",), "msg": "invalid request"}
     param = _field_path(tuple(first.get("loc", ())))
-    if first.get("type") == "json_invalid":
+    ctx = first.get("ctx")
+    cause = ctx.get("error") if isinstance(ctx, dict) else None
+    field = getattr(cause, "field", None)  # protocol.UnsupportedField, refused by name
+    if isinstance(field, str):
+        message = str(cause) if param == "body" else f"{param}.{cause}"
+        param = field if param == "body" else f"{param}.{field}"
+    elif first.get("type") == "extra_forbidden":
+        message = f"{param} is not a field of this request (nothing is ignored: remove it)"
+    elif first.get("type") == "json_invalid":
         ctx = first.get("ctx")
         detail = ctx.get("error") if isinstance(ctx, dict) else None
         message = f"the body is not valid JSON: {detail or first.get('msg')}"

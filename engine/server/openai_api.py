@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,11 +51,19 @@ from npuserve.engine.server.state import (
 )
 
 router = APIRouter()
+log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+    if body.priority and state.engine.engine.extensions.policy != "priority":
+        # as vLLM: a priority the scheduler would not look at is refused, not ignored
+        raise APIError(400, f"priority is {body.priority}, but this server schedules by "
+                       f"'{state.engine.engine.extensions.policy}' (npuserve.policy), not by priority",
+                       param="priority")
+    if body.user is not None:
+        log.info("request from user %r", body.user)
     return SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
         seed=body.seed, stop=body.stop_list, stop_token_ids=tuple(body.stop_token_ids or ()),
@@ -151,7 +160,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     try:
         for prompt in prompts:
             max_tokens = state.resolve_max_tokens(body.max_tokens, len(prompt), "max_tokens")
-            streams.append(state.submit(prompt, sampling_params(body, max_tokens, want_logprobs), "prompt"))
+            streams.append(state.submit(prompt, sampling_params(state, body, max_tokens, want_logprobs), "prompt"))
     except BaseException:
         for s in streams:
             s.close()
@@ -258,7 +267,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     prompt = _chat_prompt(state, body)
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = state.resolve_max_tokens(body.output_limit, len(prompt), field_name)
-    stream = state.submit(prompt, sampling_params(body, max_tokens, body.logprobs), "messages")
+    stream = state.submit(prompt, sampling_params(state, body, max_tokens, body.logprobs), "messages")
     rid, created, model = new_id("chatcmpl"), now_seconds(), state.served_model_name
     if body.stream:
         return StreamingResponse(_chat_events(state, body, stream, rid, created, model),

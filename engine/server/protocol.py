@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -17,6 +17,7 @@ from pydantic import (
     SerializerFunctionWrapHandler,
     field_validator,
     model_serializer,
+    model_validator,
 )
 
 from npuserve.engine.output_processor import RequestOutput
@@ -26,8 +27,31 @@ from npuserve.engine_contract import schedule_field
 
 
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI and vLLM do, so newer clients keep working.
-    model_config = ConfigDict(extra="ignore")
+    """A request body. Nothing is accepted and ignored: an unknown field is a 400 naming it, and a field of
+    OpenAI's (or TGI's) schema that this server does not honour is declared in `UNSUPPORTED` and refused, with a
+    400 naming it, whenever it is given a value other than its neutral one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # field -> (the value that changes nothing, why it is refused otherwise)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (neutral, why) in cls.UNSUPPORTED.items():
+                if name in data and data[name] is not None and data[name] != neutral:
+                    raise UnsupportedField(name, why)
+        return data
+
+
+class UnsupportedField(ValueError):
+    """A request field this server does not honour, given a value that would need it; answered 400 naming it."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(f"{field} is not supported by this server: {why}")
+        self.field = field
 
 
 class StreamOptions(BaseModel):
@@ -44,12 +68,21 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = Field(default=False, description="vLLM extension: generate max_tokens whatever the model says")
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(default=0, description="lower is served first under the `priority` policy")
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0, description="not supported: must be 0")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(default=None, max_length=256, description="the end user; written to the request log")
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "n": (1, "one choice per request for now; send n requests"),
+        "presence_penalty": (0.0, "penalties are not implemented"),
+        "frequency_penalty": (0.0, "penalties are not implemented"),
+        "logit_bias": ({}, "logit_bias is not implemented"),
+    }
 
     @field_validator("stop")
     @classmethod
@@ -77,16 +110,18 @@ class SamplingFields(_Request):
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=0, description="only the chosen token's logprob: 0")
-    echo: bool = Field(default=False, description="not supported: must be false")
-    suffix: str | None = Field(default=None, max_length=0, description="not supported")
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SamplingFields.UNSUPPORTED,
+        "logprobs": (0, "only the chosen token's logprob (logprobs: 0) for now"),
+        "echo": (False, "echo is not implemented yet"),
+        "suffix": ("", "the models served here have no fill-in-the-middle template"),
+        "best_of": (1, "best_of is not implemented yet"),
+    }
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (OpenAI accepts one prompt or a batch)."""
@@ -104,12 +139,18 @@ class TextContentPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "tool_calls": ([], "tool calls are not implemented yet"),
+        "tool_call_id": ("", "tool calls are not implemented yet"),
+    }
 
     def text(self) -> str:
         if self.content is None:
@@ -124,8 +165,47 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="only the chosen token: 0")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        **SamplingFields.UNSUPPORTED,
+        "top_logprobs": (0, "only the chosen token's logprob (top_logprobs: 0) for now"),
+        "response_format": ({"type": "text"}, "structured output is not implemented yet"),
+        "tools": ([], "tool calls are not implemented yet"),
+        "tool_choice": ("none", "tool calls are not implemented yet"),
+        "parallel_tool_calls": (False, "tool calls are not implemented yet"),
+        "functions": ([], "the deprecated functions API is not implemented; nor are tools yet"),
+        "function_call": ("none", "the deprecated functions API is not implemented"),
+        "modalities": (["text"], "the models served here produce text only"),
+        "audio": ({}, "the models served here produce text only"),
+        "prediction": ({}, "predicted outputs are not implemented"),
+        "reasoning_effort": ("", "the models served here have no reasoning-effort control"),
+        "verbosity": ("", "the models served here have no verbosity control"),
+        "web_search_options": ({}, "this server does not search the web"),
+        "store": (False, "this server stores no completions"),
+        "metadata": ({}, "this server stores no completions, so it keeps no metadata"),
+        "service_tier": ("auto", "this server has one service tier"),
+        "prompt_cache_key": ("", "the prefix cache needs no key: it matches prompts by their tokens"),
+        "safety_identifier": ("", "this server runs no safety monitoring"),
+    }
 
     @property
     def output_limit(self) -> int | None:
@@ -308,6 +388,30 @@ class GenerateParameters(_Request):
     details: bool = False
     decoder_input_details: bool = False
     ignore_eos: bool = False
+    best_of: int | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_full_text: bool | None = None
+    top_n_tokens: int | None = None
+    truncate: int | None = None
+    typical_p: float | None = None
+    watermark: bool | None = None
+    grammar: dict[str, Any] | None = None
+    adapter_id: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
+        "decoder_input_details": (False, "prompt token details are not implemented"),
+        "best_of": (1, "best_of is not implemented"),
+        "repetition_penalty": (1.0, "penalties are not implemented"),
+        "frequency_penalty": (0.0, "penalties are not implemented"),
+        "return_full_text": (False, "the response holds the generated text only"),
+        "top_n_tokens": (0, "top-n token logprobs are not implemented"),
+        "truncate": (0, "set ModelDeployConfig.truncation in the server's config instead"),
+        "typical_p": (1.0, "typical sampling is not implemented"),
+        "watermark": (False, "watermarking is not implemented"),
+        "grammar": ({}, "grammar-constrained generation is not implemented yet"),
+        "adapter_id": ("", "adapters (LoRA) are not implemented"),
+    }
 
 
 class GenerateRequest(_Request):
