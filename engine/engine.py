@@ -43,12 +43,18 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What one step ran: its kind, sequences, tokens computed, seconds on the device."""
+    """What one step ran: its kind, sequences, tokens computed, seconds on the device, and how many of the
+    sequences computed prompt tokens (all of a PREFILL step, the chunks of a MIXED one, none of a DECODE one)."""
 
     kind: StepKind
     num_seqs: int
     num_tokens: int
     seconds: float
+    num_prefill_seqs: int = 0
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.num_seqs - self.num_prefill_seqs
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +136,12 @@ class LLMEngine:
                                  enable_prefix_caching=ext.enablePrefixCaching)
         self.scheduler = Scheduler(
             schedule, self.kv, policy=ext.policy, max_seq_len=deploy.maxSeqLen,
-            eos_token_ids=self._eos_ids(folder), recompute_threshold=self.env.recompute_threshold, clock=clock,
+            eos_token_ids=self._eos_ids(folder), recompute_threshold=self.env.recompute_threshold,
+            chunked_prefill=ext.chunkedPrefill, clock=clock,
         )
+        if ext.chunkedPrefill and schedule.supportSelectBatch:
+            log.warning("npuserve.chunkedPrefill turns supportSelectBatch off, as MindIE's SplitFuse does: every "
+                        "step mixes decodes and prompt chunks, so there is no prefill-or-decode choice to weigh")
         self.max_input_len = deploy.maxInputTokenLen
         self.truncation = deploy.truncation
         self.tokenizer: TokenizerLike | None = None
@@ -257,15 +267,18 @@ class LLMEngine:
         ran: list[Sequence] = []
         if out.kind is not StepKind.IDLE and out.seqs:
             num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
-            if out.kind is StepKind.PREFILL:
+            if out.kind is not StepKind.DECODE:
                 for seq in out.seqs:  # the prefix cache's hits, for usage.prompt_tokens_details.cached_tokens
                     if seq.num_prompt_cached_tokens is None:
                         seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             t0 = time.perf_counter()
             self.runner.swap(out.swap_out, out.swap_in)
-            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)
+            mixed = out.kind is StepKind.MIXED
+            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
+                                          num_new_tokens=out.num_new_tokens if mixed else None)
             self.scheduler.update(out, sampled.token_ids, sampled.logprobs)
-            stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0)
+            num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
+            stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
             ran = out.seqs
         outputs = self.outputs.process(out.finished, ran)
         for output in outputs:

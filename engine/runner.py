@@ -121,10 +121,15 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
-    def execute(self, seqs: Seq[Sequence], is_prefill: bool) -> SamplerOutput:
-        """Runs the model over the step's sequences and samples one token for each."""
-        build = build_prefill if is_prefill else build_decode
-        batch = build(seqs, self.block_size, self.backend.device)
+    def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
+        """Runs the model over the step's sequences and samples one token for each (`num_new_tokens`: a chunked
+        step's tokens per sequence; the scheduler drops what a chunk short of its prompt's end sampled)."""
+        if num_new_tokens is not None:
+            batch = build_prefill(seqs, self.block_size, self.backend.device, num_new_tokens)
+        elif is_prefill:
+            batch = build_prefill(seqs, self.block_size, self.backend.device)
+        else:
+            batch = build_decode(seqs, self.block_size, self.backend.device)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
             return self.sampler(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])

@@ -43,6 +43,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
         "host_blocks": draw(st.integers(0, 12)),
         "block_size": draw(st.integers(1, 4)),
         "prefix": draw(st.booleans()),
+        "chunked": draw(st.booleans()),
         "policy": draw(st.sampled_from(["fcfs", "priority", "longest-output-first"])),
         "threshold": draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
         "max_seq_len": draw(st.integers(8, 40)),
@@ -76,13 +77,21 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     kv = sched.kv
     cfg = sched.schedule_config
     bs = kv.block_size
-    for seq in out.seqs:
+    assert (out.kind is StepKind.MIXED) == bool(out.num_new_tokens)
+    for i, seq in enumerate(out.seqs):
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * bs >= seq.num_tokens
-        if out.kind is StepKind.PREFILL:
+        if out.kind is StepKind.MIXED:
+            assert sched.chunked_prefill
+            assert 1 <= out.num_new_tokens[i] <= seq.num_tokens - seq.num_cached_tokens
+        elif out.kind is StepKind.PREFILL:
             assert 0 <= seq.num_cached_tokens < seq.num_tokens
         else:
             assert seq.num_cached_tokens == seq.num_tokens - 1
+    if out.kind is StepKind.MIXED:  # decodes first, then prompt chunks within what the decodes left of the budget
+        decodes = len(out.seqs) - out.num_prefill_seqs
+        assert all(n == 1 for n in out.num_new_tokens[:decodes])
+        assert sum(out.num_new_tokens[decodes:]) <= max(0, cfg.maxPrefillTokens - decodes)
     if out.kind is StepKind.PREFILL:
         assert len(out.seqs) <= cfg.effective_max_prefill_batch_size
         assert len(out.seqs) == 1 or out.num_batched_tokens <= cfg.maxPrefillTokens
@@ -123,6 +132,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
         max_seq_len=max_seq_len,
         eos_token_ids=(EOS,),
         recompute_threshold=sc["threshold"],  # type: ignore[arg-type]
+        chunked_prefill=bool(sc["chunked"]),
         clock=lambda: t[0],
     )
     pending = sorted(sc["requests"], key=lambda r: r[4])  # type: ignore[call-overload]
@@ -156,6 +166,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
     event(f"preempted: {sched.num_preemptions_total > 0}")
     event(f"swapped: {any_swap}")
     event(f"stalled: {any_stall}")
+    event(f"chunked: {sc['chunked']}")
     assert kv.num_used_blocks == 0
     kv.begin_step()
     assert kv.host.num_used == 0
