@@ -134,9 +134,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
                                  enable_prefix_caching=ext.enablePrefixCaching)
+        self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))  # fixed: any thread may read it
         self.scheduler = Scheduler(
             schedule, self.kv, policy=ext.policy, max_seq_len=deploy.maxSeqLen,
-            eos_token_ids=self._eos_ids(folder), recompute_threshold=self.env.recompute_threshold,
+            eos_token_ids=self.eos_token_ids, recompute_threshold=self.env.recompute_threshold,
             chunked_prefill=ext.chunkedPrefill, clock=clock,
         )
         if ext.chunkedPrefill and schedule.supportSelectBatch:

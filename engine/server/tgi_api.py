@@ -47,7 +47,7 @@ def _tgi_finish_reason(state: ServerState, output: RequestOutput, ignore_eos: bo
     token ids)."""
     reason = output.finish_reason.value if output.finish_reason else "length"
     if reason == "stop":
-        eos = state.engine.engine.scheduler.eos_token_ids
+        eos = state.engine.engine.eos_token_ids
         ended_on_eos = not ignore_eos and bool(output.token_ids) and output.token_ids[-1] in eos
         return "eos_token" if ended_on_eos else "stop_sequence"
     return reason
