@@ -269,27 +269,26 @@ class Scheduler:
         # _schedule_decode may preempt (the newest first, chunking ones included) and swap in
         seqs, counts = list(out.seqs), [1] * len(out.seqs)
         budget = cfg.maxPrefillTokens - len(seqs)
-        prefills = 0
-        for seq in chunking:
-            if seq.status is not _RUNNING or budget <= 0:
-                continue
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
             chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
             seqs.append(seq)
             counts.append(chunk)
             budget -= chunk
-            prefills += 1
+
+        for seq in chunking:
+            if seq.status is _RUNNING and budget > 0:
+                take(seq)
         admitted = 0
         max_new = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
         while budget > 0 and admitted < max_new and not out.swap_out and not self.swapped:
             new = self._admit(out, now)
             if new is None:
                 break
-            chunk = min(new.num_tokens - new.num_cached_tokens, budget)
-            seqs.append(new)
-            counts.append(chunk)
-            budget -= chunk
-            prefills += 1
+            take(new)
             admitted += 1
+        prefills = len(seqs) - len(out.seqs)
         for seq in seqs[len(seqs) - admitted:]:
             seq.prefill_batch_size = prefills
         if seqs:
