@@ -16,6 +16,7 @@ import torch
 
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import SamplingParams, Sequence
@@ -95,6 +96,7 @@ class ModelRunner:
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler()
+        self.guided_masker = GuidedMasker()
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -127,6 +129,8 @@ class ModelRunner:
         batch = build(seqs, self.block_size, self.backend.device)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
+            if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
+                self.guided_masker.apply(logits, [s.guide for s in seqs])
             return self.sampler(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
 
     # --- warm-up ------------------------------------------------------------------------------------------------
