@@ -103,3 +103,9 @@ def test_invalid_constraints_are_refused(engine: LLMEngine) -> None:
 def test_compiled_grammars_are_cached(engine: LLMEngine) -> None:
     spec = GuidedSpec.json_schema(POINT)
     assert engine.compile_grammar(spec) is engine.compile_grammar(GuidedSpec.json_schema(dict(POINT)))
+
+
+def test_a_finished_grammar_stops_its_request_even_with_ignore_eos(engine: LLMEngine) -> None:
+    grammar = engine.compile_grammar(GuidedSpec.choice(CHOICES))
+    [out] = engine.generate(["Mood:"], SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True, guided=grammar))
+    assert out.finish_reason is FinishReason.STOP and out.text in CHOICES
