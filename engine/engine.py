@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from npuserve.engine import guided
 from npuserve.engine.backends import get_backend, resolve_device
 from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
@@ -151,6 +152,11 @@ class LLMEngine:
         elif load_format == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
             self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.grammars: guided.GrammarCompiler | None = None  # structured output; None without a tokenizer
+        if isinstance(self.tokenizer, Tokenizer):
+            vocab_json = self.tokenizer.to_json()
+            self.grammars = guided.GrammarCompiler(vocab_json, self.spec.vocab_size,
+                                                  sorted(self.scheduler.eos_token_ids))
         self._request_ids: dict[str, int] = {}  # unfinished request id -> seq id (step thread)
         self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []
@@ -219,6 +225,13 @@ class LLMEngine:
             self._inbox.append(_PendingRequest(request_id, seq))
         return seq
 
+    def compile_grammar(self, spec: guided.GuidedSpec) -> guided.CompiledGrammar:
+        """A request's constraint compiled for this model's vocabulary (cached). Blocking: call it off the asyncio
+        loop. Raises GrammarError."""
+        if self.grammars is None:
+            raise guided.GrammarError(f"structured output needs a tokenizer, and {self.model_dir} has none")
+        return self.grammars.compile(spec)
+
     def abort(self, request_id: str) -> None:
         """End a request (client gone); its blocks are freed at the next step, which reports it ABORT."""
         with self._lock:
@@ -277,7 +290,12 @@ class LLMEngine:
             mixed = out.kind is StepKind.MIXED
             sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
                                           num_new_tokens=out.num_new_tokens if mixed else None)
+            # a prompt chunk short of its last token samples nothing: its row's token is not the request's
+            sampling = [seq if not mixed or seq.num_cached_tokens + n >= seq.num_tokens else None
+                        for seq, n in zip(out.seqs, out.num_new_tokens or [0] * len(out.seqs), strict=True)]
             self.scheduler.update(out, sampled.token_ids, sampled.logprobs)
+            for seq in guided.advance(sampling, sampled.token_ids):  # the grammar is complete: stop here
+                self.scheduler.finish(seq, FinishReason.STOP)
             num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
             stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
             ran = out.seqs

@@ -16,6 +16,7 @@ import torch
 
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import SamplingParams, Sequence
@@ -95,6 +96,7 @@ class ModelRunner:
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler()
+        self.guided_masker = GuidedMasker()
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -132,6 +134,11 @@ class ModelRunner:
             batch = build_decode(seqs, self.block_size, self.backend.device)
         logits = self.forward_logits(batch)
         with torch.inference_mode():
+            if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
+                # (not for a prompt chunk short of its last token: what it samples is dropped)
+                guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
+                          else None for i, s in enumerate(seqs)]
+                self.guided_masker.apply(logits, guides)
             return self.sampler(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
 
     # --- warm-up ------------------------------------------------------------------------------------------------

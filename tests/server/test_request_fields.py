@@ -46,9 +46,8 @@ EXTENSIONS = {"top_k": 1, "ignore_eos": True, "stop_token_ids": [5], "priority":
 REFUSED_COMPLETION = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "n", "presence_penalty",
                       "suffix"}
 REFUSED_CHAT = {"audio", "frequency_penalty", "function_call", "functions", "logit_bias", "metadata", "modalities",
-                "n", "parallel_tool_calls", "prediction", "presence_penalty", "reasoning_effort", "response_format",
-                "service_tier", "store", "tool_choice", "tools", "top_logprobs", "verbosity", "web_search_options",
-                "prompt_cache_key", "safety_identifier"}
+                "n", "prediction", "presence_penalty", "reasoning_effort", "service_tier", "store", "top_logprobs",
+                "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier"}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,8 @@ def test_fields_not_honoured_are_refused_by_name(server: RunningServer, path: st
 def test_the_field_lists_cover_the_schemas() -> None:
     """Every field is either refused (above) or has a behaviour check (below)."""
     checked = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "seed", "stop", "stream",
-               "stream_options", "temperature", "top_p", "user", "logprobs"}
+               "stream_options", "temperature", "top_p", "user", "logprobs", "response_format", "tools",
+               "tool_choice", "parallel_tool_calls"}
     assert set(COMPLETION_FIELDS) <= REFUSED_COMPLETION | checked
     assert set(CHAT_FIELDS) <= REFUSED_CHAT | checked
     assert not REFUSED_COMPLETION & checked - {"logprobs"} and not REFUSED_CHAT & checked
@@ -196,3 +196,21 @@ def test_priority_is_refused_unless_the_server_schedules_by_it(server: RunningSe
     assert response.status_code == 400 and response.json()["error"]["param"] == "priority"
     with running_server(eos_model, max_seq_len=256, extensions={"policy": "priority"}) as by_priority:
         assert _post(by_priority, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "priority": 1}).is_success
+
+
+def test_response_format_is_honoured(server: RunningServer) -> None:
+    result = _chat(server, temperature=0.0, max_tokens=48, ignore_eos=False,
+                   response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                       "type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
+                       "additionalProperties": False}}})
+    assert isinstance(json.loads(_text(result))["n"], bool)
+    assert result["choices"][0]["finish_reason"] == "stop"  # the grammar ended it, not max_tokens
+
+
+def test_tools_need_a_template_that_takes_them(server: RunningServer) -> None:
+    """The tiny model's template has no tools: tools are refused by name, never dropped; tool_choice and
+    parallel_tool_calls without tools are refused by name too (tests/server/test_tool_calls.py: with a template)."""
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for field in ("tools", "tool_choice", "parallel_tool_calls"):
+        response = _post(server, "/v1/chat/completions", base | {field: CHAT_FIELDS[field]})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
