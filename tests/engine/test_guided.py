@@ -109,3 +109,18 @@ def test_a_finished_grammar_stops_its_request_even_with_ignore_eos(engine: LLMEn
     grammar = engine.compile_grammar(GuidedSpec.choice(CHOICES))
     [out] = engine.generate(["Mood:"], SamplingParams(max_tokens=50, temperature=1.0, ignore_eos=True, guided=grammar))
     assert out.finish_reason is FinishReason.STOP and out.text in CHOICES
+
+
+def test_grammars_hold_under_chunked_prefill(tiny_model_dir: Path) -> None:
+    """A prompt cut into chunks: the rows of chunks short of the prompt's end neither take the mask nor advance the
+    matcher, and the output still follows its grammar, decoding beside other requests' chunks."""
+    engine = LLMEngine(make_config(tiny_model_dir, max_seq_len=512, maxIterTimes=256, maxPrefillTokens=8,
+                                   extensions={"chunkedPrefill": True}))
+    long_prompt = "The weather today is " * 6  # several 8-token chunks
+    specs = [GuidedSpec.json_schema(POINT), GuidedSpec("regex", REGEX), GuidedSpec.choice(CHOICES)]
+    params = [SamplingParams(max_tokens=120, temperature=0.0, guided=engine.compile_grammar(s)) for s in specs]
+    outs = engine.generate([long_prompt, "She walked " * 5, long_prompt], params)
+    assert all(o.finish_reason is FinishReason.STOP for o in outs)
+    jsonschema.validate(json.loads(outs[0].text), POINT)
+    assert re.fullmatch(REGEX, outs[1].text)
+    assert outs[2].text in CHOICES
