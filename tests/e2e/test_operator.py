@@ -2,9 +2,13 @@
 
 The operator runs out of cluster in this process, as `kopf.testing.KopfRunner` runs it; the CRD comes from the Helm
 chart; the process kubelet (e2e/cluster/kubelet.py) runs the engine of each engine pod on the pod's loopback IP.
-Only `examples/tiny-cpu.yaml` has engines that run here (a two-layer model on the CPU, one replica).
+Only `examples/tiny-cpu.yaml` has engines that run here (a two-layer model on the CPU, one replica); the bundled
+engine serves nothing else yet, and the operator deploys nothing else (phase Planned, reason EngineCannotServe).
 
 The tests of this module run in order and share one InferenceService: created, restarted over, edited, deleted.
+Then, in a namespace the process kubelet leaves alone: an ascend service planned and not deployed, a CPU service
+edited to ascend whose objects are pruned, and the status writer's retry when another write lands first. The
+LeaderWorkerSet CRD is not installed here: the operator, which watches LeaderWorkerSets, runs without it.
 """
 
 from __future__ import annotations
@@ -524,3 +528,122 @@ def _answers(ip: str) -> bool:
         return True
     except httpx.HTTPError:
         return False
+
+
+# ---- what the engine cannot serve yet; pruning; the one status writer -------------------------------------------
+IGNORE_LABEL = "npuserve.io/process-kubelet"  # the process kubelet starts no engines in such a namespace
+ASCEND = {"type": "ascend-910b4", "cards": 2}
+
+
+@pytest.fixture(scope="module")
+def quiet_namespace(k8s_cluster: localk8s.Cluster) -> Iterator[str]:
+    ns = "e2e-op-quiet-" + uuid.uuid4().hex[:6]
+    k8s_cluster.kubectl("create", "namespace", ns)
+    k8s_cluster.kubectl("label", "namespace", ns, f"{IGNORE_LABEL}=ignore")
+    try:
+        yield ns
+    finally:
+        k8s_cluster.kubectl("delete", "inferenceservices", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
+        k8s_cluster.kubectl("wait", "--for=delete", "pod", "--all", "-n", ns, "--timeout=60s", check=False, timeout=70)
+        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def _service(namespace: str, name: str, accelerator: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj = tiny_manifest(namespace)
+    obj["metadata"]["name"] = name
+    if accelerator is not None:
+        obj["spec"]["accelerator"] = accelerator
+    return obj
+
+
+def _get(cluster: localk8s.Cluster, namespace: str, name: str) -> dict[str, Any]:
+    return get_json(cluster, "get", "inferenceservice", name, "-n", namespace)
+
+
+def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
+    return next((c for c in obj.get("status", {}).get("conditions", []) if c["type"] == type_), {})
+
+
+def _children(cluster: localk8s.Cluster, namespace: str, name: str) -> list[str]:
+    return [
+        f"{kind}/{o['metadata']['name']}"
+        for kind in ("configmaps", "deployments", "services")
+        for o in items(cluster, kind, namespace, f"{INSTANCE_LABEL}={name}")
+        if not o["metadata"].get("deletionTimestamp")
+    ]
+
+
+def _cannot_serve(cluster: localk8s.Cluster, namespace: str, name: str) -> dict[str, Any] | None:
+    obj = _get(cluster, namespace, name)
+    deployed = _condition(obj, "Deployed")
+    ok = obj.get("status", {}).get("phase") == "Planned" and deployed.get("reason") == "EngineCannotServe"
+    return obj if ok else None
+
+
+def test_an_ascend_service_is_planned_and_not_deployed(
+    k8s_cluster: localk8s.Cluster, operator: Operator, quiet_namespace: str
+) -> None:
+    obj = _service(quiet_namespace, "big", ASCEND)
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    status = wait_for("phase Planned, Deployed=False EngineCannotServe",
+                      lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))["status"]
+    assert status["plan"] == npuserve_plan_of(obj)  # the plan is written, with the engine's warning in it
+    assert any("cannot serve device 'npu'" in w for w in status["plan"]["warnings"])
+    deployed = _condition({"status": status}, "Deployed")
+    assert deployed["status"] == "False" and "spec.accelerator.type cpu" in deployed["message"]
+    assert _condition({"status": status}, "Ready")["status"] == "False" and status["replicas"] == 0
+    time.sleep(2)  # anything (wrongly) applied would be there by now
+    assert _children(k8s_cluster, quiet_namespace, "big") == []
+    assert _events(k8s_cluster, quiet_namespace, "big", "EngineCannotServe") >= 1
+
+
+def test_editing_a_cpu_service_to_ascend_prunes_its_engines(
+    k8s_cluster: localk8s.Cluster, operator: Operator, quiet_namespace: str
+) -> None:
+    obj = _service(quiet_namespace, "edited")
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    expected = ["configmaps/edited-config", "deployments/edited", "services/edited"]
+    wait_for("the CPU service's objects", lambda: sorted(_children(k8s_cluster, quiet_namespace, "edited")) == expected)
+    wait_for("Deployed=True", lambda: _condition(_get(k8s_cluster, quiet_namespace, "edited"), "Deployed").get(
+        "status") == "True")
+    obj["spec"]["accelerator"] = ASCEND
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+    wait_for("the CPU service's objects to be pruned",
+             lambda: _children(k8s_cluster, quiet_namespace, "edited") == [], timeout=60)
+    edited = wait_for("phase Planned after the edit", lambda: _cannot_serve(k8s_cluster, quiet_namespace, "edited"))
+    assert _condition(edited, "Ready")["reason"] == "EngineCannotServe"
+    assert edited["status"]["observedGeneration"] == edited["metadata"]["generation"]
+
+
+def test_a_status_write_from_a_stale_read_is_refused_and_retried(
+    k8s_cluster: localk8s.Cluster, operator: Operator, quiet_namespace: str
+) -> None:
+    """Against the real API server: another writer lands between the writer's read and its write; the API server
+    answers 409 to the stale resourceVersion, the writer reads again, and neither write is lost."""
+    from npuserve.operator import kube as kube_module
+    from npuserve.operator.status import set_condition
+
+    wait_for("big planned", lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))
+    api = kubernetes.client.CustomObjectsApi(
+        kubernetes.config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig)))
+    other = {"type": "SLOMet", "status": "Unknown", "reason": "NoMeasurements", "message": "another writer",
+             "lastTransitionTime": "2026-01-01T00:00:00Z"}
+    reads: list[list[str]] = []
+
+    def change(obj: Any) -> dict[str, Any]:
+        conditions = obj["status"]["conditions"]
+        reads.append([c["type"] for c in conditions])
+        if len(reads) == 1:  # the other write, after this read: its conditions list is now stale
+            api.patch_namespaced_custom_object_status(
+                kube_module.GROUP, kube_module.VERSION, quiet_namespace, kube_module.PLURAL, "big",
+                {"status": {"conditions": [*conditions, other]}})
+        return {**obj["status"], "conditions": set_condition(conditions, "Tuning", False, "TestWriter", "ours",
+                                                             "2026-01-01T00:00:01Z", None)}
+
+    update = kube_module.update_status(api, quiet_namespace, "big", change)
+    assert update is not None and update.attempts == 2, reads
+    assert "SLOMet" not in reads[0] and "SLOMet" in reads[1]
+    final = _get(k8s_cluster, quiet_namespace, "big")
+    assert _condition(final, "SLOMet")["message"] == "another writer"  # not lost to the stale list
+    assert _condition(final, "Tuning")["reason"] == "TestWriter"
+    assert _condition(final, "Deployed")["reason"] == "EngineCannotServe"
