@@ -159,9 +159,10 @@ def test_npuserve_plan_never_imports_torch() -> None:
     assert "torch" not in modules
 
 
-# The [engine] extra and the engine's test-only reference: `npuserve plan` must run without any of them (the operator
-# image installs only the [operator] extra).
-ENGINE_ONLY = ("torch", "transformers", "safetensors", "tokenizers", "fastapi", "uvicorn", "prometheus_client")
+# The [engine] and [loadgen] extras' own packages and the test-only ones: `npuserve plan` must run without any of
+# them (the operator image installs only the [operator] extra).
+ENGINE_ONLY = ("torch", "transformers", "safetensors", "tokenizers", "fastapi", "uvicorn", "prometheus_client",
+               "numpy", "jinja2", "llguidance", "matplotlib", "openai")
 
 
 def _plan_without_the_engine(*argv: str) -> subprocess.CompletedProcess[str]:
