@@ -9,6 +9,14 @@ Contract with the scheduler (the only caller in the engine):
   is full). Returns False when no block is free.
 - `cache_computed(seq)` after a step: registers the full blocks whose KV is now computed
   (`seq.num_cached_tokens`), so only computed KV is ever a prefix hit.
+- `fork(parent, child)` right after the parent's first prefill (n > 1): the child shares the parent's full
+  blocks (one more reference each) and gets a fresh block for the partly filled last one, returned as a
+  (parent block, child block) pair for the runner to copy. That is copy-on-write whose write is certain: the
+  child's first token goes into that block at its next step, so the copy is made at once. `fork_blocks(seq)` is
+  the free blocks the forks will take; the scheduler counts them before it admits the parent's prefill.
+  Afterwards each sequence of the group is an ordinary one: preempted, swapped (its own host copy of every block,
+  shared or not), recomputed or freed on its own; a shared block returns to the free list with its last owner.
+- A sequence that asks for prompt logprobs never gets prefix-cache hits (every prompt position must be computed).
 - `swap_out(seq)` / `swap_in(seq)` return (src, dst) block pairs for the runner to copy. Host blocks that
   `swap_in` empties are released at the next `begin_step()`, so a swap-out in the same step cannot overwrite
   them before they are copied back.
@@ -80,7 +88,7 @@ class KVCacheManager:
         return hashes
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
             return []
         bs = self.block_size
         # Never a hit on the block holding the last token: it must be computed to get logits.
@@ -108,8 +116,10 @@ class KVCacheManager:
         """Tokens `allocate(seq)` would find in the prefix cache now (whole blocks)."""
         return len(self._match_prefix(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self._allocation_cost(seq, self._match_prefix(seq)) <= self.device.num_free
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        """Room for the prefill of `seq` and its forks, with `reserve` free blocks promised to others."""
+        cost = self._allocation_cost(seq, self._match_prefix(seq)) + self.fork_blocks(seq)
+        return cost + reserve <= self.device.num_free
 
     def allocate(self, seq: Sequence) -> None:
         """Blocks for a prefill of all `seq.num_tokens` (a new prompt, or prompt + output after recompute)."""
@@ -127,6 +137,39 @@ class KVCacheManager:
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
         self._num_registered[seq.seq_id] = len(hits)
+
+    # --- fork (n > 1) -------------------------------------------------------------------------------------------
+
+    def fork_blocks(self, seq: Sequence) -> int:
+        """Free blocks the forks of `seq` will take after its prefill: one per child when its last block is partial."""
+        return seq.num_forks_pending if seq.num_tokens % self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """The child shares the parent's full blocks and gets its own copy of a partial last one (see above)."""
+        if child.block_table or child.host_block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
+        full = parent.num_tokens // self.block_size
+        table = parent.block_table
+        if len(table) * self.block_size < parent.num_tokens:
+            raise RuntimeError(f"sequence {parent.seq_id} holds no blocks to fork")
+        for block_id in table[:full]:
+            self.device.share(block_id)
+        child.block_table = list(table[:full])
+        copies: list[tuple[int, int]] = []
+        if full < len(table):
+            if not self.device.num_free:
+                for block_id in reversed(child.block_table):
+                    self.device.release(block_id)
+                child.block_table = []
+                raise RuntimeError(f"no free KV block to fork sequence {parent.seq_id}")
+            block_id = self.device.allocate()
+            child.block_table.append(block_id)
+            copies.append((table[full], block_id))
+        hashes = self._hashes.get(parent.seq_id)
+        if hashes is not None:
+            self._hashes[child.seq_id] = hashes[:full]
+        self._num_registered[child.seq_id] = min(self._num_registered.get(parent.seq_id, 0), full)
+        return copies
 
     # --- decode ------------------------------------------------------------------------------------------------
 
