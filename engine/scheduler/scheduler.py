@@ -222,6 +222,7 @@ class Scheduler:
         batch: list[Sequence] = []
         tokens = 0
         reserved = 0  # free blocks the batch's forks will take after the step
+        forks = 0  # and running slots
         while len(batch) < max_reqs:
             seq = self.waiting.peek()
             if seq is None:
@@ -236,7 +237,7 @@ class Scheduler:
                     self._end(seq, FinishReason.ERROR, now)
                 out.finished.append(seq)
                 continue
-            if len(self.running) + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq, reserved):
+            if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq, reserved):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
             if batch and tokens + new_tokens > cfg.maxPrefillTokens:
@@ -244,6 +245,7 @@ class Scheduler:
             self.waiting.pop()
             kv.allocate(seq)
             reserved += kv.fork_blocks(seq)
+            forks += seq.num_forks_pending
             tokens += seq.num_tokens - seq.num_cached_tokens
             seq.status = _RUNNING
             if seq.first_scheduled_time is None:

@@ -1,6 +1,7 @@
-"""Property test of the KV manager: over random allocate/compute/append/free/swap/abort sequences, no block is
-owned twice (a shared block always holds the same full prefix block for every owner), none leaks, and the pools'
-reference counts and free lists agree with the sequences' block tables."""
+"""Property test of the KV manager: over random allocate/compute/fork/append/free/swap/abort sequences, no block is
+owned twice (a shared block always holds the same full prefix block for every owner: prefix hits and forks share
+only full blocks, a fork's partial block is the child's own copy), none leaks, and the pools' reference counts and
+free lists agree with the sequences' block tables."""
 
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ class KVMachine(RuleBasedStateMachine):
         if s.seq_id in self.live and s.block_table:
             s.num_cached_tokens = s.num_tokens
             self.kv.cache_computed(s)
+
+    @rule(target=seqs, s=seqs, n=st.integers(2, 4))
+    def fork(self, s: Sequence, n: int) -> Sequence:
+        """After a prefill (the prompt computed, nothing appended yet): n - 1 children, as `Scheduler.update`."""
+        if s.seq_id not in self.live or not s.block_table or s.num_output_tokens or s.index:
+            return s
+        parent = Sequence(list(s.prompt_token_ids), SamplingParams(n=n), arrival_time=0.0)
+        parent.seq_id, parent.block_table = s.seq_id, s.block_table  # the same sequence, now with n choices
+        if self.kv.fork_blocks(parent) > self.kv.device.num_free:
+            return s
+        s.num_cached_tokens = s.num_tokens
+        self.kv.cache_computed(s)
+        used = self.kv.device.num_used
+        child = s
+        for index in range(1, n):
+            child = s.fork(index)
+            copies = self.kv.fork(s, child)
+            partial = s.num_tokens % BS != 0
+            assert len(copies) == int(partial)
+            if partial:
+                assert copies[0] == (s.block_table[-1], child.block_table[-1])
+            assert child.block_table[: s.num_tokens // BS] == s.block_table[: s.num_tokens // BS]
+            self.live[child.seq_id] = child
+        assert self.kv.device.num_used == used + self.kv.fork_blocks(parent)
+        return child
 
     @rule(s=seqs, token=st.integers(0, 2))
     def append(self, s: Sequence, token: int) -> None:
