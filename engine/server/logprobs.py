@@ -34,7 +34,9 @@ def completion_logprobs(text_of: TokenText, token_ids: Sequence[int], logprobs: 
             if top is None or lp is None:
                 top_dicts.append(None)
                 continue
-            entry = {text_of(i): v for i, v in top}
+            entry: dict[str, float] = {}
+            for i, v in top:  # tokens with the same text keep the most likely one's value
+                entry.setdefault(text_of(i), v)
             entry.setdefault(text, lp)  # the chosen token is always there (OpenAI: up to logprobs + 1 entries)
             top_dicts.append(entry)
     return CompletionLogprobs(tokens=texts, token_logprobs=list(logprobs), top_logprobs=top_dicts,
