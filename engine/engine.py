@@ -126,7 +126,7 @@ class LLMEngine:
             )
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens (%s)", self.kv_plan.num_blocks,
                  self.kv_plan.num_host_blocks, self.kv_plan.block_size, self.kv_plan.source)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype, ext.logprobsMode)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
                                  enable_prefix_caching=ext.enablePrefixCaching)
         self.scheduler = Scheduler(

@@ -23,7 +23,7 @@ import torch
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.model.llama import LlamaForCausalLM
-from npuserve.engine.sampler import Sampler, SamplerOutput
+from npuserve.engine.sampler import LogprobsMode, Sampler, SamplerOutput
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
 from npuserve.modelspec import ModelSpec
 
@@ -86,7 +86,8 @@ def plan_kv_blocks(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
+                 logprobs_mode: LogprobsMode = "processed_logprobs") -> None:
         self.model = model
         self.spec = model.spec
         self.backend = backend
@@ -101,7 +102,7 @@ class ModelRunner:
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.backend = backend
             layer.kv_cache = cache
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
 
     # --- one step -----------------------------------------------------------------------------------------------
 

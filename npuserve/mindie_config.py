@@ -157,6 +157,9 @@ class NpuserveExtensions(BaseModel):
     enablePrefixCaching: bool = True
     chunkedPrefill: bool = False
     maxWaitingRequests: int = Field(default=4096, ge=1, description="waiting queue bound; beyond it requests get 429")
+    logprobsMode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+        default="processed_logprobs", description="vLLM's logprobs_mode: logprobs of the distribution sampled from "
+        "(after temperature, top-k, top-p), or the model's raw ones")
     servedModelName: str | None = None
 
     @field_validator("chunkedPrefill")

@@ -237,6 +237,12 @@ class Scheduler:
                     self._end(seq, FinishReason.ERROR, now)
                 out.finished.append(seq)
                 continue
+            if seq.num_samples > cfg.maxBatchSize:  # maxBatchSize lowered live below its n: it can never run
+                self.waiting.pop()
+                seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {cfg.maxBatchSize}"
+                self._end(seq, FinishReason.ERROR, now)
+                out.finished.append(seq)
+                continue
             if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq, reserved):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
