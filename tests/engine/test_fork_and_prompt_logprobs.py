@@ -113,3 +113,17 @@ def test_abort_ends_every_choice_and_frees_the_blocks(model_dir: Path) -> None:
     finals = [o for o in outputs if o.finished]
     assert sorted(o.index for o in finals) == [0, 1, 2] and sum(bool(o.last) for o in finals) == 1
     assert engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
+def test_logprobs_mode_from_the_config(model_dir: Path, mode: str) -> None:
+    from npuserve.engine.engine import LLMEngine, make_config
+
+    config = make_config(model_dir, max_seq_len=128, cacheBlockSize=4, extensions={"logprobsMode": mode})
+    engine = LLMEngine(config, warmup=False)
+    params = SamplingParams(temperature=0.5, top_k=2, max_tokens=1, logprobs=True, top_logprobs=3, seed=1)
+    out = engine.generate([prompts()[2]], params)[0]
+    assert out.new_top_logprobs is not None and len(out.new_top_logprobs[0]) == 3
+    third = out.new_top_logprobs[0][2][1]
+    # processed: the third token is cut by top_k 2 (-inf, sent as -9999); raw: the model's own logprob
+    assert (third == -9999.0) == (mode == "processed_logprobs")
