@@ -127,3 +127,14 @@ def test_logprobs_mode_from_the_config(model_dir: Path, mode: str) -> None:
     third = out.new_top_logprobs[0][2][1]
     # processed: the third token is cut by top_k 2 (-inf, sent as -9999); raw: the model's own logprob
     assert (third == -9999.0) == (mode == "processed_logprobs")
+
+
+def test_abort_before_the_prefill_ends_the_request_with_its_unborn_choices(model_dir: Path) -> None:
+    engine = make_engine(model_dir)
+    engine.add_request("r", None, SamplingParams(temperature=1.0, max_tokens=8, n=3), prompt_token_ids=prompts()[1])
+    engine.abort("r")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step().outputs
+    assert len(outputs) == 1 and outputs[0].finished and outputs[0].last and outputs[0].token_ids == []
+    assert engine.kv.num_used_blocks == 0
