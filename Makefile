@@ -46,12 +46,13 @@ demo-offline: setup
 clean:
 	rm -rf $(DEMO_DIR) .mypy_cache .ruff_cache .pytest_cache
 
-# The local Kubernetes cluster for the e2e tests (e2e/README.md). Stdlib-only Python: no setup needed.
+# The local Kubernetes cluster for the e2e tests (e2e/README.md). Building and stopping need only the standard
+# library; starting runs the process kubelet, which talks to the API server through the venv's kubernetes client.
 CLUSTER_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON)) e2e/cluster/cluster.py
 .PHONY: cluster-build cluster-up cluster-down
 cluster-build:
 	$(CLUSTER_PY) build
-cluster-up:
+cluster-up: setup
 	$(CLUSTER_PY) up
 cluster-down:
 	$(CLUSTER_PY) down

@@ -1,6 +1,7 @@
 """Flat batch builder: a scheduler step's sequences -> the tensors the model runner feeds the model.
 
-Prefill: each sequence contributes tokens `num_cached_tokens .. num_tokens - 1` (prefix-cache hits skipped).
+Prefill: each sequence contributes tokens `num_cached_tokens .. num_tokens - 1` (prefix-cache hits skipped), or a
+chunk of them (chunked prefill, where decodes ride along as one-token chunks).
 Decode: each sequence contributes its last token. Every token gets its position and its KV slot
 (`block * block_size + offset`); each sequence its padded block table and context length.
 """
@@ -33,14 +34,19 @@ def _block_tables(seqs: Seq[Sequence], max_blocks: int) -> np.ndarray:
     return tables
 
 
-def build_prefill(seqs: Seq[Sequence], block_size: int, device: torch.device) -> FlatBatch:
+def build_prefill(seqs: Seq[Sequence], block_size: int, device: torch.device,
+                  num_new_tokens: Seq[int] | None = None) -> FlatBatch:
+    """`num_new_tokens` (chunked prefill): compute only that many tokens of each sequence from its cached ones (a
+    decode is 1); the sequence's logits row is its last computed token. Decodes leading such a batch get their
+    own attention metadata (`meta.decode_part`), so the backend runs them as decodes, not as padded prefills."""
     ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
-    query_start = [0]
+    query_lens: list[int] = []
     context_lens: list[int] = []
-    for seq in seqs:
-        start, end = seq.num_cached_tokens, seq.num_tokens
+    for i, seq in enumerate(seqs):
+        start = seq.num_cached_tokens
+        end = seq.num_tokens if num_new_tokens is None else min(seq.num_tokens, start + num_new_tokens[i])
         if start >= end:
             raise ValueError(f"sequence {seq.seq_id}: nothing to prefill (cached {start} of {end} tokens)")
         if len(seq.block_table) * block_size < end:
@@ -50,26 +56,41 @@ def build_prefill(seqs: Seq[Sequence], block_size: int, device: torch.device) ->
         table = np.asarray(seq.block_table, dtype=np.int64)
         positions.append(pos)
         slots.append(table[pos // block_size] * block_size + pos % block_size)
-        query_start.append(query_start[-1] + end - start)
+        query_lens.append(end - start)
         context_lens.append(end)
-    max_blocks = (max(context_lens) + block_size - 1) // block_size
-    query_lens = [query_start[i + 1] - query_start[i] for i in range(len(seqs))]
-    meta = AttentionMetadata(
-        is_prefill=True,
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
-        block_tables=torch.from_numpy(_block_tables(seqs, max_blocks)).to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
-        query_lens=torch.tensor(query_lens, dtype=torch.long, device=device),
-        query_start=query_start,
-        max_query_len=max(query_lens),
-        max_context_len=max(context_lens),
-        cache={},
-    )
+    slot_mapping = torch.from_numpy(np.concatenate(slots)).to(device)
+    meta = _meta(True, seqs, query_lens, context_lens, slot_mapping, block_size, device)
+    num_decodes = 0
+    if num_new_tokens is not None:
+        while num_decodes < len(seqs) and query_lens[num_decodes] == 1 and context_lens[num_decodes] == \
+                seqs[num_decodes].num_tokens:
+            num_decodes += 1
+    if 0 < num_decodes < len(seqs):
+        meta.decode_part = _meta(False, seqs[:num_decodes], query_lens[:num_decodes], context_lens[:num_decodes],
+                                 slot_mapping[:num_decodes], block_size, device)
+        meta.prefill_part = _meta(True, seqs[num_decodes:], query_lens[num_decodes:], context_lens[num_decodes:],
+                                  slot_mapping[num_decodes:], block_size, device)
     return FlatBatch(
         input_ids=torch.tensor(ids, dtype=torch.long, device=device),
         positions=torch.from_numpy(np.concatenate(positions)).to(device),
         meta=meta,
-        logits_indices=torch.tensor([q - 1 for q in query_start[1:]], dtype=torch.long, device=device),
+        logits_indices=torch.tensor(np.cumsum(query_lens) - 1, dtype=torch.long, device=device),
+    )
+
+
+def _meta(is_prefill: bool, seqs: Seq[Sequence], query_lens: list[int], context_lens: list[int],
+          slot_mapping: torch.Tensor, block_size: int, device: torch.device) -> AttentionMetadata:
+    max_blocks = (max(context_lens) + block_size - 1) // block_size
+    return AttentionMetadata(
+        is_prefill=is_prefill,
+        slot_mapping=slot_mapping,
+        block_tables=torch.from_numpy(_block_tables(seqs, max_blocks)).to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        query_lens=torch.tensor(query_lens, dtype=torch.long, device=device),
+        query_start=[0, *np.cumsum(query_lens).tolist()],
+        max_query_len=max(query_lens),
+        max_context_len=max(context_lens),
+        cache={},
     )
 
 

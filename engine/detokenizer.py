@@ -45,6 +45,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self._tok.decode(ids, skip_special_tokens=True))
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (for the grammar library's view of the vocabulary)."""
+        return str(self._tok.to_str())
+
 
 class IncrementalDetokenizer:
     """One request's output text, grown token by token."""

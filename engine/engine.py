@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from npuserve.engine import guided
 from npuserve.engine.backends import get_backend, resolve_device
 from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
@@ -44,12 +45,18 @@ class RequestError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What one step ran: its kind, sequences, tokens computed, seconds on the device."""
+    """What one step ran: its kind, sequences, tokens computed, seconds on the device, and how many of the
+    sequences computed prompt tokens (all of a PREFILL step, the chunks of a MIXED one, none of a DECODE one)."""
 
     kind: StepKind
     num_seqs: int
     num_tokens: int
     seconds: float
+    num_prefill_seqs: int = 0
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.num_seqs - self.num_prefill_seqs
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +136,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype, ext.logprobsMode)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
                                  enable_prefix_caching=ext.enablePrefixCaching)
+        self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))  # fixed: any thread may read it
         self.scheduler = Scheduler(
             schedule, self.kv, policy=ext.policy, max_seq_len=deploy.maxSeqLen,
-            eos_token_ids=self._eos_ids(folder), recompute_threshold=self.env.recompute_threshold, clock=clock,
+            eos_token_ids=self.eos_token_ids, recompute_threshold=self.env.recompute_threshold,
+            chunked_prefill=ext.chunkedPrefill, clock=clock,
         )
+        if ext.chunkedPrefill and schedule.supportSelectBatch:
+            log.warning("npuserve.chunkedPrefill turns supportSelectBatch off, as MindIE's SplitFuse does: every "
+                        "step mixes decodes and prompt chunks, so there is no prefill-or-decode choice to weigh")
         self.max_input_len = deploy.maxInputTokenLen
         self.truncation = deploy.truncation
         self.tokenizer: TokenizerLike | None = None
@@ -141,6 +153,11 @@ class LLMEngine:
         elif load_format == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
             self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.grammars: guided.GrammarCompiler | None = None  # structured output; None without a tokenizer
+        if isinstance(self.tokenizer, Tokenizer):
+            vocab_json = self.tokenizer.to_json()
+            self.grammars = guided.GrammarCompiler(vocab_json, self.spec.vocab_size,
+                                                  sorted(self.scheduler.eos_token_ids))
         self._request_ids: dict[str, list[int]] = {}  # unfinished request id -> its seq ids (step thread)
         self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []
@@ -213,6 +230,13 @@ class LLMEngine:
             self._inbox.append(_PendingRequest(request_id, seq))
         return seq
 
+    def compile_grammar(self, spec: guided.GuidedSpec) -> guided.CompiledGrammar:
+        """A request's constraint compiled for this model's vocabulary (cached). Blocking: call it off the asyncio
+        loop. Raises GrammarError."""
+        if self.grammars is None:
+            raise guided.GrammarError(f"structured output needs a tokenizer, and {self.model_dir} has none")
+        return self.grammars.compile(spec)
+
     def abort(self, request_id: str) -> None:
         """End a request (client gone); its blocks are freed at the next step, which reports it ABORT."""
         with self._lock:
@@ -261,25 +285,41 @@ class LLMEngine:
         ran: list[Sequence] = []
         if out.kind is not StepKind.IDLE and out.seqs:
             num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
-            if out.kind is StepKind.PREFILL:
+            if out.kind is not StepKind.DECODE:
                 for seq in out.seqs:  # the prefix cache's hits, for usage.prompt_tokens_details.cached_tokens
                     if seq.num_prompt_cached_tokens is None:
                         seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
             t0 = time.perf_counter()
             self.runner.swap(out.swap_out, out.swap_in)
-            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL)
+            mixed = out.kind is StepKind.MIXED
+            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
+                                          num_new_tokens=out.num_new_tokens if mixed else None)
+            # a prompt chunk short of its last token samples nothing: its rows' tokens are not the request's; a
+            # forking prefill's rows after the first are its children's (filled in once they exist)
+            rows: list[Sequence | None] = []
+            for seq, n in zip(out.seqs, out.num_new_tokens or [0] * len(out.seqs), strict=True):
+                keep = not mixed or seq.num_cached_tokens + n >= seq.num_tokens
+                rows += [seq if keep else None] + [None] * (seq.num_samples - 1)
+            starts = [0]
+            for seq in out.seqs:
+                starts.append(starts[-1] + seq.num_samples)
             for seq in out.seqs:
                 if seq.seq_id in sampled.prompt_logprobs:
-                    seq.prompt_logprobs = sampled.prompt_logprobs[seq.seq_id]
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
             self.scheduler.update(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
             self.runner.copy_blocks(out.block_copies)  # a fork's partial prompt blocks, before anything reuses them
-            stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0)
             ran = list(out.seqs)
+            position = {seq.seq_id: k for k, seq in enumerate(out.seqs)}
             for parent, child in out.forked:
                 request_id = self.outputs.track_fork(parent, child)
                 if request_id is not None:
                     self._request_ids.setdefault(request_id, []).append(child.seq_id)
+                rows[starts[position[parent.seq_id]] + child.index - parent.index] = child
                 ran.append(child)
+            for seq in guided.advance(rows, sampled.token_ids):  # the grammar is complete: stop here
+                self.scheduler.finish(seq, FinishReason.STOP)
+            num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
+            stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
         outputs = self.outputs.process(out.finished, ran)
         for output in outputs:
             if output.last:

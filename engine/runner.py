@@ -22,6 +22,7 @@ import torch
 
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.sampler import LogprobsMode, Sampler, SamplerOutput
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
@@ -103,6 +104,7 @@ class ModelRunner:
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler(logprobs_mode)
+        self.guided_masker = GuidedMasker()
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -130,13 +132,26 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(pairs))
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], is_prefill: bool) -> SamplerOutput:
-        """Runs the model over the step's sequences and samples `seq.num_samples` tokens for each (in order)."""
-        build = build_prefill if is_prefill else build_decode
-        batch = build(seqs, self.block_size, self.backend.device)
+    def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
+        """Runs the model over the step's sequences and samples `seq.num_samples` tokens for each, in order
+        (`num_new_tokens`: a chunked step's tokens per sequence; the scheduler drops what a chunk short of its
+        prompt's end sampled)."""
+        if num_new_tokens is not None:
+            batch = build_prefill(seqs, self.block_size, self.backend.device, num_new_tokens)
+        elif is_prefill:
+            batch = build_prefill(seqs, self.block_size, self.backend.device)
+        else:
+            batch = build_decode(seqs, self.block_size, self.backend.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        prompt_logprobs = self._prompt_logprobs(seqs, batch, hidden) if is_prefill else {}
+        prompt_logprobs = {}
+        if is_prefill or num_new_tokens is not None:
+            prompt_logprobs = self._prompt_logprobs(seqs, batch, hidden, num_new_tokens)
+        if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
+            # (not for a prompt chunk short of its last token: what it samples is dropped)
+            guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
+                      else None for i, s in enumerate(seqs)]
+            self.guided_masker.apply(logits, guides)
         rows = [i for i, s in enumerate(seqs) for _ in range(s.num_samples)]
         params: list[SamplingParams] = []
         positions: list[int] = []
@@ -146,25 +161,32 @@ class ModelRunner:
                 params.append(s.sampling)
                 positions.append(s.num_tokens)
                 seeds.append(s.sample_seed(s.index + j))
-        if len(rows) != len(seqs):
+        if len(rows) != len(seqs):  # a forking prefill: its (masked) row once per choice
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         out = self.sampler(logits, params, positions, seeds)
         out.prompt_logprobs = prompt_logprobs
         return out
 
-    def _prompt_logprobs(self, seqs: Seq[Sequence], batch: FlatBatch,
-                         hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:
-        """seq_id -> the logprob of prompt tokens 1..L-1 given the ones before (the raw distribution)."""
+    def _prompt_logprobs(self, seqs: Seq[Sequence], batch: FlatBatch, hidden: torch.Tensor,
+                         num_new_tokens: Seq[int] | None) -> dict[int, list[PromptLogprob]]:
+        """seq_id -> the logprobs of the prompt tokens this step's rows predict (raw distribution), following those
+        the sequence already has: tokens 1..L-1 in all, over one prefill or its chunks."""
         result: dict[int, list[PromptLogprob]] = {}
         for i, s in enumerate(seqs):
             k = s.sampling.prompt_logprobs
-            if k is None or s.prompt_logprobs is not None or s.num_cached_tokens != 0:
+            if k is None:
                 continue
-            start = batch.meta.query_start[i]
+            first = s.num_cached_tokens  # the position of this step's first row
+            end = first + (num_new_tokens[i] if num_new_tokens is not None else s.num_tokens - first)
+            known = len(s.prompt_logprobs or [])  # positions 0..known-1 are done (a recompute keeps them)
+            lo_pos, hi_pos = max(first, known), min(end, s.num_prompt_tokens - 1)
+            if known < first:
+                continue  # cannot happen: prompt logprobs turn prefix-cache hits off
             prompt = s.prompt_token_ids
+            start = batch.meta.query_start[i] - first
             entries: list[PromptLogprob] = []
-            for lo in range(0, len(prompt) - 1, _PROMPT_LOGITS_CHUNK):
-                hi = min(len(prompt) - 1, lo + _PROMPT_LOGITS_CHUNK)
+            for lo in range(lo_pos, hi_pos, _PROMPT_LOGITS_CHUNK):
+                hi = min(hi_pos, lo + _PROMPT_LOGITS_CHUNK)
                 lp = torch.log_softmax(self.model.compute_logits(hidden[start + lo : start + hi]).float(), dim=-1)
                 targets = torch.tensor(prompt[lo + 1 : hi + 1], device=lp.device).unsqueeze(1)
                 token_lp = lp.gather(1, targets)

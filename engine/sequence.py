@@ -9,6 +9,10 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from npuserve.engine.guided import CompiledGrammar, Guide
 
 
 class SequenceStatus(enum.Enum):
@@ -40,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob (and the top k) at prefill
     n: int = 1  # sequences sampled from one prefill (best_of when given): the prompt's KV blocks are shared
     priority: int = 0  # lower is served first under the `priority` policy
+    guided: CompiledGrammar | None = None  # structured output: each sequence gets its own guide from it
 
     @property
     def wants_logprobs(self) -> bool:
@@ -96,12 +101,15 @@ class Sequence:
     prefill_batch_size: int = 0
     decode_batch_size_sum: int = 0  # sum over decode steps, for the mean decode batch size
     num_decode_steps: int = 0
+    guide: Guide | None = None  # the grammar's state (structured output); advanced on the step thread
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
             if self.index == 0:
                 self.num_forks_pending = self.sampling.n - 1
+        if self.guide is None and self.sampling.guided is not None:
+            self.guide = self.sampling.guided.new_guide()
 
     @property
     def num_samples(self) -> int:

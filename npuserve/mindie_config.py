@@ -137,11 +137,6 @@ class BackendSection(_MindIEModel):
                 f"ScheduleConfig.maxIterTimes ({schedule.maxIterTimes}) must not exceed "
                 f"ModelDeployConfig.maxSeqLen ({deploy.maxSeqLen})"
             )
-        if schedule.maxPrefillTokens < deploy.maxInputTokenLen:
-            raise ValueError(
-                f"ScheduleConfig.maxPrefillTokens ({schedule.maxPrefillTokens}) must be at least "
-                f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen}), or no long prompt could prefill"
-            )
         return self
 
 
@@ -155,26 +150,31 @@ class NpuserveExtensions(BaseModel):
     loadFormat: Literal["auto", "safetensors", "dummy"] = "auto"
     policy: QueuePolicy = "fcfs"
     enablePrefixCaching: bool = True
-    chunkedPrefill: bool = False
+    chunkedPrefill: bool = Field(default=False, description="MindIE's SplitFuse: prompts split into chunks mixed "
+                                 "into decode steps under maxPrefillTokens; turns supportSelectBatch off")
     maxWaitingRequests: int = Field(default=4096, ge=1, description="waiting queue bound; beyond it requests get 429")
     logprobsMode: Literal["processed_logprobs", "raw_logprobs"] = Field(
         default="processed_logprobs", description="vLLM's logprobs_mode: logprobs of the distribution sampled from "
         "(after temperature, top-k, top-p), or the model's raw ones")
     servedModelName: str | None = None
 
-    @field_validator("chunkedPrefill")
-    @classmethod
-    def _no_chunked_prefill(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("chunkedPrefill (SplitFuse) is not built yet; it arrives with the issue on the engine's "
-                             "API (chunked prefill): set it false or leave it out")
-        return value
 class MindIEConfig(_MindIEModel):
     Version: str = "1.0.0"
     LogConfig: dict[str, Any] = Field(default_factory=dict)
     ServerConfig: dict[str, Any] = Field(default_factory=dict)
     BackendConfig: BackendSection
     npuserve: NpuserveExtensions | None = None
+
+    @model_validator(mode="after")
+    def _long_prompts_can_prefill(self) -> MindIEConfig:
+        schedule, deploy = self.schedule, self.deploy
+        if schedule.maxPrefillTokens < deploy.maxInputTokenLen and not self.extensions.chunkedPrefill:
+            raise ValueError(
+                f"ScheduleConfig.maxPrefillTokens ({schedule.maxPrefillTokens}) must be at least "
+                f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen}), or no long prompt could prefill "
+                "(unless npuserve.chunkedPrefill splits prompts into chunks)"
+            )
+        return self
 
     # --- convenience -------------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
+from npuserve.engine_contract import DType, QueuePolicy, schedule_field
 
 GROUP = "npuserve.io"
 VERSION = "v1alpha1"
@@ -90,7 +91,7 @@ class Architecture(_Model):
     vocabSize: int = Field(ge=1, description="vocab_size")
     intermediateSize: int = Field(ge=1, description="intermediate_size")
     maxPositionEmbeddings: int = Field(default=4096, ge=1, description="max_position_embeddings")
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(default="bfloat16", description="weight and KV dtype")
+    dtype: DType = Field(default="bfloat16", description="weight and KV dtype")
     parameters: int | None = Field(
         default=None, ge=1, description="total parameter count; omitted: computed from the architecture"
     )
@@ -340,15 +341,16 @@ class ScheduleKnobs(_Model):
 
     model_config = ConfigDict(json_schema_extra=_rules(*SCHEDULE_RULES))
 
-    cacheBlockSize: int | None = Field(default=None, ge=1, le=1024)
-    maxBatchSize: int | None = Field(default=None, ge=1, le=5000)
-    maxPrefillBatchSize: int | None = Field(default=None, ge=1, le=5000)
-    maxPrefillTokens: int | None = Field(default=None, ge=1, le=409600)
-    prefillTimeMsPerReq: int | None = Field(default=None, ge=0, le=1000)
-    decodeTimeMsPerReq: int | None = Field(default=None, ge=0, le=1000)
-    maxPreemptCount: int | None = Field(default=None, ge=0, le=5000)
-    supportSelectBatch: bool | None = None
-    maxQueueDelayMicroseconds: int | None = Field(default=None, ge=500, le=1_000_000)
+    # Ranges from the contract's field table, as in config.json and /admin/schedule (the tuner's knobs only).
+    cacheBlockSize: int | None = schedule_field("cacheBlockSize", optional=True)
+    maxBatchSize: int | None = schedule_field("maxBatchSize", optional=True)
+    maxPrefillBatchSize: int | None = schedule_field("maxPrefillBatchSize", optional=True)
+    maxPrefillTokens: int | None = schedule_field("maxPrefillTokens", optional=True)
+    prefillTimeMsPerReq: int | None = schedule_field("prefillTimeMsPerReq", optional=True)
+    decodeTimeMsPerReq: int | None = schedule_field("decodeTimeMsPerReq", optional=True)
+    maxPreemptCount: int | None = schedule_field("maxPreemptCount", optional=True)
+    supportSelectBatch: bool | None = schedule_field("supportSelectBatch", optional=True)
+    maxQueueDelayMicroseconds: int | None = schedule_field("maxQueueDelayMicroseconds", optional=True)
 
     @model_validator(mode="after")
     def _check(self) -> ScheduleKnobs:
@@ -376,9 +378,7 @@ class EngineSpec(_Model):
     image: str = Field(default="npuserve/engine:0.1.0", min_length=1)
     imagePullPolicy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     schedule: ScheduleKnobs = Field(default_factory=ScheduleKnobs)
-    policy: Literal["fcfs", "priority", "longest-output-first"] = Field(
-        default="fcfs", description="waiting-queue order"
-    )
+    policy: QueuePolicy = Field(default="fcfs", description="waiting-queue order")
     cpu: int | None = Field(
         default=None, ge=1, le=1024,
         description="whole CPUs per pod (requests = limits); omitted: 8 per card, at least 4",
@@ -506,18 +506,18 @@ class ExplainEntry(_Model):
 
 
 class PlanSchedule(_Model):
-    """The MindIE ScheduleConfig values the plan chose (names exactly MindIE's)."""
+    """The MindIE ScheduleConfig values the plan chose (names exactly MindIE's; ranges from the contract)."""
 
-    cacheBlockSize: int
-    maxBatchSize: int
-    maxPrefillBatchSize: int
-    maxPrefillTokens: int
-    prefillTimeMsPerReq: int
-    decodeTimeMsPerReq: int
-    maxIterTimes: int
-    maxPreemptCount: int
-    supportSelectBatch: bool
-    maxQueueDelayMicroseconds: int
+    cacheBlockSize: int = schedule_field("cacheBlockSize", required=True)
+    maxBatchSize: int = schedule_field("maxBatchSize", required=True)
+    maxPrefillBatchSize: int = schedule_field("maxPrefillBatchSize", required=True)
+    maxPrefillTokens: int = schedule_field("maxPrefillTokens", required=True)
+    prefillTimeMsPerReq: int = schedule_field("prefillTimeMsPerReq", required=True)
+    decodeTimeMsPerReq: int = schedule_field("decodeTimeMsPerReq", required=True)
+    maxIterTimes: int = schedule_field("maxIterTimes", required=True)
+    maxPreemptCount: int = schedule_field("maxPreemptCount", required=True)
+    supportSelectBatch: bool = schedule_field("supportSelectBatch", required=True)
+    maxQueueDelayMicroseconds: int = schedule_field("maxQueueDelayMicroseconds", required=True)
 
 
 class Plan(_Model):

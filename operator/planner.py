@@ -13,7 +13,7 @@ from fractions import Fraction
 
 from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
 from npuserve.catalog.models import get_model_preset
-from npuserve.engine_contract import unservable
+from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV, SCHEDULE_FIELD_BY_NAME, unservable
 from npuserve.mindie_config import (
     DEFAULT_MAX_PREFILL_TOKENS,
     ScheduleSection,
@@ -116,7 +116,7 @@ class _Planner:
         fraction = _frac(spec.memoryFraction)
         self.add(0, "cardMemoryGiB", _gib(memory), "memory per card", "GiB", memory_note)
         self.add(0, "reservedGiB", _gib(reserved), "memory a card holds at idle", "GiB", reserved_note)
-        self.add(0, "memoryFraction", float(fraction), "NPU_MEMORY_FRACTION", "",
+        self.add(0, "memoryFraction", float(fraction), NPU_MEMORY_FRACTION_ENV, "",
                  "share of the free memory given to the KV cache (spec.accelerator.memoryFraction)")
         return memory, reserved, fraction
 
@@ -127,7 +127,7 @@ class _Planner:
     ) -> _Memory:
         free = memory - reserved - weights / world_size
         npu_mem = math.floor(free * fraction) if free > 0 else 0
-        block_bytes = self.block_size * self.model.kv_bytes_per_token(world_size)
+        block_bytes = self.model.kv_bytes_per_block(self.block_size, world_size)
         total = (npu_mem * GIB) // block_bytes if npu_mem > 0 else 0
         kv_heads = max(1, self.model.num_key_value_heads // world_size)
         return _Memory(world_size, npu_mem, block_bytes, total, kv_heads)
@@ -339,11 +339,9 @@ class _Planner:
         max_iter = w.maxOutputTokens
         self.add(5, "schedule.maxIterTimes", max_iter, "spec.workload.maxOutputTokens", "tokens",
                  "MindIE maxIterTimes: the most tokens one request generates")
-        fixed: dict[str, int] = {"prefillTimeMsPerReq": 150, "decodeTimeMsPerReq": 50,
-                                 "maxQueueDelayMicroseconds": 5000}
         values: dict[str, int] = {}
-        for name, default in fixed.items():
-            value = int(self._pin_or(name, default))
+        for name in ("prefillTimeMsPerReq", "decodeTimeMsPerReq", "maxQueueDelayMicroseconds"):
+            value = int(self._pin_or(name, SCHEDULE_FIELD_BY_NAME[name].default))
             values[name] = value
             self.add(6, f"schedule.{name}", value, f"spec.engine.schedule.{name}" if name in self.pinned else
                      "MindIE default", "", pinned_note if name in self.pinned else "")

@@ -119,7 +119,6 @@ def test_swapper_flag_is_refused_when_set_and_accepted_when_off() -> None:
 @pytest.mark.parametrize(
     ("section", "change", "named"),
     [
-        ("npuserve", {"chunkedPrefill": True}, "npuserve.chunkedPrefill"),
         ("ScheduleConfig", {"prefillPolicyType": 1}, "ScheduleConfig.prefillPolicyType"),
         ("ScheduleConfig", {"decodePolicyType": 3}, "ScheduleConfig.decodePolicyType"),
         ("ScheduleConfig", {"templateType": "Mix"}, "ScheduleConfig.templateType"),

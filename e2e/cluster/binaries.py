@@ -274,3 +274,10 @@ def default_npuserve() -> str:
         return str(beside)
     repo_venv = REPO_ROOT / ".venv" / "bin" / "npuserve"
     return str(repo_venv) if repo_venv.exists() else (shutil.which("npuserve") or str(repo_venv))
+
+
+def kubelet_python() -> str:
+    """The Python to run the process kubelet with: the one beside `default_npuserve()` (it needs the `kubernetes`
+    client of npuserve's environment), else this one."""
+    beside = Path(default_npuserve()).with_name("python")
+    return str(beside) if beside.exists() else sys.executable

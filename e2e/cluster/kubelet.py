@@ -23,7 +23,9 @@ KWOK fakes everything a kubelet does for ordinary pods. For engine pods (a conta
   gets a freed IP starts only when the previous process on that address has exited.
 
 Namespaces labelled `npuserve.io/process-kubelet=ignore` are left alone (the reconcile benchmark uses this: its
-engine pods never start). Standard library only; started and stopped by `lifecycle.py` (`make cluster-up/down`).
+engine pods never start). It talks to the API server with the `kubernetes` client, as the cluster's admin (the
+kubeconfig `up` writes), so it runs with the virtual environment's Python; `lifecycle.py` starts and stops it
+(`make cluster-up/down`).
 """
 
 from __future__ import annotations
@@ -38,17 +40,19 @@ import logging
 import math
 import os
 import signal
-import ssl
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from binaries import default_npuserve
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
 from kwok import NODE_ANNOTATION, NODE_ANNOTATION_VALUE
 from processes import proc_starttime, sweep, tail
 
@@ -57,36 +61,44 @@ IGNORE_VALUE = "ignore"
 MAX_GRACE_SECONDS = 30.0
 BACKOFF_START, BACKOFF_MAX = 5.0, 120.0
 LOOP_SECONDS = 0.5
+API_TIMEOUT = 10.0
 
 log = logging.getLogger("kubelet")
+T = TypeVar("T")
 
 
 def now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def is_engine_container(container: dict[str, Any]) -> bool:
-    cmd = container.get("command") or []
+def parts(pod: client.V1Pod) -> tuple[client.V1ObjectMeta, client.V1PodSpec, client.V1PodStatus]:
+    """A pod's metadata, spec and status (the API server always sends the first two)."""
+    assert pod.metadata is not None and pod.spec is not None
+    return pod.metadata, pod.spec, pod.status or client.V1PodStatus()
+
+
+def is_engine_container(container: client.V1Container) -> bool:
+    cmd = container.command or []
     return len(cmd) >= 2 and os.path.basename(str(cmd[0])) == "npuserve" and cmd[1] == "serve"
 
 
-def engine_container(pod: dict[str, Any]) -> dict[str, Any] | None:
-    for c in pod.get("spec", {}).get("containers", []):
+def engine_container(pod: client.V1Pod) -> client.V1Container | None:
+    for c in parts(pod)[1].containers:
         if is_engine_container(c):
-            return dict(c)
+            return c
     return None
 
 
-def container_port(container: dict[str, Any]) -> int:
+def container_port(container: client.V1Container) -> int:
     """The port the engine listens on: its `--port` argument, else the first containerPort, else 8000."""
-    argv = [*container.get("command", []), *container.get("args", [])]
+    argv = [*(container.command or []), *(container.args or [])]
     for i, a in enumerate(argv):
         if a == "--port" and i + 1 < len(argv):
             return int(argv[i + 1])
         if str(a).startswith("--port="):
             return int(str(a).split("=", 1)[1])
-    ports = container.get("ports") or []
-    return int(ports[0]["containerPort"]) if ports else 8000
+    ports = container.ports or []
+    return int(ports[0].container_port) if ports else 8000
 
 
 def _cpu_quantity(q: str) -> float:
@@ -106,92 +118,89 @@ def rewrite_path(value: str, mounts: list[tuple[str, Path]]) -> str:
     return value
 
 
-def field_ref(pod: dict[str, Any], path: str) -> str | None:
-    meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
+def field_ref(pod: client.V1Pod, path: str) -> str | None:
+    meta, spec, status = parts(pod)
     simple = {
-        "metadata.name": meta.get("name"),
-        "metadata.namespace": meta.get("namespace"),
-        "metadata.uid": meta.get("uid"),
-        "spec.nodeName": spec.get("nodeName"),
-        "spec.serviceAccountName": spec.get("serviceAccountName"),
-        "status.podIP": status.get("podIP"),
-        "status.hostIP": status.get("hostIP"),
+        "metadata.name": meta.name,
+        "metadata.namespace": meta.namespace,
+        "metadata.uid": meta.uid,
+        "spec.nodeName": spec.node_name,
+        "spec.serviceAccountName": spec.service_account_name,
+        "status.podIP": status.pod_ip,
+        "status.hostIP": status.host_ip,
     }
     if path in simple:
         v = simple[path]
         return None if v is None else str(v)
-    for kind in ("labels", "annotations"):
+    for kind, values in (("labels", meta.labels), ("annotations", meta.annotations)):
         head = f"metadata.{kind}['"
         if path.startswith(head) and path.endswith("']"):
-            v = (meta.get(kind) or {}).get(path[len(head) : -2])
+            v = (values or {}).get(path[len(head) : -2])
             return None if v is None else str(v)
     return None
 
 
 # ---- the API server ----------------------------------------------------------------------------------------------
-class ApiError(RuntimeError):
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:300]}")
-        self.status = status
-
-
 class Api:
-    """A minimal client over the admin certificates of the local cluster."""
+    """The calls the kubelet makes, through the `kubernetes` client as the cluster's admin."""
 
-    def __init__(self, cluster_dir: Path) -> None:
-        state = json.loads((cluster_dir / "state.json").read_text())
-        self.port = int(state["ports"]["apiserver"])
-        pki = cluster_dir / "pki"
-        self.ctx = ssl.create_default_context(cafile=str(pki / "ca.crt"))
-        self.ctx.load_cert_chain(str(pki / "admin.crt"), str(pki / "admin.key"))
-        self._local = threading.local()
+    def __init__(self, kubeconfig: Path) -> None:
+        configuration = client.Configuration()
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=str(kubeconfig), client_configuration=configuration
+        )
+        self.client = client.ApiClient(configuration)
+        self.core = client.CoreV1Api(self.client)
 
-    def _conn(self) -> http.client.HTTPSConnection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self.ctx, timeout=10)
-            self._local.conn = conn
-        return conn
+    def to_dict(self, obj: Any) -> dict[str, Any]:
+        """An object of the client as the API server's JSON (camelCase keys, no nulls)."""
+        out: dict[str, Any] = self.client.sanitize_for_serialization(obj)  # type: ignore[no-untyped-call]
+        return out
 
-    def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"Accept": "application/json"}
-        if data is not None:
-            headers["Content-Type"] = content_type
-        for attempt in (0, 1):
-            conn = self._conn()
-            try:
-                conn.request(method, path, body=data, headers=headers)
-                resp = conn.getresponse()
-                text = resp.read().decode(errors="replace")
-            except (OSError, http.client.HTTPException):
-                conn.close()
-                self._local.conn = None
-                if attempt:
-                    raise
-                continue
-            if resp.status >= 300:
-                raise ApiError(resp.status, text)
-            return json.loads(text) if text else None
-        return None
+    def fake_nodes(self) -> set[str]:
+        return {
+            str(n.metadata.name)
+            for n in self.core.list_node(_request_timeout=API_TIMEOUT).items
+            if n.metadata is not None and (n.metadata.annotations or {}).get(NODE_ANNOTATION) == NODE_ANNOTATION_VALUE
+        }
 
-    def get(self, path: str) -> Any:
-        return self.request("GET", path)
+    def ignored_namespaces(self) -> set[str]:
+        selector = f"{IGNORE_LABEL}={IGNORE_VALUE}"
+        items = self.core.list_namespace(label_selector=selector, _request_timeout=API_TIMEOUT).items
+        return {str(ns.metadata.name) for ns in items if ns.metadata is not None}
 
-    def get_optional(self, path: str) -> Any | None:
+    def live_pods(self, skip_namespaces: set[str]) -> list[client.V1Pod]:
+        """Every pod not finished (phase neither Succeeded nor Failed), outside `skip_namespaces`. The API server
+        filters: the client takes about 2 ms to build a pod's model, and this runs twice a second (the reconcile
+        benchmark's 50 InferenceServices are all in an ignored namespace)."""
+        selector = ["status.phase!=Succeeded", "status.phase!=Failed"]
+        selector += [f"metadata.namespace!={ns}" for ns in sorted(skip_namespaces)]
+        pods = self.core.list_pod_for_all_namespaces(field_selector=",".join(selector), _request_timeout=API_TIMEOUT)
+        return list(pods.items)
+
+    @staticmethod
+    def _optional(read: Callable[..., T], name: str, namespace: str) -> T | None:
+        """`read(name, namespace)`, None if there is no such object."""
         try:
-            return self.get(path)
-        except ApiError as e:
+            return read(name, namespace, _request_timeout=API_TIMEOUT)
+        except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
+    def config_map(self, namespace: str, name: str) -> client.V1ConfigMap | None:
+        return self._optional(self.core.read_namespaced_config_map, name, namespace)
+
+    def secret(self, namespace: str, name: str) -> client.V1Secret | None:
+        return self._optional(self.core.read_namespaced_secret, name, namespace)
+
     def patch_pod_status(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
-        self.request(
-            "PATCH",
-            f"/api/v1/namespaces/{namespace}/pods/{name}/status",
+        self.core.patch_namespaced_pod_status(
+            name,
+            namespace,
             patch,
-            "application/strategic-merge-patch+json",
+            _content_type="application/strategic-merge-patch+json",
+            _request_timeout=API_TIMEOUT,
         )
 
 
@@ -226,12 +235,21 @@ class Container:
         return self.proc is not None and self.proc.poll() is None
 
 
+class Mount(NamedTuple):
+    """A volume mount of the engine container, and where it is on this machine."""
+
+    path: str
+    local: Path
+    volume: client.V1Volume | None
+    mount: client.V1VolumeMount
+
+
 class Kubelet:
     def __init__(self, cluster_dir: Path, npuserve: str) -> None:
         self.dir = cluster_dir
         self.pods_dir = cluster_dir / "pods"
         self.npuserve = npuserve
-        self.api = Api(cluster_dir)
+        self.api = Api(cluster_dir / "kubeconfig")
         self.containers: dict[str, Container] = {}
         self.stopping: list[Container] = []
         self.waiting_reported: dict[str, str] = {}
@@ -263,31 +281,20 @@ class Kubelet:
 
     def fake_nodes(self) -> set[str]:
         if time.monotonic() - self.nodes_read > 10 or not self.nodes:
-            nodes = self.api.get("/api/v1/nodes")["items"]
-            self.nodes = {
-                n["metadata"]["name"]
-                for n in nodes
-                if (n["metadata"].get("annotations") or {}).get(NODE_ANNOTATION) == NODE_ANNOTATION_VALUE
-            }
+            self.nodes = self.api.fake_nodes()
             self.nodes_read = time.monotonic()
         return self.nodes
 
     def sync(self) -> None:
         nodes = self.fake_nodes()
-        ignored = {
-            ns["metadata"]["name"]
-            for ns in self.api.get(f"/api/v1/namespaces?labelSelector={IGNORE_LABEL}%3D{IGNORE_VALUE}")["items"]
-        }
-        wanted: dict[str, dict[str, Any]] = {}
-        for pod in self.api.get("/api/v1/pods")["items"]:
-            meta, spec, status = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
-            if spec.get("nodeName") not in nodes or meta["namespace"] in ignored:
+        wanted: dict[str, client.V1Pod] = {}
+        for pod in self.api.live_pods(skip_namespaces=self.api.ignored_namespaces()):
+            meta, spec, status = parts(pod)
+            if spec.node_name not in nodes or meta.deletion_timestamp:
                 continue
-            if meta.get("deletionTimestamp") or status.get("phase") in ("Succeeded", "Failed"):
+            if engine_container(pod) is None or not status.pod_ip:
                 continue
-            if engine_container(pod) is None or not status.get("podIP"):
-                continue
-            wanted[meta["uid"]] = pod
+            wanted[str(meta.uid)] = pod
         for uid in [u for u in self.containers if u not in wanted]:
             self.begin_stop(self.containers.pop(uid), "pod deleted")
         self.reap_stopping()
@@ -299,30 +306,32 @@ class Kubelet:
                     if c is None:
                         continue
                 self.tend(c, pod)
-            except ApiError as e:
+            except ApiException as e:
                 if e.status != 404:  # 404: the pod went meanwhile
-                    log.warning("%s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], e)
+                    meta = parts(pod)[0]
+                    log.warning("%s/%s: HTTP %s: %s", meta.namespace, meta.name, e.status, str(e.body)[:300])
 
     # -- one pod -----------------------------------------------------------------------------------------------------
-    def admit(self, pod: dict[str, Any]) -> Container | None:
-        meta, spec = pod["metadata"], pod["spec"]
+    def admit(self, pod: client.V1Pod) -> Container | None:
+        meta, spec, status = parts(pod)
         ctr = engine_container(pod)
         assert ctr is not None
-        probe = ctr.get("readinessProbe") or {}
-        http_get = probe.get("httpGet") or {}
-        grace = float(spec.get("terminationGracePeriodSeconds", 30))
+        probe = ctr.readiness_probe
+        http_get = probe.http_get if probe is not None else None
+        threshold = probe.failure_threshold if probe is not None else None
+        grace = spec.termination_grace_period_seconds
         c = Container(
-            uid=meta["uid"],
-            namespace=meta["namespace"],
-            name=meta["name"],
-            container=ctr["name"],
-            ip=pod["status"]["podIP"],
+            uid=str(meta.uid),
+            namespace=str(meta.namespace),
+            name=str(meta.name),
+            container=ctr.name,
+            ip=str(status.pod_ip),
             port=container_port(ctr),
-            folder=self.pods_dir / f"{meta['namespace']}_{meta['name']}",
-            ready_path=str(http_get.get("path") or "/ready"),
-            failure_threshold=int(probe.get("failureThreshold", 3)),
-            grace=min(grace, MAX_GRACE_SECONDS),
-            image=str(ctr.get("image", "")),
+            folder=self.pods_dir / f"{meta.namespace}_{meta.name}",
+            ready_path=str((http_get.path if http_get is not None else None) or "/ready"),
+            failure_threshold=int(3 if threshold is None else threshold),
+            grace=min(float(30 if grace is None else grace), MAX_GRACE_SECONDS),
+            image=str(ctr.image or ""),
         )
         self.containers[c.uid] = c
         return c
@@ -332,8 +341,9 @@ class Kubelet:
             o is not c and o.ip == c.ip and o.port == c.port and o.running() for o in self.containers.values()
         )
 
-    def tend(self, c: Container, pod: dict[str, Any]) -> None:
-        c.others = [s for s in pod["status"].get("containerStatuses", []) if s.get("name") != c.container]
+    def tend(self, c: Container, pod: client.V1Pod) -> None:
+        statuses = parts(pod)[2].container_statuses or []
+        c.others = [self.api.to_dict(s) for s in statuses if s.name != c.container]
         if c.proc is not None and c.proc.poll() is not None:
             self.exited(c)
         if c.proc is None:
@@ -344,7 +354,7 @@ class Kubelet:
         if time.monotonic() >= c.next_probe:
             self.probe(c)
 
-    def start(self, c: Container, pod: dict[str, Any]) -> None:
+    def start(self, c: Container, pod: client.V1Pod) -> None:
         try:
             argv, env = self.prepare(c, pod)
         except MissingReference as e:
@@ -477,67 +487,69 @@ class Kubelet:
                 c.stopping_since = time.monotonic() - c.grace + 5  # look again in 5 s
 
     # -- the container's files, argv and env --------------------------------------------------------------------------
-    def mounts(self, c: Container, pod: dict[str, Any]) -> list[tuple[str, Path, dict[str, Any]]]:
-        ctr = engine_container(pod) or {}
-        volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
-        out = []
-        for m in ctr.get("volumeMounts", []):
-            local = c.folder / m["mountPath"].lstrip("/")
-            out.append((m["mountPath"], local, {**volumes.get(m["name"], {}), "_mount": m}))
-        out.sort(key=lambda t: len(t[0]), reverse=True)
+    def mounts(self, c: Container, pod: client.V1Pod) -> list[Mount]:
+        ctr = engine_container(pod)
+        volumes = {v.name: v for v in parts(pod)[1].volumes or []}
+        out = [
+            Mount(m.mount_path, c.folder / m.mount_path.lstrip("/"), volumes.get(m.name), m)
+            for m in (ctr.volume_mounts if ctr is not None else None) or []
+        ]
+        out.sort(key=lambda m: len(m.path), reverse=True)
         return out
 
-    def sync_configmaps(self, c: Container, pod: dict[str, Any], first: bool = False) -> None:
+    def sync_configmaps(self, c: Container, pod: client.V1Pod, first: bool = False) -> None:
         """Write each ConfigMap volume (atomically per file) when its resourceVersion changed."""
-        for _, local, vol in self.mounts(c, pod):
-            ref = vol.get("configMap")
+        for m in self.mounts(c, pod):
+            ref = m.volume.config_map if m.volume is not None else None
             if ref is None:
                 continue
-            cm = self.api.get_optional(f"/api/v1/namespaces/{c.namespace}/configmaps/{ref['name']}")
+            cm = self.api.config_map(c.namespace, str(ref.name))
             if cm is None:
-                if first and not ref.get("optional"):
-                    raise MissingReference(f'configmap "{ref["name"]}" not found')
+                if first and not ref.optional:
+                    raise MissingReference(f'configmap "{ref.name}" not found')
                 continue
-            version = cm["metadata"]["resourceVersion"]
-            if c.configmaps.get(vol["name"]) == version:
+            version = str(cm.metadata.resource_version if cm.metadata is not None else "")
+            if c.configmaps.get(m.mount.name) == version:
                 continue
-            data: dict[str, str] = dict(cm.get("data") or {})
-            for k, v in (cm.get("binaryData") or {}).items():
+            data: dict[str, str] = dict(cm.data or {})
+            for k, v in (cm.binary_data or {}).items():
                 data[k] = base64.b64decode(v).decode(errors="replace")
-            items = ref.get("items") or [{"key": k, "path": k} for k in data]
-            sub_path = vol["_mount"].get("subPath")
-            for item in items:
-                if item["key"] not in data:
+            items = [(i.key, i.path) for i in ref.items] if ref.items else [(k, k) for k in data]
+            sub_path = m.mount.sub_path
+            for key, path in items:
+                if key not in data:
                     continue
-                if sub_path and item["path"] != sub_path:
+                if sub_path and path != sub_path:
                     continue
-                target = local if sub_path else local / item["path"]
+                target = m.local if sub_path else m.local / path
                 target.parent.mkdir(parents=True, exist_ok=True)
                 tmp = target.with_name(target.name + ".tmp")
-                tmp.write_text(data[item["key"]])
+                tmp.write_text(data[key])
                 tmp.replace(target)
-            c.configmaps[vol["name"]] = version
+            c.configmaps[m.mount.name] = version
 
-    def prepare(self, c: Container, pod: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    def prepare(self, c: Container, pod: client.V1Pod) -> tuple[list[str], dict[str, str]]:
         ctr = engine_container(pod)
-        assert ctr is not None
+        assert ctr is not None and ctr.command is not None
         c.folder.mkdir(parents=True, exist_ok=True)
         mounts = self.mounts(c, pod)
-        for _, local, vol in mounts:
-            if "emptyDir" in vol:
-                local.mkdir(parents=True, exist_ok=True)
-            elif "hostPath" in vol:
-                if not local.exists():
-                    local.parent.mkdir(parents=True, exist_ok=True)
-                    local.symlink_to(vol["hostPath"]["path"])
-            elif "configMap" not in vol:
-                log.warning("%s/%s: volume %s (%s) is not materialised", c.namespace, c.name, vol.get("name"),
-                            ", ".join(k for k in vol if k not in ("name", "_mount")))  # fmt: skip
+        for m in mounts:
+            vol = m.volume
+            if vol is not None and vol.empty_dir is not None:
+                m.local.mkdir(parents=True, exist_ok=True)
+            elif vol is not None and vol.host_path is not None:
+                if not m.local.exists():
+                    m.local.parent.mkdir(parents=True, exist_ok=True)
+                    m.local.symlink_to(vol.host_path.path)
+            elif vol is None or vol.config_map is None:
+                kinds = [k for k in self.api.to_dict(vol) if k != "name"] if vol is not None else []
+                log.warning("%s/%s: volume %s (%s) is not materialised", c.namespace, c.name, m.mount.name,
+                            ", ".join(kinds))  # fmt: skip
         c.configmaps.clear()
         self.sync_configmaps(c, pod, first=True)
-        paths = [(mp, local) for mp, local, _ in mounts]
+        paths = [(m.path, m.local) for m in mounts]
 
-        argv = [self.npuserve] + [rewrite_path(str(a), paths) for a in [*ctr["command"][1:], *ctr.get("args", [])]]
+        argv = [self.npuserve] + [rewrite_path(str(a), paths) for a in [*ctr.command[1:], *(ctr.args or [])]]
         for i, a in enumerate(argv):
             if a == "--host" and i + 1 < len(argv):
                 argv[i + 1] = c.ip
@@ -548,14 +560,14 @@ class Kubelet:
 
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
         env["HOSTNAME"] = c.name
-        resources = ctr.get("resources") or {}
-        cpu = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu")
+        resources = ctr.resources or client.V1ResourceRequirements()
+        cpu = (resources.limits or {}).get("cpu") or (resources.requests or {}).get("cpu")
         if cpu:
             env["OMP_NUM_THREADS"] = str(max(1, min(os.cpu_count() or 1, math.ceil(_cpu_quantity(str(cpu))))))
-        for e in ctr.get("env", []):
+        for e in ctr.env or []:
             value = self.env_value(c, pod, e)
             if value is not None:
-                env[e["name"]] = rewrite_path(value, paths)
+                env[e.name] = rewrite_path(value, paths)
         preload = env.get("LD_PRELOAD")
         if preload:
             kept = [p for p in preload.replace(":", " ").split() if Path(p).exists()]
@@ -568,29 +580,35 @@ class Kubelet:
                 del env["LD_PRELOAD"]
         return argv, env
 
-    def env_value(self, c: Container, pod: dict[str, Any], e: dict[str, Any]) -> str | None:
-        if "value" in e:
-            return str(e["value"])
-        src = e.get("valueFrom") or {}
-        if "fieldRef" in src:
-            v = field_ref(pod, src["fieldRef"]["fieldPath"])
+    def env_value(self, c: Container, pod: client.V1Pod, e: client.V1EnvVar) -> str | None:
+        if e.value is not None:
+            return str(e.value)
+        src = e.value_from or client.V1EnvVarSource()
+        if src.field_ref is not None:
+            v = field_ref(pod, src.field_ref.field_path)
             if v is None:
-                log.info("%s/%s: env %s: fieldRef %s not resolved; skipped", c.namespace, c.name, e["name"],
-                         src["fieldRef"]["fieldPath"])  # fmt: skip
+                log.info("%s/%s: env %s: fieldRef %s not resolved; skipped", c.namespace, c.name, e.name,
+                         src.field_ref.field_path)  # fmt: skip
             return v
-        for kind, plural in (("secretKeyRef", "secrets"), ("configMapKeyRef", "configmaps")):
-            if kind in src:
-                ref = src[kind]
-                obj = self.api.get_optional(f"/api/v1/namespaces/{c.namespace}/{plural}/{ref['name']}")
-                data = (obj or {}).get("data") or {}
-                if ref["key"] in data:
-                    raw = data[ref["key"]]
-                    return base64.b64decode(raw).decode() if kind == "secretKeyRef" else str(raw)
-                if ref.get("optional"):
-                    return None
-                raise MissingReference(f"{plural[:-1]} {ref['name']!r} (key {ref['key']!r}) not found")
-        log.info("%s/%s: env %s: unsupported source %s; skipped", c.namespace, c.name, e["name"], list(src))
-        return None
+        ref: client.V1SecretKeySelector | client.V1ConfigMapKeySelector
+        obj: client.V1Secret | client.V1ConfigMap | None
+        if src.secret_key_ref is not None:
+            ref, kind = src.secret_key_ref, "secret"
+            obj = self.api.secret(c.namespace, str(ref.name))
+        elif src.config_map_key_ref is not None:
+            ref, kind = src.config_map_key_ref, "configmap"
+            obj = self.api.config_map(c.namespace, str(ref.name))
+        else:
+            log.info("%s/%s: env %s: unsupported source %s; skipped", c.namespace, c.name, e.name,
+                     list(self.api.to_dict(src)))  # fmt: skip
+            return None
+        data = (obj.data if obj is not None else None) or {}
+        if ref.key in data:
+            raw = data[ref.key]
+            return base64.b64decode(raw).decode() if kind == "secret" else str(raw)
+        if ref.optional:
+            return None
+        raise MissingReference(f"{kind} {ref.name!r} (key {ref.key!r}) not found")
 
 
 class MissingReference(Exception):

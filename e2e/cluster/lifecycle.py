@@ -4,6 +4,7 @@ process kubelet) under the state folder `.cluster/`. Standard library only."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from binaries import K8S_VERSION, REPO_ROOT, Binaries, default_npuserve, ensure_binaries, file_lock
+from binaries import K8S_VERSION, REPO_ROOT, Binaries, default_npuserve, ensure_binaries, file_lock, kubelet_python
 from kwok import NODE_ANNOTATION, NODE_ANNOTATION_VALUE, NODE_NAMES, POD_CIDR, fake_node, kwok_config
 from pki import SERVICE_CIDR, make_pki, write_kubeconfig
 from processes import (
@@ -197,6 +198,10 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
     if any(_running_components(cdir).values()):
         log("a previous cluster is partly running; stopping it first")
         _down_locked(cdir)
+    if kubelet_python() == sys.executable and importlib.util.find_spec("kubernetes") is None:
+        raise RuntimeError(
+            f"the process kubelet needs the `kubernetes` client, which {sys.executable} lacks (make setup)"
+        )
     bins = ensure_binaries(with_helm=False)
     started = time.monotonic()
     ports = ports_from_env()
@@ -349,7 +354,7 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
         cdir,
         "kubelet",
         [
-            sys.executable,
+            kubelet_python(),
             str(KUBELET_PY),
             f"--cluster-dir={cdir}",
             f"--port={p['kubelet']}",

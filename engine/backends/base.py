@@ -32,6 +32,9 @@ class AttentionMetadata:
     max_context_len: int
     # Filled lazily by the backend and reused by every layer of the step (masks, gather indices).
     cache: dict[str, torch.Tensor] | None = None
+    # A chunked-prefill step whose first sequences decode: the two groups' own layouts (decodes first).
+    decode_part: AttentionMetadata | None = None
+    prefill_part: AttentionMetadata | None = None
 
     @property
     def batch_size(self) -> int:
@@ -97,6 +100,11 @@ class Backend(ABC):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         self.write_kv(kv_cache, k, v, meta.slot_mapping)
+        if meta.decode_part is not None and meta.prefill_part is not None:
+            # a mixed (chunked-prefill) step: the decodes as decodes, the chunks as prefills, then back in order
+            num_decodes = meta.decode_part.batch_size
+            return torch.cat([self.decode_attention(q[:num_decodes], kv_cache, meta.decode_part),
+                              self.prefill_attention(q[num_decodes:], kv_cache, meta.prefill_part)])
         if meta.is_prefill:
             return self.prefill_attention(q, kv_cache, meta)
         return self.decode_attention(q, kv_cache, meta)

@@ -13,7 +13,8 @@ Contract with the scheduler (the only caller in the engine):
   blocks (one more reference each) and gets a fresh block for the partly filled last one, returned as a
   (parent block, child block) pair for the runner to copy. That is copy-on-write whose write is certain: the
   child's first token goes into that block at its next step, so the copy is made at once. `fork_blocks(seq)` is
-  the free blocks the forks will take; the scheduler counts them before it admits the parent's prefill.
+  the blocks the forks will take: `allocate` takes them with the parent's (held aside, in no block table, until
+  the fork or the parent's end), so nothing can take them while the prompt is prefilled, chunk by chunk or at once.
   Afterwards each sequence of the group is an ordinary one: preempted, swapped (its own host copy of every block,
   shared or not), recomputed or freed on its own; a shared block returns to the free list with its last owner.
 - A sequence that asks for prompt logprobs never gets prefix-cache hits (every prompt position must be computed).
@@ -45,6 +46,7 @@ class KVCacheManager:
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the prefix cache
         self._host_pending_release: list[int] = []
+        self._fork_spares: dict[int, list[int]] = {}  # seq_id -> blocks held for its forks' partial-block copies
         self.prefix_hits = 0  # blocks that allocate found in the prefix cache
 
     # --- figures -----------------------------------------------------------------------------------------------
@@ -116,10 +118,10 @@ class KVCacheManager:
         """Tokens `allocate(seq)` would find in the prefix cache now (whole blocks)."""
         return len(self._match_prefix(seq)) * self.block_size
 
-    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
-        """Room for the prefill of `seq` and its forks, with `reserve` free blocks promised to others."""
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Room for the prefill of `seq` and its forks' blocks."""
         cost = self._allocation_cost(seq, self._match_prefix(seq)) + self.fork_blocks(seq)
-        return cost + reserve <= self.device.num_free
+        return cost <= self.device.num_free
 
     def allocate(self, seq: Sequence) -> None:
         """Blocks for a prefill of all `seq.num_tokens` (a new prompt, or prompt + output after recompute)."""
@@ -137,6 +139,8 @@ class KVCacheManager:
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
         self._num_registered[seq.seq_id] = len(hits)
+        if self.fork_blocks(seq):
+            self._fork_spares[seq.seq_id] = [self.device.allocate() for _ in range(self.fork_blocks(seq))]
 
     # --- fork (n > 1) -------------------------------------------------------------------------------------------
 
@@ -157,12 +161,13 @@ class KVCacheManager:
         child.block_table = list(table[:full])
         copies: list[tuple[int, int]] = []
         if full < len(table):
-            if not self.device.num_free:
+            spares = self._fork_spares.get(parent.seq_id)
+            if not spares and not self.device.num_free:
                 for block_id in reversed(child.block_table):
                     self.device.release(block_id)
                 child.block_table = []
                 raise RuntimeError(f"no free KV block to fork sequence {parent.seq_id}")
-            block_id = self.device.allocate()
+            block_id = spares.pop() if spares else self.device.allocate()
             child.block_table.append(block_id)
             copies.append((table[full], block_id))
         hashes = self._hashes.get(parent.seq_id)
@@ -209,10 +214,19 @@ class KVCacheManager:
             self.device.release(block_id)
         for block_id in seq.host_block_table:
             self.host.release(block_id)
+        self._release_spares(seq)
         seq.block_table = []
         seq.host_block_table = []
         self._hashes.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
+
+    def _release_spares(self, seq: Sequence) -> None:
+        for block_id in self._fork_spares.pop(seq.seq_id, []):
+            self.device.release(block_id)
+
+    def spare_blocks(self) -> list[int]:
+        """Blocks held for forks not yet made (owned by no block table)."""
+        return [b for spares in self._fork_spares.values() for b in spares]
 
     # --- swap --------------------------------------------------------------------------------------------------
 
@@ -230,6 +244,7 @@ class KVCacheManager:
         if not self.can_swap_out(seq):
             raise RuntimeError(f"not enough free host blocks to swap out sequence {seq.seq_id}")
         pairs = [(block_id, self.host.allocate()) for block_id in seq.block_table]
+        self._release_spares(seq)
         for block_id in reversed(seq.block_table):
             self.device.release(block_id)  # a shared prefix block stays with its other owners
         seq.host_block_table = [host for _, host in pairs]

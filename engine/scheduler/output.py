@@ -11,6 +11,7 @@ from ..sequence import Sequence
 class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # chunked prefill: decodes and prompt chunks in one step (MindIE's SplitFuse)
     IDLE = "idle"  # nothing to run (empty, or waiting for maxQueueDelayMicroseconds)
 
 
@@ -20,8 +21,10 @@ class SchedulerOutput:
 
     PREFILL: for each sequence, compute tokens `num_cached_tokens .. num_tokens - 1` (prefix-cache hits are
     skipped); its `block_table` already covers all `num_tokens`. DECODE: each sequence computes its last token;
-    its `block_table` covers `num_tokens`. Before running the model the engine copies `swap_out` (device block ->
-    host block) and then `swap_in` (host block -> device block).
+    its `block_table` covers `num_tokens`. MIXED: each sequence computes `num_new_tokens[i]` tokens from
+    `num_cached_tokens` on (1 for a decode; a prompt chunk otherwise; a chunk that does not reach the last token
+    samples nothing). Before running the model the engine copies `swap_out` (device block -> host block) and then
+    `swap_in` (host block -> device block).
     """
 
     kind: StepKind
@@ -34,9 +37,13 @@ class SchedulerOutput:
     # block copies (parent block -> child block) the engine runs before the next step.
     forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # MIXED only: tokens each sequence computes
+    num_prefill_seqs: int = 0  # MIXED only: sequences computing a prompt chunk (the rest decode)
 
     @property
     def num_batched_tokens(self) -> int:
+        if self.kind is StepKind.MIXED:
+            return sum(self.num_new_tokens)
         if self.kind is StepKind.PREFILL:
             return sum(s.num_tokens - s.num_cached_tokens for s in self.seqs)
         return len(self.seqs)

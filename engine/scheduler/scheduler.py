@@ -44,6 +44,13 @@ Rules:
 - Ends: EOS (unless ignore_eos) or a stop token -> STOP; max_tokens, maxIterTimes (output tokens) or maxSeqLen
   (prompt + output) -> LENGTH. A prompt that can never fit the whole cache, or leaves no room under maxSeqLen,
   ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
+- Chunked prefill (`chunked_prefill`, MindIE's SplitFuse, npuserve.chunkedPrefill): no stage choice; every step
+  is MIXED: the running requests decode first (one token each, with the decode step's preemption rules), then
+  prompts already admitted continue by chunks, then waiting requests are admitted (blocks for the whole prompt at
+  once, at most maxPrefillBatchSize a step, none while any is swapped), all under maxPrefillTokens tokens. A chunk
+  short of the prompt's last token samples nothing; the last one gives the first token. A request preempted in the
+  middle of its prompt is recomputed, never swapped. supportSelectBatch and maxQueueDelayMicroseconds do not apply
+  (MindIE turns supportSelectBatch off with SplitFuse).
 - Aborts free the request's blocks at once; the next `schedule()` lists it in `finished`.
 - `update_schedule(section)` hot-applies ScheduleConfig fields at the next `schedule()`; cacheBlockSize is fixed
   by the KV manager and not changed live. A maxBatchSize lowered below the running count admits nothing new until
@@ -81,6 +88,7 @@ class Scheduler:
         max_seq_len: int = 2560,
         eos_token_ids: Iterable[int] = (),
         recompute_threshold: float = 0.5,
+        chunked_prefill: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 <= recompute_threshold < 1.0:
@@ -92,6 +100,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.recompute_threshold = recompute_threshold
+        self.chunked_prefill = chunked_prefill
         self.clock = clock
         self.waiting = WaitingQueue(policy)
         self.running: list[Sequence] = []
@@ -193,6 +202,9 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput(kind=StepKind.IDLE, finished=self._pending_finished)
         self._pending_finished = []
+        if self.chunked_prefill:
+            self._schedule_mixed(out, now)
+            return out
         oldest = self.waiting.oldest_arrival()
         kind = self._stage.choose(
             self.schedule_config,
@@ -221,8 +233,7 @@ class Scheduler:
         max_reqs = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
         batch: list[Sequence] = []
         tokens = 0
-        reserved = 0  # free blocks the batch's forks will take after the step
-        forks = 0  # and running slots
+        forks = 0  # running slots the batch's forks will take after the step
         while len(batch) < max_reqs:
             seq = self.waiting.peek()
             if seq is None:
@@ -243,14 +254,13 @@ class Scheduler:
                 self._end(seq, FinishReason.ERROR, now)
                 out.finished.append(seq)
                 continue
-            if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq, reserved):
+            if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
             if batch and tokens + new_tokens > cfg.maxPrefillTokens:
                 break
             self.waiting.pop()
             kv.allocate(seq)
-            reserved += kv.fork_blocks(seq)
             forks += seq.num_forks_pending
             tokens += seq.num_tokens - seq.num_cached_tokens
             seq.status = _RUNNING
@@ -265,11 +275,79 @@ class Scheduler:
             out.kind = StepKind.PREFILL
             out.seqs = batch
 
-    def _schedule_decode(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_mixed(self, out: SchedulerOutput, now: float) -> None:
+        """Chunked prefill: every running request decodes, unfinished prompts continue by chunks, and new ones are
+        admitted, all in one step under maxPrefillTokens tokens (decodes first, one token each)."""
+        if not self.running and not self.swapped and not self.waiting:
+            return
+        cfg = self.schedule_config
+        decoding = [s for s in self.running if s.num_cached_tokens >= s.num_tokens - 1]
+        chunking = [s for s in self.running if s.num_cached_tokens < s.num_tokens - 1]
+        self._schedule_decode(out, now, only=decoding)
+        # _schedule_decode may preempt (the newest first, chunking ones included) and swap in
+        seqs, counts = list(out.seqs), [1] * len(out.seqs)
+        budget = cfg.maxPrefillTokens - len(seqs)
+
+        def take(seq: Sequence) -> None:
+            nonlocal budget
+            chunk = min(seq.num_tokens - seq.num_cached_tokens, budget)
+            seqs.append(seq)
+            counts.append(chunk)
+            budget -= chunk
+
+        for seq in chunking:
+            if seq.status is _RUNNING and budget > 0:
+                take(seq)
+        admitted = 0
+        max_new = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
+        while budget > 0 and admitted < max_new and not out.swap_out and not self.swapped:
+            new = self._admit(out, now)
+            if new is None:
+                break
+            take(new)
+            admitted += 1
+        prefills = len(seqs) - len(out.seqs)
+        for seq in seqs[len(seqs) - admitted:]:
+            seq.prefill_batch_size = prefills
+        if seqs:
+            out.kind, out.seqs, out.num_new_tokens, out.num_prefill_seqs = StepKind.MIXED, seqs, counts, prefills
+
+    def _admit(self, out: SchedulerOutput, now: float) -> Sequence | None:
+        """The head of the waiting queue, with blocks for its whole prompt, now running; None if it cannot be."""
+        kv = self.kv
+        while (seq := self.waiting.peek()) is not None and not kv.can_ever_fit(seq.num_tokens):
+            self.waiting.pop()  # only a recomputed request can have grown past the cache
+            if seq.num_output_tokens:
+                self._end(seq, FinishReason.LENGTH, now)
+            else:
+                seq.error = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache"
+                self._end(seq, FinishReason.ERROR, now)
+            out.finished.append(seq)
+        if seq is not None and seq.num_samples > self.schedule_config.maxBatchSize:
+            self.waiting.pop()  # maxBatchSize lowered live below its n: it can never run
+            seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {self.schedule_config.maxBatchSize}"
+            self._end(seq, FinishReason.ERROR, now)
+            out.finished.append(seq)
+            return None
+        forks = sum(s.num_forks_pending for s in self.running)  # children of prompts still being chunked
+        if seq is None or len(self.running) + forks + seq.num_samples > self.schedule_config.maxBatchSize:
+            return None
+        if not kv.can_allocate(seq):
+            return None
+        self.waiting.pop()
+        kv.allocate(seq)
+        seq.status = _RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = now
+        self.running.append(seq)
+        return seq
+
+    def _schedule_decode(self, out: SchedulerOutput, now: float, only: list[Sequence] | None = None) -> None:
         kv = self.kv
         append = kv.append
         blocked: list[Sequence] = []
-        for seq in self.running:
+        decoding = self.running if only is None else only
+        for seq in decoding:
             if not append(seq):
                 blocked.append(seq)
         stalled: set[int] = set()
@@ -277,7 +355,7 @@ class Scheduler:
         if blocked:
             stalled, preempted = self._resolve_blocked(out, blocked, now)
         self.num_stalled = len(stalled)
-        batch = [s for s in self.running if s.seq_id not in stalled] if stalled else list(self.running)
+        batch = [s for s in decoding if s.status is _RUNNING and s.seq_id not in stalled]
         if not preempted and not stalled:
             self._swap_in(out, batch, now)
         n = len(batch)
@@ -325,7 +403,8 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
         kv = self.kv
-        if swaps_this_step < self.schedule_config.maxPreemptCount and kv.can_swap_out(victim):
+        mid_prompt = victim.num_cached_tokens < victim.num_tokens - 1  # a chunked prefill not done: recompute it
+        if swaps_this_step < self.schedule_config.maxPreemptCount and not mid_prompt and kv.can_swap_out(victim):
             out.swap_out.extend(kv.swap_out(victim))
             victim.status = SequenceStatus.SWAPPED
             self.swapped.append(victim)
@@ -377,14 +456,20 @@ class Scheduler:
         kv = self.kv
         cache = kv.cache_computed if kv.enable_prefix_caching else None
         block_size = kv.block_size
-        prefill = output.kind is StepKind.PREFILL
+        prefill = output.kind is not StepKind.DECODE  # MIXED steps compute prompt tokens too
+        chunks = output.num_new_tokens if output.kind is StepKind.MIXED else None
         finished: list[Sequence] = []
         row = 0
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             first_row, row = row, row + seq.num_samples
             if seq.status is not _RUNNING:
                 continue
             n = len(seq.token_ids)
+            if chunks is not None and seq.num_cached_tokens + chunks[i] < n:
+                seq.num_cached_tokens += chunks[i]  # a prompt chunk short of the last token: nothing sampled
+                if cache is not None:
+                    cache(seq)
+                continue
             seq.num_cached_tokens = n  # every token before the new one now has its KV
             if cache is not None and (prefill or n % block_size == 0):
                 cache(seq)

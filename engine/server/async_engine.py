@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 from npuserve.engine.engine import EngineSnapshot, LLMEngine, StepResult
 from npuserve.engine.output_processor import RequestOutput
-from npuserve.engine.scheduler import StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
 from npuserve.mindie_config import ScheduleSection
@@ -167,8 +166,12 @@ class AsyncEngine:
     def _record_step(self, result: StepResult) -> None:
         step = result.stats
         if step is not None:
-            kind = "prefill" if step.kind is StepKind.PREFILL else "decode"
-            self.metrics.observe_step(kind, step.num_seqs, result.num_preemptions)
+            preemptions = result.num_preemptions
+            if step.num_prefill_seqs:
+                self.metrics.observe_step("prefill", step.num_prefill_seqs, preemptions)
+                preemptions = 0
+            if step.num_decode_seqs:  # a MIXED step observes both batch sizes
+                self.metrics.observe_step("decode", step.num_decode_seqs, preemptions)
         elif result.num_preemptions:
             self.metrics.observe_step("decode", 0, result.num_preemptions)
         self._publish_state(result.snapshot)

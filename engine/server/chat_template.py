@@ -2,7 +2,8 @@
 
 The engine image does not carry transformers, so the template runs in jinja2's immutable sandbox with the same
 options and helpers (`raise_exception`, `tojson`, trim_blocks/lstrip_blocks) and the same variables
-(`messages`, `add_generation_prompt`, `bos_token`, `eos_token`).
+(`messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `tools` when the request has tools: a template
+supports tools when it reads that variable).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -35,6 +36,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
         self._template = env.from_string(template)
+        self.supports_tools = "tools" in meta.find_undeclared_variables(env.parse(template))
         self.bos_token = bos_token
         self.eos_token = eos_token
 
@@ -52,9 +54,11 @@ class ChatTemplate:
             return None
         return cls(str(template), _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        extra: dict[str, Any] = {"tools": tools} if tools else {}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e

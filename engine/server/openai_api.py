@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +15,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from npuserve.engine.guided import CompiledGrammar, GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams, TopLogprobs
+from npuserve.engine.server import tool_calls
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.chat_template import ChatTemplateError
 from npuserve.engine.server.errors import APIError, error_body
@@ -35,13 +38,19 @@ from npuserve.engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatMessage,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    InvalidField,
     ModelCard,
     ModelList,
     RequestTimings,
     SamplingFields,
+    ToolCall,
     Usage,
     new_id,
     now_seconds,
@@ -61,7 +70,8 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, logprobs: bool) -> SamplingParams:
+def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, logprobs: bool,
+                    guided: CompiledGrammar | None = None) -> SamplingParams:
     if body.priority and state.engine.engine.extensions.policy != "priority":
         # as vLLM: a priority the scheduler would not look at is refused, not ignored
         raise APIError(400, f"priority is {body.priority}, but this server schedules by "
@@ -72,8 +82,16 @@ def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, l
     return SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
         seed=body.seed, stop=body.stop_list, stop_token_ids=tuple(body.stop_token_ids or ()),
-        ignore_eos=body.ignore_eos, logprobs=logprobs, priority=body.priority,
+        ignore_eos=body.ignore_eos, logprobs=logprobs, priority=body.priority, guided=guided,
     )
+
+
+def guided_of(body: SamplingFields) -> tuple[str, GuidedSpec] | None:
+    """The request's structured-output constraint and the field that set it; two of them are a 400."""
+    try:
+        return body.guided_spec()
+    except InvalidField as e:
+        raise APIError(400, str(e), param=e.field) from e
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -202,11 +220,12 @@ async def create_completion(body: CompletionRequest, request: Request,
         prompt_k = k
     if prompt_k is None and body.max_tokens == 0:
         prompt_k = 0  # the prefill runs for the echo: its prompt logprobs are what it computes
+    guided = await state.compile_grammar(guided_of(body))
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
             max_tokens = state.resolve_max_tokens(body.max_tokens, len(prompt), "max_tokens")
-            params = sampling_params(state, body, max_tokens, want_logprobs or best > n)
+            params = sampling_params(state, body, max_tokens, want_logprobs or best > n, guided)
             params.top_logprobs, params.prompt_logprobs, params.n = k, prompt_k, best
             streams.append(state.submit(prompt, params, "prompt"))
     except BaseException:
@@ -315,14 +334,81 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
 # --- /v1/chat/completions ------------------------------------------------------------------------------------------
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+@dataclass
+class _Tools:
+    """How a chat request uses tools: the tools as the template sees them, and what to do with the output."""
+
+    tools: list[dict[str, Any]] | None = None
+    mode: str = "off"  # off (no tools) | none (tool_choice none) | parse (auto) | required | named
+    name: str = ""  # the named function
+    parallel: bool = True
+
+
+def _tool_setup(state: ServerState, body: ChatCompletionRequest) -> tuple[_Tools, tuple[str, GuidedSpec] | None]:
+    """The request's tool handling and its output constraint (response_format, guided_*, or the one that
+    tool_choice "required" or a named function implies)."""
+    given = guided_of(body)
+    if not body.tools:
+        if body.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools", param="tool_choice")
+        if body.parallel_tool_calls is not None:
+            raise APIError(400, "parallel_tool_calls needs tools", param="parallel_tool_calls")
+        return _Tools(), given
+    if state.chat_template is None or not state.chat_template.supports_tools:
+        raise APIError(400, "tools: this model's chat template does not support tools (it never reads `tools`)",
+                       param="tools")
+    functions = [t.function.model_dump(exclude_none=True) for t in body.tools]
+    setup = _Tools(tools=[t.model_dump(exclude_none=True) for t in body.tools],
+                   parallel=body.parallel_tool_calls is not False)
+    choice = body.tool_choice or "auto"
+    if choice == "none":
+        setup.mode = "none"
+    elif choice == "auto":
+        setup.mode = "parse"
+    else:
+        if given is not None:
+            raise APIError(400, f"{given[0]} cannot be combined with tool_choice {choice!r}: that choice constrains "
+                           "the output itself", param=given[0])
+        if choice == "required":
+            setup.mode = "required"
+            given = ("tool_choice", GuidedSpec.json_schema(tool_calls.required_schema(functions, setup.parallel)))
+        else:
+            named = next((f for f in functions if f["name"] == choice.function.name), None)
+            if named is None:
+                raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in tools",
+                               param="tool_choice")
+            setup.mode, setup.name = "named", named["name"]
+            given = ("tool_choice", GuidedSpec.json_schema(named.get("parameters") or {"type": "object"}))
+    return setup, given
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        message["name"] = m.name
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        # HF templates write the arguments with tojson: give them the object, as vLLM does
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments: Any = json.loads(call.function.arguments)
+            except ValueError:
+                arguments = call.function.arguments
+            calls.append({"id": call.id, "type": call.type,
+                          "function": {"name": call.function.name, "arguments": arguments}})
+        message["tool_calls"] = calls
+    return message
+
+
+def _chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
     if state.chat_template is None:
         raise APIError(400, "this model has no chat template in tokenizer_config.json; use /v1/completions",
                        param="messages")
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = [_template_message(m) for m in body.messages]
     try:
-        text = state.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+        text = state.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
     except ChatTemplateError as e:
         raise APIError(400, str(e), param="messages") from e
     return state.tokenize(text, "messages")
@@ -333,6 +419,33 @@ def _chat_logprobs(state: ServerState, output: RequestOutput) -> ChatChoiceLogpr
                                                     output.new_top_logprobs))
 
 
+def _tool_call(call: tool_calls.ParsedCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _message(setup: _Tools, final: RequestOutput) -> tuple[AssistantMessage, str | None]:
+    """The assistant message and finish reason of a finished output, tool calls parsed out of it."""
+    reason = finish_reason(final)
+    text = final.text
+    if setup.mode in ("off", "none"):
+        return AssistantMessage(content=text), reason
+    if setup.mode == "named":
+        call = tool_calls.ParsedCall(setup.name, text)
+        return AssistantMessage(content=None, tool_calls=[_tool_call(call)]), reason
+    content: str | None
+    if setup.mode == "required":
+        content, calls = None, tool_calls.parse_required(text)
+    else:
+        content, calls = tool_calls.parse(text)
+    if not setup.parallel:
+        calls = calls[:1]
+    if calls and reason == "stop":
+        reason = "tool_calls"
+    if not calls and setup.mode == "required":
+        content = text
+    return AssistantMessage(content=content, tool_calls=[_tool_call(c) for c in calls]), reason
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: State) -> ChatCompletionResponse | StreamingResponse:
@@ -340,16 +453,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     _check_choices(state, body.n, body.n)
-    prompt = _chat_prompt(state, body)
+    setup, given = _tool_setup(state, body)
+    prompt = _chat_prompt(state, body, setup.tools)
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = state.resolve_max_tokens(body.output_limit, len(prompt), field_name)
-    params = sampling_params(state, body, max_tokens, body.logprobs)
+    guided = await state.compile_grammar(given)
+    params = sampling_params(state, body, max_tokens, body.logprobs, guided)
     params.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     params.n = body.n
     stream = state.submit(prompt, params, "messages")
     rid, created, model = new_id("chatcmpl"), now_seconds(), state.served_model_name
     if body.stream:
-        return StreamingResponse(_chat_events(state, body, stream, rid, created, model),
+        return StreamingResponse(_chat_events(state, body, setup, stream, rid, created, model),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def collect() -> dict[int, _Collected]:
@@ -361,24 +476,76 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     results = await cancel_on_disconnect(request, collect())
     choices, finals = [], []
     for index in sorted(results):
-        final = results[index].final
+        r = results[index]
+        final = r.final
         if final is None:
             raise RuntimeError("the request stream ended without a final output")
         raise_for_error(final)
-        r = results[index]
         logprobs = None
         if body.logprobs:
             logprobs = ChatChoiceLogprobs(content=chat_logprobs(state.token_text, r.token_ids, r.logprobs,
                                                                 r.tops if params.top_logprobs else None))
-        choices.append(ChatChoice(index=index, message=AssistantMessage(content=final.text), logprobs=logprobs,
-                                  finish_reason=finish_reason(final)))
+        message, reason = _message(setup, final)
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         finals.append(final)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
                                   npuserve=RequestTimings.from_engine(finals[0].metrics))
 
 
-async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: RequestStream, rid: str,
-                       created: int, model: str) -> AsyncIterator[str]:
+class _StreamedTools:
+    """A stream's text turned into content and tool-call deltas, by the request's tool mode."""
+
+    def __init__(self, setup: _Tools) -> None:
+        self.setup = setup
+        self.parser = tool_calls.ToolCallStream()
+        self.text = ""
+        self.num_calls = 0
+        self.named_id = f"call_{uuid.uuid4().hex[:24]}"
+
+    def delta(self, new_text: str, finished: bool) -> ChatDelta:
+        mode = self.setup.mode
+        if mode in ("off", "none"):
+            return ChatDelta(content=new_text or None)
+        if mode == "named":
+            first = self.num_calls == 0
+            self.num_calls = 1
+            if not new_text and not first:
+                return ChatDelta()
+            call = DeltaToolCall(index=0, id=self.named_id if first else None, type="function" if first else None,
+                                 function=DeltaFunctionCall(name=self.setup.name if first else None,
+                                                            arguments=new_text))
+            return ChatDelta(tool_calls=[call])
+        if mode == "required":
+            self.text += new_text
+            if not finished:
+                return ChatDelta()
+            calls = tool_calls.parse_required(self.text)
+            if not calls:
+                return ChatDelta(content=self.text or None)
+            return ChatDelta(tool_calls=self._deltas(calls[: None if self.setup.parallel else 1]))
+        content, calls = self.parser.feed(new_text, final=finished)
+        if not self.setup.parallel:
+            calls = calls[: max(0, 1 - self.num_calls)]
+        return ChatDelta(content=content or None, tool_calls=self._deltas(calls) or None)
+
+    def _deltas(self, calls: list[tool_calls.ParsedCall]) -> list[DeltaToolCall]:
+        out = []
+        for call in calls:
+            out.append(DeltaToolCall(index=self.num_calls, id=call.id, type="function",
+                                     function=DeltaFunctionCall(name=call.name, arguments=call.arguments)))
+            self.num_calls += 1
+        return out
+
+    def finish_reason(self, output: RequestOutput) -> str | None:
+        reason = finish_reason(output)
+        if reason == "stop" and self.num_calls and self.setup.mode in ("parse", "required"):
+            return "tool_calls"
+        return reason
+
+
+async def _chat_events(state: ServerState, body: ChatCompletionRequest, setup: _Tools, stream: RequestStream,
+                       rid: str, created: int, model: str) -> AsyncIterator[str]:
+    tools: dict[int, _StreamedTools] = {}  # per choice
     with contextlib.closing(stream):
         latest: dict[int, RequestOutput] = {}
         async for output in stream:
@@ -388,6 +555,7 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: 
                 break
             first = output.index not in latest
             latest[output.index] = output
+            streamed = tools.setdefault(output.index, _StreamedTools(setup))
             usage = Usage.of(list(latest.values())) if body.continuous_usage else None
             if first:
                 # As vLLM: the role goes out once the first token is computed, never before prefill, so a client's
@@ -398,12 +566,13 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, stream: 
                         finish_reason=None)],
                     **({"usage": usage} if usage is not None else {})))
             logprobs = _chat_logprobs(state, output) if body.logprobs and output.new_token_ids else None
-            if not output.new_text and not output.finished and logprobs is None:
+            delta = streamed.delta(output.new_text, output.finished)
+            if delta.content is None and delta.tool_calls is None and not output.finished and logprobs is None:
                 continue
             chunk = ChatCompletionChunk(
                 id=rid, created=created, model=model,
-                choices=[ChatChunkChoice(index=output.index, delta=ChatDelta(content=output.new_text or None),
-                                         logprobs=logprobs, finish_reason=finish_reason(output))],
+                choices=[ChatChunkChoice(index=output.index, delta=delta, logprobs=logprobs,
+                                         finish_reason=streamed.finish_reason(output))],
                 **_final_extras(output, usage),
             )
             yield sse(chunk)

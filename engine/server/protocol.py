@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from npuserve.engine.guided import GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine_contract import schedule_field
 
@@ -54,6 +55,14 @@ class UnsupportedField(ValueError):
         self.field = field
 
 
+class InvalidField(ValueError):
+    """A field whose value this server cannot use as given; answered 400 naming it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
     continuous_usage_stats: bool = Field(default=False, description="vLLM: usage in every chunk")
@@ -76,12 +85,36 @@ class SamplingFields(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = Field(default=None, max_length=256, description="the end user; written to the request log")
+    # vLLM's structured output (one of them at most): the output is held to it by a token mask before sampling
+    guided_json: str | dict[str, Any] | None = Field(default=None, description="vLLM: a JSON schema")
+    guided_regex: str | None = Field(default=None, description="vLLM: a regular expression")
+    guided_choice: list[str] | None = Field(default=None, min_length=1, description="vLLM: one of these strings")
+    guided_grammar: str | None = Field(default=None, description="vLLM: a context-free grammar (Lark or GBNF)")
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         "presence_penalty": (0.0, "penalties are not implemented"),
         "frequency_penalty": (0.0, "penalties are not implemented"),
         "logit_bias": ({}, "logit_bias is not implemented"),
     }
+
+    def guided_spec(self) -> tuple[str, GuidedSpec] | None:
+        """The output constraint and the field that set it (None: unconstrained). More than one is a 400."""
+        given: list[tuple[str, GuidedSpec]] = []
+        if self.guided_json is not None:
+            given.append(("guided_json", GuidedSpec.json_schema(self.guided_json)))
+        if self.guided_regex is not None:
+            given.append(("guided_regex", GuidedSpec("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            given.append(("guided_choice", GuidedSpec.choice(self.guided_choice)))
+        if self.guided_grammar is not None:
+            given.append(("guided_grammar", GuidedSpec("grammar", self.guided_grammar)))
+        fmt = getattr(self, "response_format", None)
+        if isinstance(fmt, ResponseFormat) and fmt.type != "text":
+            given.append(("response_format", fmt.spec()))
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise InvalidField(given[1][0], f"only one kind of structured output per request; got {names}")
+        return given[0] if given else None
 
     @field_validator("stop")
     @classmethod
@@ -133,6 +166,73 @@ class CompletionRequest(SamplingFields):
         return [x for x in p if not isinstance(x, int)]
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (no constraint), "json_object" (any JSON object) or "json_schema"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise InvalidField("json_schema", "response_format of type json_schema needs json_schema")
+        return self
+
+    def spec(self) -> GuidedSpec:
+        if self.type == "json_schema" and self.json_schema is not None:
+            return GuidedSpec.json_schema(self.json_schema.json_schema or {})
+        return GuidedSpec("json_object")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class TextContentPart(BaseModel):
     type: Literal["text"]
     text: str
@@ -142,14 +242,9 @@ class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        "tool_calls": ([], "tool calls are not implemented yet"),
-        "tool_call_id": ("", "tool calls are not implemented yet"),
-    }
 
     def text(self) -> str:
         if self.content is None:
@@ -166,9 +261,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -186,11 +281,7 @@ class ChatCompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         **SamplingFields.UNSUPPORTED,
-        "response_format": ({"type": "text"}, "structured output is not implemented yet"),
-        "tools": ([], "tool calls are not implemented yet"),
-        "tool_choice": ("none", "tool calls are not implemented yet"),
-        "parallel_tool_calls": (False, "tool calls are not implemented yet"),
-        "functions": ([], "the deprecated functions API is not implemented; nor are tools yet"),
+        "functions": ([], "the deprecated functions API is not implemented; use tools"),
         "function_call": ("none", "the deprecated functions API is not implemented"),
         "modalities": (["text"], "the models served here produce text only"),
         "audio": ({}, "the models served here produce text only"),
@@ -326,6 +417,7 @@ class ChatChoiceLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -345,9 +437,22 @@ class ChatCompletionResponse(BaseModel):
     npuserve: RequestTimings | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -392,6 +497,22 @@ class ModelList(BaseModel):
 # --- TGI style -------------------------------------------------------------------------------------------------
 
 
+class TGIGrammar(BaseModel):
+    """TGI's grammar parameter: {"type": "json", "value": schema} or {"type": "regex", "value": pattern}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json", "json_schema", "regex"]
+    value: dict[str, Any] | str
+
+    def spec(self) -> GuidedSpec:
+        if self.type == "regex":
+            if not isinstance(self.value, str):
+                raise InvalidField("value", "a regex grammar's value is a string")
+            return GuidedSpec("regex", self.value)
+        return GuidedSpec.json_schema(self.value)
+
+
 class GenerateParameters(_Request):
     max_new_tokens: int = Field(default=100, ge=1)
     do_sample: bool = False
@@ -411,7 +532,7 @@ class GenerateParameters(_Request):
     truncate: int | None = None
     typical_p: float | None = None
     watermark: bool | None = None
-    grammar: dict[str, Any] | None = None
+    grammar: TGIGrammar | None = None
     adapter_id: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
@@ -424,7 +545,6 @@ class GenerateParameters(_Request):
         "truncate": (0, "set ModelDeployConfig.truncation in the server's config instead"),
         "typical_p": (1.0, "typical sampling is not implemented"),
         "watermark": (False, "watermarking is not implemented"),
-        "grammar": ({}, "grammar-constrained generation is not implemented yet"),
         "adapter_id": ("", "adapters (LoRA) are not implemented"),
     }
 

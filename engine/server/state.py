@@ -10,6 +10,7 @@ from typing import Annotated, TypeVar
 from fastapi import Depends, Request
 
 from npuserve.engine.engine import RequestError
+from npuserve.engine.guided import CompiledGrammar, GrammarError, GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.async_engine import (
@@ -68,6 +69,17 @@ class ServerState:
             raise APIError(400, f"this model's maximum context length is {max_seq_len} tokens (maxSeqLen); the "
                            f"prompt has {prompt_len} and {field} asks for {requested}", param=field)
         return requested
+
+    async def compile_grammar(self, given: tuple[str, GuidedSpec] | None) -> CompiledGrammar | None:
+        """A request's output constraint (field, spec) compiled off the asyncio loop (cached by the engine); an
+        invalid one is a 400 naming its field."""
+        if given is None:
+            return None
+        field, spec = given
+        try:
+            return await asyncio.to_thread(self.engine.engine.compile_grammar, spec)
+        except GrammarError as e:
+            raise APIError(400, f"{field}: {e}", param=field) from e
 
     def token_text(self, token_id: int) -> str:
         tokenizer = self.engine.engine.tokenizer

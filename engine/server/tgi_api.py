@@ -13,32 +13,41 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from npuserve.engine.guided import CompiledGrammar
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams
 from npuserve.engine.server.async_engine import RequestStream
-from npuserve.engine.server.errors import error_body
+from npuserve.engine.server.errors import APIError, error_body
 from npuserve.engine.server.openai_api import SSE_HEADERS, sse
-from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse
+from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse, InvalidField
 from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, error_status, raise_for_error
 
 router = APIRouter()
 
 
-def _params(body: GenerateRequest, max_tokens: int) -> SamplingParams:
+def _params(body: GenerateRequest, max_tokens: int, guided: CompiledGrammar | None = None) -> SamplingParams:
     p = body.parameters
     greedy = not p.do_sample and p.temperature is None and p.top_p is None and p.top_k is None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0 if greedy else (p.temperature or 1.0),
         top_p=p.top_p or 1.0, top_k=p.top_k or 0, seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos,
-        logprobs=p.details,
+        logprobs=p.details, guided=guided,
     )
 
 
-def _start(state: ServerState, body: GenerateRequest) -> RequestStream:
+async def _start(state: ServerState, body: GenerateRequest) -> RequestStream:
     prompt = state.tokenize(body.inputs, "inputs")
     max_tokens = state.resolve_max_tokens(body.parameters.max_new_tokens, len(prompt), "parameters.max_new_tokens")
-    return state.submit(prompt, _params(body, max_tokens), "inputs")
+    grammar = body.parameters.grammar
+    guided = None
+    if grammar is not None:
+        try:
+            spec = grammar.spec()
+        except InvalidField as e:
+            raise APIError(400, str(e), param="parameters.grammar.value") from e
+        guided = await state.compile_grammar(("parameters.grammar", spec))
+    return state.submit(prompt, _params(body, max_tokens, guided), "inputs")
 
 
 def _tgi_finish_reason(state: ServerState, output: RequestOutput, ignore_eos: bool) -> str:
@@ -47,7 +56,7 @@ def _tgi_finish_reason(state: ServerState, output: RequestOutput, ignore_eos: bo
     token ids)."""
     reason = output.finish_reason.value if output.finish_reason else "length"
     if reason == "stop":
-        eos = state.engine.engine.scheduler.eos_token_ids
+        eos = state.engine.engine.eos_token_ids
         ended_on_eos = not ignore_eos and bool(output.token_ids) and output.token_ids[-1] in eos
         return "eos_token" if ended_on_eos else "stop_sequence"
     return reason
@@ -72,7 +81,7 @@ def timing_headers(output: RequestOutput) -> dict[str, str]:
 
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request, state: State) -> JSONResponse:
-    stream = _start(state, body)
+    stream = await _start(state, body)
     tokens: list[dict[str, Any]] = []
 
     async def collect() -> RequestOutput:
@@ -98,7 +107,7 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> JSO
 
 @router.post("/generate_stream")
 async def generate_stream(body: GenerateRequest, state: State) -> StreamingResponse:
-    stream = _start(state, body)
+    stream = await _start(state, body)
     return StreamingResponse(_events(state, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
 
 

@@ -114,3 +114,46 @@ def test_preemption_matches_transformers(model_dir: Path, hf_model: object, pree
         assert engine.runner._host_kv_caches is not None  # blocks went through the host cache
     assert [o.token_ids for o in outs] == reference(hf_model, batch)
     assert engine.kv.num_used_blocks == 0
+
+
+def _chunked(model_dir: Path, kv_blocks: int | None = None, **schedule: object) -> LLMEngine:
+    """Chunked prefill with a 6-token budget: the longer prompts take several steps, mixed with decodes."""
+    return make_engine(model_dir, kv_blocks, extensions={"chunkedPrefill": True}, maxPrefillTokens=6, **schedule)
+
+
+def test_chunked_prefill_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = _chunked(model_dir)
+    ids = [f"c{i}" for i in range(len(batch))]
+    for rid, prompt in zip(ids, batch, strict=True):
+        engine.add_request(rid, None, GREEDY, prompt_token_ids=prompt)
+    outputs: dict[str, list[int]] = {}
+    steps = []
+    while engine.has_unfinished():
+        result = engine.step()
+        if result.stats is not None:
+            steps.append(result.stats)
+        for o in result.outputs:
+            if o.finished:
+                outputs[o.request_id] = o.token_ids
+    assert [outputs[r] for r in ids] == reference(hf_model, batch)
+    assert max(s.num_tokens for s in steps) <= 6  # maxPrefillTokens bounds every step
+    assert any(s.num_prefill_seqs and s.num_decode_seqs for s in steps)  # chunks rode along with decodes
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_chunked_prefill_with_prefix_hits_and_recompute_matches_transformers(model_dir: Path,
+                                                                              hf_model: object) -> None:
+    shared = prompts(seed=7)[4][:13]
+    batch = prompts(seed=2, prefix=shared)
+    engine = _chunked(model_dir)
+    first = engine.generate(batch[:2], GREEDY)
+    hits_before = engine.kv.prefix_hits
+    rest = engine.generate(batch[2:], GREEDY)
+    assert engine.kv.prefix_hits > hits_before
+    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+    squeezed = _chunked(model_dir, kv_blocks=40, threshold=0.99)
+    outs = squeezed.generate(prompts(), GREEDY)
+    assert squeezed.scheduler.num_preemptions_total > 0
+    assert [o.token_ids for o in outs] == reference(hf_model, prompts())
+    assert squeezed.kv.num_used_blocks == 0

@@ -31,9 +31,11 @@ def hf_model(model_dir: Path) -> object:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def test_prompt_logprobs_equal_transformers_log_softmax(model_dir: Path, hf_model: object) -> None:
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_equal_transformers_log_softmax(model_dir: Path, hf_model: object, chunked: bool) -> None:
     prompt = prompts(seed=5)[4]  # 20 tokens
-    engine = make_engine(model_dir)
+    # chunked prefill with 6-token steps: the prompt's logprobs come chunk by chunk
+    engine = make_engine(model_dir, **_chunked() if chunked else {})
     engine.generate([prompt[:6]], SamplingParams(temperature=0.0, max_tokens=2))  # so the prefix cache holds some
     out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=5))[0]
     assert out.token_ids == [] and out.prompt_logprobs is not None
@@ -51,12 +53,18 @@ def test_prompt_logprobs_equal_transformers_log_softmax(model_dir: Path, hf_mode
     assert engine.kv.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("preempt", [None, "recompute", "swap"])
+def _chunked() -> dict[str, object]:
+    return {"extensions": {"chunkedPrefill": True}, "maxPrefillTokens": 6}
+
+
+@pytest.mark.parametrize("preempt", [None, "recompute", "swap", "chunked", "chunked-recompute"])
 def test_forked_greedy_choices_match_transformers(model_dir: Path, hf_model: object, preempt: str | None) -> None:
     batch = prompts()[:4]  # 3, 7, 12 and 1 tokens: partial last blocks (block size 4) and a full one
     kwargs: dict[str, object] = {}
-    if preempt is not None:  # 4 groups x 3 sequences need up to 11 blocks each: 40 force preemptions
+    if preempt in ("recompute", "swap", "chunked-recompute"):  # 4 groups x 3 sequences need up to 11 blocks each
         kwargs = dict(kv_blocks=40, threshold=0.99, maxPreemptCount=12 if preempt == "swap" else 0)
+    if preempt is not None and preempt.startswith("chunked"):  # the prompts' last chunks fork
+        kwargs.update(_chunked())
     engine = make_engine(model_dir, maxBatchSize=12, **kwargs)  # type: ignore[arg-type]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3)
     outs = engine.generate_all(batch, params)
@@ -64,7 +72,7 @@ def test_forked_greedy_choices_match_transformers(model_dir: Path, hf_model: obj
     for choices, ref in zip(outs, expected, strict=True):
         assert [c.index for c in choices] == [0, 1, 2]
         assert all(c.token_ids == ref for c in choices)
-    if preempt is not None:
+    if preempt in ("recompute", "swap", "chunked-recompute"):
         assert engine.scheduler.num_preemptions_total > 0
     assert engine.kv.num_used_blocks == 0
 

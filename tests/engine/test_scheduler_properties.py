@@ -51,6 +51,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
         "host_blocks": draw(st.integers(0, 12)),
         "block_size": draw(st.integers(1, 4)),
         "prefix": draw(st.booleans()),
+        "chunked": draw(st.booleans()),
         "policy": draw(st.sampled_from(["fcfs", "priority", "longest-output-first"])),
         "threshold": draw(st.sampled_from([0.0, 0.5, 0.9, 0.99])),
         "max_seq_len": draw(st.integers(8, 40)),
@@ -85,13 +86,21 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     kv = sched.kv
     cfg = sched.schedule_config
     bs = kv.block_size
-    for seq in out.seqs:
+    assert (out.kind is StepKind.MIXED) == bool(out.num_new_tokens)
+    for i, seq in enumerate(out.seqs):
         assert seq.status is SequenceStatus.RUNNING
         assert len(seq.block_table) * bs >= seq.num_tokens
-        if out.kind is StepKind.PREFILL:
+        if out.kind is StepKind.MIXED:
+            assert sched.chunked_prefill
+            assert 1 <= out.num_new_tokens[i] <= seq.num_tokens - seq.num_cached_tokens
+        elif out.kind is StepKind.PREFILL:
             assert 0 <= seq.num_cached_tokens < seq.num_tokens
         else:
             assert seq.num_cached_tokens == seq.num_tokens - 1
+    if out.kind is StepKind.MIXED:  # decodes first, then prompt chunks within what the decodes left of the budget
+        decodes = len(out.seqs) - out.num_prefill_seqs
+        assert all(n == 1 for n in out.num_new_tokens[:decodes])
+        assert sum(out.num_new_tokens[decodes:]) <= max(0, cfg.maxPrefillTokens - decodes)
     if out.kind is StepKind.PREFILL:
         assert len(out.seqs) <= cfg.effective_max_prefill_batch_size
         assert len(out.seqs) == 1 or out.num_batched_tokens <= cfg.maxPrefillTokens
@@ -110,8 +119,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     for seq in sched.swapped:
         assert seq.status is SequenceStatus.SWAPPED and not seq.block_table
         host_owners.update(seq.host_block_table)
+    spares = Counter(kv.spare_blocks())  # held for the forks of prompts not prefilled to the end yet
+    assert not set(spares) & set(owners) and all(n == 1 for n in spares.values())
     for block in kv.device.blocks:
-        assert block.ref_count == owners[block.block_id]
+        assert block.ref_count == owners[block.block_id] + spares[block.block_id]
     # A block held twice holds the same full prefix for every holder (a fork's shared prompt block or a hit).
     content: dict[int, set[tuple[int, ...]]] = {}
     for seq in sched.running:
@@ -140,6 +151,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
         max_seq_len=max_seq_len,
         eos_token_ids=(EOS,),
         recompute_threshold=sc["threshold"],  # type: ignore[arg-type]
+        chunked_prefill=bool(sc["chunked"]),
         clock=lambda: t[0],
     )
     pending = sorted(sc["requests"], key=lambda r: r[4])  # type: ignore[call-overload]
@@ -173,7 +185,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
         sched.update(out, sample(out))
         assert rows == len(out.seqs) + len(out.forked)
         for parent, child in out.forked:
-            assert out.kind is StepKind.PREFILL and child.index > 0
+            assert out.kind is not StepKind.DECODE and child.index > 0
             groups[parent.seq_id].append(child)
         # A fork copies exactly one block per child, and only when the prompt's last block is partial.
         assert len(out.block_copies) == sum(1 for p, _ in out.forked if p.num_prompt_tokens % kv.block_size)
@@ -187,6 +199,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
     event(f"preempted: {sched.num_preemptions_total > 0}")
     event(f"swapped: {any_swap}")
     event(f"stalled: {any_stall}")
+    event(f"chunked: {sc['chunked']}")
     assert kv.num_used_blocks == 0
     kv.begin_step()
     assert kv.host.num_used == 0

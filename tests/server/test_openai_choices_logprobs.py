@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -196,3 +197,15 @@ def test_chat_top_logprobs_out_of_range_is_400(client: openai.OpenAI, model: str
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], **kwargs)
     body = excinfo.value.body
     assert isinstance(body, dict) and body["param"] == param
+
+
+def test_n_with_a_grammar_holds_every_choice_to_it(client: openai.OpenAI, model: str) -> None:
+    """Each forked choice gets its own grammar state, advanced by its own tokens."""
+    schema = {"type": "object", "properties": {"n": {"type": "boolean"}}, "required": ["n"],
+              "additionalProperties": False}
+    result = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=48, temperature=1.0, n=3, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    assert len(result.choices) == 3
+    for choice in result.choices:
+        assert isinstance(json.loads(choice.message.content or ""), dict) and choice.finish_reason == "stop"
