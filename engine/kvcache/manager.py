@@ -168,6 +168,8 @@ class KVCacheManager:
                 child.block_table = []
                 raise RuntimeError(f"no free KV block to fork sequence {parent.seq_id}")
             block_id = spares.pop() if spares else self.device.allocate()
+            if spares is not None and not spares:
+                del self._fork_spares[parent.seq_id]
             child.block_table.append(block_id)
             copies.append((table[full], block_id))
         hashes = self._hashes.get(parent.seq_id)

@@ -30,9 +30,9 @@ class KVMachine(RuleBasedStateMachine):
     def _new(self, prompt: list[int]) -> Sequence:
         return Sequence(prompt_token_ids=prompt, sampling=SamplingParams(), arrival_time=0.0)
 
-    @rule(target=seqs, prompt=tokens)
-    def allocate(self, prompt: list[int]) -> Sequence:
-        s = self._new(prompt)
+    @rule(target=seqs, prompt=tokens, n=st.sampled_from([1, 1, 2, 3]))
+    def allocate(self, prompt: list[int], n: int) -> Sequence:
+        s = Sequence(prompt_token_ids=prompt, sampling=SamplingParams(n=n), arrival_time=0.0)
         if self.kv.can_allocate(s):
             self.kv.allocate(s)
             assert s.num_cached_tokens < s.num_tokens
@@ -46,20 +46,17 @@ class KVMachine(RuleBasedStateMachine):
             s.num_cached_tokens = s.num_tokens
             self.kv.cache_computed(s)
 
-    @rule(target=seqs, s=seqs, n=st.integers(2, 4))
-    def fork(self, s: Sequence, n: int) -> Sequence:
-        """After a prefill (the prompt computed, nothing appended yet): n - 1 children, as `Scheduler.update`."""
-        if s.seq_id not in self.live or not s.block_table or s.num_output_tokens or s.index:
-            return s
-        parent = Sequence(list(s.prompt_token_ids), SamplingParams(n=n), arrival_time=0.0)
-        parent.seq_id, parent.block_table = s.seq_id, s.block_table  # the same sequence, now with n choices
-        if self.kv.fork_blocks(parent) > self.kv.device.num_free:
+    @rule(target=seqs, s=seqs)
+    def fork(self, s: Sequence) -> Sequence:
+        """After the prefill (the prompt computed, nothing appended yet): its n - 1 children, as `Scheduler.update`;
+        the partial-block copies come from the blocks `allocate` set aside."""
+        if s.seq_id not in self.live or not s.block_table or not s.num_forks_pending or s.num_output_tokens:
             return s
         s.num_cached_tokens = s.num_tokens
         self.kv.cache_computed(s)
         used = self.kv.device.num_used
         child = s
-        for index in range(1, n):
+        for index in range(1, s.num_forks_pending + 1):
             child = s.fork(index)
             copies = self.kv.fork(s, child)
             partial = s.num_tokens % BS != 0
@@ -68,7 +65,9 @@ class KVMachine(RuleBasedStateMachine):
                 assert copies[0] == (s.block_table[-1], child.block_table[-1])
             assert child.block_table[: s.num_tokens // BS] == s.block_table[: s.num_tokens // BS]
             self.live[child.seq_id] = child
-        assert self.kv.device.num_used == used + self.kv.fork_blocks(parent)
+        s.num_forks_pending = 0
+        assert self.kv.device.num_used == used  # the copies used the blocks set aside, nothing more
+        assert s.seq_id not in self.kv._fork_spares
         return child
 
     @rule(s=seqs, token=st.integers(0, 2))
@@ -119,10 +118,12 @@ class KVMachine(RuleBasedStateMachine):
             owners.update(s.block_table)
             if s.block_table:
                 assert len(s.block_table) * BS >= s.num_tokens, "block table does not cover the tokens"
+        spares = Counter(self.kv.spare_blocks())  # set aside for forks not made yet
+        assert not set(spares) & set(owners) and all(c == 1 for c in spares.values())
         for block in self.kv.device.blocks:
-            assert block.ref_count == owners[block.block_id]
+            assert block.ref_count == owners[block.block_id] + spares[block.block_id]
             assert self.kv.device.is_free(block.block_id) == (block.ref_count == 0)
-        assert self.kv.device.num_free + len(owners) == self.kv.device.num_blocks
+        assert self.kv.device.num_free + len(owners) + len(spares) == self.kv.device.num_blocks
 
     @invariant()
     def shared_blocks_hold_one_full_prefix(self) -> None:
