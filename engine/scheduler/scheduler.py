@@ -404,6 +404,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         kv = self.kv
         mid_prompt = victim.num_cached_tokens < victim.num_tokens - 1  # a chunked prefill not done: recompute it
+        mid_prompt |= victim.num_forks_pending > 0  # its prompt's end not sampled yet (n > 1): recompute it too
         if swaps_this_step < self.schedule_config.maxPreemptCount and not mid_prompt and kv.can_swap_out(victim):
             out.swap_out.extend(kv.swap_out(victim))
             victim.status = SequenceStatus.SWAPPED

@@ -55,6 +55,7 @@ class KVMachine(RuleBasedStateMachine):
         s.num_cached_tokens = s.num_tokens
         self.kv.cache_computed(s)
         used = self.kv.device.num_used
+        set_aside = s.seq_id in self.kv._fork_spares  # (a swap-out gave them back; the fork then allocates)
         child = s
         for index in range(1, s.num_forks_pending + 1):
             child = s.fork(index)
@@ -66,7 +67,8 @@ class KVMachine(RuleBasedStateMachine):
             assert child.block_table[: s.num_tokens // BS] == s.block_table[: s.num_tokens // BS]
             self.live[child.seq_id] = child
         s.num_forks_pending = 0
-        assert self.kv.device.num_used == used  # the copies used the blocks set aside, nothing more
+        if set_aside:
+            assert self.kv.device.num_used == used  # the copies used the blocks set aside, nothing more
         assert s.seq_id not in self.kv._fork_spares
         return child
 
