@@ -28,6 +28,7 @@ from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.model.loader import TORCH_DTYPES, load_model
 from npuserve.engine.output_processor import OutputProcessor, RequestOutput
 from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
+from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from npuserve.engine.servable import check_servable
@@ -132,7 +133,7 @@ class LLMEngine:
             )
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens (%s)", self.kv_plan.num_blocks,
                  self.kv_plan.num_host_blocks, self.kv_plan.block_size, self.kv_plan.source)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype)
+        self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype, ext.logprobsMode)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
                                  enable_prefix_caching=ext.enablePrefixCaching)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))  # fixed: any thread may read it
@@ -157,7 +158,7 @@ class LLMEngine:
             vocab_json = self.tokenizer.to_json()
             self.grammars = guided.GrammarCompiler(vocab_json, self.spec.vocab_size,
                                                   sorted(self.scheduler.eos_token_ids))
-        self._request_ids: dict[str, int] = {}  # unfinished request id -> seq id (step thread)
+        self._request_ids: dict[str, list[int]] = {}  # unfinished request id -> its seq ids (step thread)
         self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []
         self._schedule_updates: list[tuple[ScheduleSection, Future[ScheduleSection]]] = []
@@ -214,8 +215,12 @@ class LLMEngine:
             if not self.truncation:
                 raise RequestError(f"the prompt has {len(ids)} tokens; maxInputTokenLen is {self.max_input_len}")
             ids = ids[-self.max_input_len :]
-        if params.max_tokens < 1:
-            raise RequestError("max_tokens must be at least 1")
+        if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
+            raise RequestError("max_tokens must be at least 1 (0 only with prompt logprobs)")
+        if params.n < 1 or (params.n > 1 and params.max_tokens == 0):
+            raise RequestError("n must be at least 1 (and 1 when max_tokens is 0)")
+        if not 0 <= params.top_logprobs <= MAX_LOGPROBS or not 0 <= (params.prompt_logprobs or 0) <= MAX_LOGPROBS:
+            raise RequestError(f"at most {MAX_LOGPROBS} logprobs per position")
         if any(t < 0 or t >= self.spec.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)
@@ -260,12 +265,11 @@ class LLMEngine:
             aborts, self._aborts = self._aborts, []
             updates, self._schedule_updates = self._schedule_updates, []
         for pending in inbox:
-            self._request_ids[pending.request_id] = pending.seq.seq_id
+            self._request_ids[pending.request_id] = [pending.seq.seq_id]
             self.outputs.track(pending.request_id, pending.seq)
             self.scheduler.add(pending.seq)
         for request_id in aborts:
-            seq_id = self._request_ids.get(request_id)
-            if seq_id is not None:
+            for seq_id in self._request_ids.get(request_id, []):
                 self.scheduler.abort(seq_id)
         for schedule, _ in updates:
             self.scheduler.update_schedule(schedule)
@@ -290,18 +294,35 @@ class LLMEngine:
             mixed = out.kind is StepKind.MIXED
             sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
                                           num_new_tokens=out.num_new_tokens if mixed else None)
-            # a prompt chunk short of its last token samples nothing: its row's token is not the request's
-            sampling = [seq if not mixed or seq.num_cached_tokens + n >= seq.num_tokens else None
-                        for seq, n in zip(out.seqs, out.num_new_tokens or [0] * len(out.seqs), strict=True)]
-            self.scheduler.update(out, sampled.token_ids, sampled.logprobs)
-            for seq in guided.advance(sampling, sampled.token_ids):  # the grammar is complete: stop here
+            # a prompt chunk short of its last token samples nothing: its rows' tokens are not the request's; a
+            # forking prefill's rows after the first are its children's (filled in once they exist)
+            rows: list[Sequence | None] = []
+            for seq, n in zip(out.seqs, out.num_new_tokens or [0] * len(out.seqs), strict=True):
+                keep = not mixed or seq.num_cached_tokens + n >= seq.num_tokens
+                rows += [seq if keep else None] + [None] * (seq.num_samples - 1)
+            starts = [0]
+            for seq in out.seqs:
+                starts.append(starts[-1] + seq.num_samples)
+            for seq in out.seqs:
+                if seq.seq_id in sampled.prompt_logprobs:
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
+            self.scheduler.update(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
+            self.runner.copy_blocks(out.block_copies)  # a fork's partial prompt blocks, before anything reuses them
+            ran = list(out.seqs)
+            position = {seq.seq_id: k for k, seq in enumerate(out.seqs)}
+            for parent, child in out.forked:
+                request_id = self.outputs.track_fork(parent, child)
+                if request_id is not None:
+                    self._request_ids.setdefault(request_id, []).append(child.seq_id)
+                rows[starts[position[parent.seq_id]] + child.index - parent.index] = child
+                ran.append(child)
+            for seq in guided.advance(rows, sampled.token_ids):  # the grammar is complete: stop here
                 self.scheduler.finish(seq, FinishReason.STOP)
             num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
             stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
-            ran = out.seqs
         outputs = self.outputs.process(out.finished, ran)
         for output in outputs:
-            if output.finished:
+            if output.last:
                 self._request_ids.pop(output.request_id, None)
         preemptions = self.scheduler.num_preemptions_total - self._preemptions_seen
         self._preemptions_seen = self.scheduler.num_preemptions_total
@@ -312,12 +333,13 @@ class LLMEngine:
         """After a step raised: ends every unfinished request with `error` (their blocks freed), so none hangs."""
         self._drain_inbox()
         failed = []
-        for request_id, seq_id in list(self._request_ids.items()):
-            seq = self.outputs.sequence(seq_id)
-            if seq is not None:
-                seq.error = error
-                self.scheduler.finish(seq, FinishReason.ERROR)
-                failed.extend(self.outputs.process([seq], []))
+        for request_id, seq_ids in list(self._request_ids.items()):
+            for seq_id in seq_ids:
+                seq = self.outputs.sequence(seq_id)
+                if seq is not None:
+                    seq.error = error
+                    self.scheduler.finish(seq, FinishReason.ERROR)
+                    failed.extend(self.outputs.process([seq], []))
             self._request_ids.pop(request_id, None)
         self.snapshot = self._snapshot()
         return failed
@@ -333,7 +355,14 @@ class LLMEngine:
     def generate(
         self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[RequestOutput]:
-        """Runs the prompts as one continuous batch; returns each one's final output, in order."""
+        """Runs the prompts as one continuous batch; returns each one's final output, in order (with n > 1, the
+        first choice's; `generate_all` returns every choice)."""
+        return [outs[0] for outs in self.generate_all(prompts, params)]
+
+    def generate_all(
+        self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[RequestOutput]]:
+        """Like `generate`; each prompt's final outputs of all its choices, by choice index."""
         ids: list[str] = []
         for i, prompt in enumerate(prompts):
             p = params[i] if isinstance(params, list) else params
@@ -343,17 +372,18 @@ class LLMEngine:
             else:
                 self.add_request(rid, None, p, prompt_token_ids=prompt)
             ids.append(rid)
-        final: dict[str, RequestOutput] = {}
-        text: dict[str, str] = {}
+        final: dict[str, dict[int, RequestOutput]] = {}
+        done: set[str] = set()
         while self.has_unfinished():
             result = self.step()
             for o in result.outputs:
-                text[o.request_id] = text.get(o.request_id, "") + o.new_text
                 if o.finished:
-                    final[o.request_id] = o
-            if result.stats is None and not final.keys() >= set(ids):
+                    final.setdefault(o.request_id, {})[o.index] = o
+                if o.last:
+                    done.add(o.request_id)
+            if result.stats is None and not done >= set(ids):
                 time.sleep(0.0005)  # waiting out maxQueueDelayMicroseconds
-        return [final[r] for r in ids]
+        return [[final[r][i] for i in sorted(final[r])] for r in ids]
 
     def info(self, **server: Any) -> EngineInfo:
         """`/info`: model, device, the KV blocks actually allocated, the schedule the scheduler runs; `server`

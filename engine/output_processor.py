@@ -12,12 +12,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from npuserve.engine.detokenizer import IncrementalDetokenizer, TokenizerLike
-from npuserve.engine.sequence import FinishReason, Sequence
+from npuserve.engine.sequence import FinishReason, PromptLogprob, Sequence, TopLogprobs
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one step produced for one request. `new_*` are the increments; the rest is cumulative."""
+    """What one step produced for one sequence of a request (choice `index`). `new_*` are the increments; the rest
+    is cumulative. `finished`: this choice ended; `last`: every choice of the request has (the request's end)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -29,8 +30,24 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    index: int = 0
+    last: bool | None = None  # None: as `finished` (one choice)
+    new_top_logprobs: list[TopLogprobs] | None = None  # when sampling.top_logprobs > 0
+    cumulative_logprob: float = 0.0  # of all output tokens (when logprobs were computed)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # prompt tokens 1..L-1, once the prefill computed them
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # see `request_metrics`
+
+
+    def __post_init__(self) -> None:
+        if self.last is None:
+            self.last = self.finished
+
+
+@dataclass(slots=True)
+class _Group:
+    remaining: int  # choices of the request not finished yet (forked or still to be)
 
 
 @dataclass(slots=True)
@@ -38,6 +55,7 @@ class _Tracked:
     request_id: str
     seq: Sequence
     detok: IncrementalDetokenizer | None
+    group: _Group
     num_emitted: int = 0  # output tokens already reported
 
 
@@ -56,7 +74,16 @@ class OutputProcessor:
 
     def track(self, request_id: str, seq: Sequence) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop) if self.tokenizer is not None else None
-        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, detok)
+        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, detok, _Group(seq.num_samples))
+
+    def track_fork(self, parent: Sequence, child: Sequence) -> str | None:
+        """Track a child forked from `parent` as another choice of its request; returns the request id."""
+        tracked = self._by_seq.get(parent.seq_id)
+        if tracked is None:
+            return None
+        detok = IncrementalDetokenizer(self.tokenizer, child.sampling.stop) if self.tokenizer is not None else None
+        self._by_seq[child.seq_id] = _Tracked(tracked.request_id, child, detok, tracked.group)
+        return tracked.request_id
 
     def process(self, ended: Iterable[Sequence], stepped: Iterable[Sequence]) -> list[RequestOutput]:
         """`ended`: sequences the scheduler ended outside the model (aborts, admission errors); `stepped`: those
@@ -75,7 +102,8 @@ class OutputProcessor:
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
         seq = tracked.seq
         new_ids = seq.output_token_ids[tracked.num_emitted :]
-        new_logprobs = seq.output_logprobs[tracked.num_emitted :] if seq.sampling.logprobs else None
+        new_logprobs = seq.output_logprobs[tracked.num_emitted :] if seq.sampling.wants_logprobs else None
+        new_top = seq.output_top_logprobs[tracked.num_emitted :] if seq.sampling.top_logprobs else None
         new_text = text = ""
         if tracked.detok is not None:
             new_text = tracked.detok.add(new_ids) if new_ids else ""
@@ -86,13 +114,19 @@ class OutputProcessor:
                 new_text += tracked.detok.finish()
             text = tracked.detok.text
         tracked.num_emitted = seq.num_output_tokens
+        group = tracked.group
         if finished:
             self._by_seq.pop(seq.seq_id, None)
+            # A parent that ended before its prefill forked (abort, error) takes its unborn choices with it.
+            group.remaining -= 1 + seq.num_forks_pending
         return RequestOutput(
             request_id=tracked.request_id, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
             token_ids=seq.output_token_ids, text=text, num_prompt_tokens=seq.num_prompt_tokens, finished=finished,
             finish_reason=seq.finish_reason if finished else None, error=seq.error, metrics=request_metrics(seq),
-            num_cached_prompt_tokens=seq.num_prompt_cached_tokens or 0,
+            num_cached_prompt_tokens=seq.num_prompt_cached_tokens or 0, index=seq.index,
+            last=finished and group.remaining <= 0, new_top_logprobs=new_top,
+            cumulative_logprob=seq.cumulative_logprob, prompt_token_ids=seq.prompt_token_ids,
+            prompt_logprobs=seq.prompt_logprobs,
         )
 
 

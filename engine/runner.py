@@ -2,7 +2,13 @@
 
 It sees sequences only to read their token ids, block tables and cached-token counts (through `batch.py`);
 everything it hands the model is a tensor. Swaps are block copies between the device cache and a host cache of
-the same layout, done before the model runs (swap out first, then swap in).
+the same layout, done before the model runs (swap out first, then swap in). A fork's copy-on-write block copies
+(`copy_blocks`) are device-to-device, done right after the step that forked.
+
+A sequence about to fork (n > 1, at its first prefill) gets its last logits row repeated once per choice, each row
+sampled with that choice's seed. Prompt logprobs, when a sequence asks for them at its first prefill, are computed
+from the hidden states of every prompt position (in chunks), on the device; only the prompt tokens' logprobs and
+ranks, and the top k, leave it.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
-from npuserve.engine.sampler import Sampler, SamplerOutput
-from npuserve.engine.sequence import SamplingParams, Sequence
+from npuserve.engine.sampler import LogprobsMode, Sampler, SamplerOutput
+from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
+_PROMPT_LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at once (rows x vocab floats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +87,8 @@ def plan_kv_blocks(
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype) -> None:
+    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
+                 logprobs_mode: LogprobsMode = "processed_logprobs") -> None:
         self.model = model
         self.spec = model.spec
         self.backend = backend
@@ -95,7 +103,7 @@ class ModelRunner:
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.backend = backend
             layer.kv_cache = cache
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.guided_masker = GuidedMasker()
 
     # --- one step -----------------------------------------------------------------------------------------------
@@ -118,28 +126,80 @@ class ModelRunner:
         if swap_in:
             self.backend.copy_blocks(self.host_kv_caches, self.kv_caches, list(swap_in))
 
-    @torch.inference_mode()
-    def forward_logits(self, batch: FlatBatch) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Device-to-device block copies (a fork's copy-on-write of a partly filled prompt block)."""
+        if pairs:
+            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(pairs))
 
+    @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
-        """Runs the model over the step's sequences and samples one token for each (`num_new_tokens`: a chunked
-        step's tokens per sequence; the scheduler drops what a chunk short of its prompt's end sampled)."""
+        """Runs the model over the step's sequences and samples `seq.num_samples` tokens for each, in order
+        (`num_new_tokens`: a chunked step's tokens per sequence; the scheduler drops what a chunk short of its
+        prompt's end sampled)."""
         if num_new_tokens is not None:
             batch = build_prefill(seqs, self.block_size, self.backend.device, num_new_tokens)
         elif is_prefill:
             batch = build_prefill(seqs, self.block_size, self.backend.device)
         else:
             batch = build_decode(seqs, self.block_size, self.backend.device)
-        logits = self.forward_logits(batch)
-        with torch.inference_mode():
-            if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
-                # (not for a prompt chunk short of its last token: what it samples is dropped)
-                guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
-                          else None for i, s in enumerate(seqs)]
-                self.guided_masker.apply(logits, guides)
-            return self.sampler(logits, [s.sampling for s in seqs], [s.num_tokens for s in seqs])
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        prompt_logprobs = {}
+        if is_prefill or num_new_tokens is not None:
+            prompt_logprobs = self._prompt_logprobs(seqs, batch, hidden, num_new_tokens)
+        if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
+            # (not for a prompt chunk short of its last token: what it samples is dropped)
+            guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
+                      else None for i, s in enumerate(seqs)]
+            self.guided_masker.apply(logits, guides)
+        rows = [i for i, s in enumerate(seqs) for _ in range(s.num_samples)]
+        params: list[SamplingParams] = []
+        positions: list[int] = []
+        seeds: list[int | None] = []
+        for s in seqs:
+            for j in range(s.num_samples):
+                params.append(s.sampling)
+                positions.append(s.num_tokens)
+                seeds.append(s.sample_seed(s.index + j))
+        if len(rows) != len(seqs):  # a forking prefill: its (masked) row once per choice
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self.sampler(logits, params, positions, seeds)
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _prompt_logprobs(self, seqs: Seq[Sequence], batch: FlatBatch, hidden: torch.Tensor,
+                         num_new_tokens: Seq[int] | None) -> dict[int, list[PromptLogprob]]:
+        """seq_id -> the logprobs of the prompt tokens this step's rows predict (raw distribution), following those
+        the sequence already has: tokens 1..L-1 in all, over one prefill or its chunks."""
+        result: dict[int, list[PromptLogprob]] = {}
+        for i, s in enumerate(seqs):
+            k = s.sampling.prompt_logprobs
+            if k is None:
+                continue
+            first = s.num_cached_tokens  # the position of this step's first row
+            end = first + (num_new_tokens[i] if num_new_tokens is not None else s.num_tokens - first)
+            known = len(s.prompt_logprobs or [])  # positions 0..known-1 are done (a recompute keeps them)
+            lo_pos, hi_pos = max(first, known), min(end, s.num_prompt_tokens - 1)
+            if known < first:
+                continue  # cannot happen: prompt logprobs turn prefix-cache hits off
+            prompt = s.prompt_token_ids
+            start = batch.meta.query_start[i] - first
+            entries: list[PromptLogprob] = []
+            for lo in range(lo_pos, hi_pos, _PROMPT_LOGITS_CHUNK):
+                hi = min(hi_pos, lo + _PROMPT_LOGITS_CHUNK)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[start + lo : start + hi]).float(), dim=-1)
+                targets = torch.tensor(prompt[lo + 1 : hi + 1], device=lp.device).unsqueeze(1)
+                token_lp = lp.gather(1, targets)
+                ranks = (lp > token_lp).sum(dim=-1) + 1
+                tops: list[tuple[tuple[int, float], ...]] = [()] * (hi - lo)
+                if k:
+                    values, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+                    tops = [tuple(zip(r_ids, r_vals, strict=True))
+                            for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
+                entries += [PromptLogprob(lp_, rank, top) for lp_, rank, top in
+                            zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True)]
+            result[s.seq_id] = entries
+        return result
 
     # --- warm-up ------------------------------------------------------------------------------------------------
 

@@ -1,50 +1,81 @@
-"""Sampling on the device: only the chosen ids (and, when asked, their logprobs) leave it.
+"""Sampling on the device: only the chosen ids (and, when asked, logprobs) leave it.
 
 An all-greedy batch is one fused argmax. Otherwise each row is scaled by its temperature, cut by its top-k and
 top-p, and drawn with the exponential-race trick (`argmax(p / E)`, E ~ Exp(1), is a draw from p) so the whole
-batch samples in one pass; rows with a per-request seed draw their noise from a generator seeded by
-(seed, position), so a seeded request gives the same tokens whatever batch it runs in. Greedy rows inside a mixed
-batch are still argmax. Logprobs are those of the chosen token under the model's raw distribution (as vLLM).
+batch samples in one pass; rows with a seed draw their noise from a generator seeded by (seed, position), so a
+seeded request gives the same tokens whatever batch it runs in. Greedy rows inside a mixed batch are still argmax.
+
+Logprobs (vLLM's `logprobs_mode`): `processed_logprobs` (the default) are those of the distribution actually
+sampled from: the logits after temperature, top-k and top-p, log-softmaxed (a token cut by top-k or top-p has
+-inf, sent as -9999.0 as vLLM does); a greedy row has no temperature or cut, so its processed logprobs are the raw
+ones. `raw_logprobs` are the model's raw distribution. The top k of them are found on the device with one `topk`:
+only k ids and values per row leave it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.sequence import PromptLogprob, SamplingParams, TopLogprobs
+
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+LOGPROB_FLOOR = -9999.0  # what -inf is sent as (vLLM's serving layer does the same)
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[float] | None  # None when no request of the batch asked for them
+    logprobs: list[float] | None  # None when no row asked for them
+    top_logprobs: list[TopLogprobs] | None = None  # per row, best first; empty for rows that asked for none
+    prompt_logprobs: dict[int, list[PromptLogprob]] = field(default_factory=dict)  # seq_id -> (set by the runner)
 
 
 class Sampler:
+    def __init__(self, logprobs_mode: LogprobsMode = "processed_logprobs") -> None:
+        self.logprobs_mode = logprobs_mode
+
     def __call__(
-        self, logits: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int]
+        self, logits: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int],
+        seeds: Seq[int | None] | None = None,
     ) -> SamplerOutput:
-        """logits: (batch, vocab); positions: each row's token index (for seeded noise)."""
-        chosen = logits.argmax(dim=-1) if all(p.greedy for p in params) else self._sample(logits, params, positions)
-        logprobs: list[float] | None = None
-        if any(p.logprobs for p in params):
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen.unsqueeze(1)).squeeze(1)
-            logprobs = lp.tolist()
-        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs)
+        """logits: (rows, vocab); positions: each row's token index and seeds its seed (for seeded noise; default:
+        each row's `params.seed`)."""
+        seeds = [p.seed for p in params] if seeds is None else seeds
+        processed: torch.Tensor | None = None
+        if all(p.greedy for p in params):
+            chosen = logits.argmax(dim=-1)
+        else:
+            processed = self._process(logits, params)
+            chosen = self._sample(logits, processed, params, positions, seeds)
+        if not any(p.wants_logprobs for p in params):
+            return SamplerOutput(token_ids=chosen.tolist(), logprobs=None)
+        source = logits if processed is None or self.logprobs_mode == "raw_logprobs" else processed
+        lp = torch.log_softmax(source.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        k = max(p.top_logprobs for p in params)
+        top: list[TopLogprobs] | None = None
+        if k:
+            values, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+            vals, idl = values.tolist(), ids.tolist()
+            top = [list(zip(idl[r][: p.top_logprobs], vals[r][: p.top_logprobs], strict=True))
+                   for r, p in enumerate(params)]
+        return SamplerOutput(token_ids=chosen.tolist(), logprobs=chosen_lp, top_logprobs=top)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int]) -> torch.Tensor:
+    def _process(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
+        """The logits each row samples from: scaled by temperature, cut by top-k and top-p (greedy rows: raw)."""
         device = logits.device
         logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
         scaled = logits / temps.unsqueeze(1)
         vocab = scaled.shape[1]
-        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_ps = [p.top_p for p in params]
+        top_ks = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
+        top_ps = [1.0 if p.greedy else p.top_p for p in params]
         if any(k < vocab for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
             ranks = torch.arange(vocab, device=device).unsqueeze(0)
@@ -55,11 +86,20 @@ class Sampler:
             remove |= mass_before >= torch.tensor(top_ps, device=device).unsqueeze(1)
             sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
             scaled = torch.full_like(scaled, float("-inf")).scatter(1, sorted_idx, sorted_logits)
-        probs = scaled.softmax(dim=-1)
+        return scaled
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, processed: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int],
+                seeds: Seq[int | None]) -> torch.Tensor:
+        device = logits.device
+        vocab = processed.shape[1]
+        greedy_ids = logits.argmax(dim=-1)
+        probs = processed.softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_()
         for row, p in enumerate(params):
-            if p.seed is not None and not p.greedy:
-                gen = torch.Generator(device=device).manual_seed((p.seed * 1_000_003 + positions[row]) % (2**63))
+            seed = seeds[row]
+            if seed is not None and not p.greedy:
+                gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + positions[row]) % (2**63))
                 noise[row] = torch.empty(vocab, device=device).exponential_(generator=gen)
         sampled = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.greedy for p in params], device=device)

@@ -39,9 +39,16 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool = False  # the chosen token's logprob at each output position
+    top_logprobs: int = 0  # and the k most likely tokens' (0..20), computed on the device
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob (and the top k) at prefill
+    n: int = 1  # sequences sampled from one prefill (best_of when given): the prompt's KV blocks are shared
     priority: int = 0  # lower is served first under the `priority` policy
     guided: CompiledGrammar | None = None  # structured output: each sequence gets its own guide from it
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def greedy(self) -> bool:
@@ -49,6 +56,19 @@ class SamplingParams:
 
 
 _ids = itertools.count()
+
+# (token id, logprob) pairs, most likely first.
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprob:
+    """One prompt token's logprob given the tokens before it (raw model distribution), its rank (1 = most likely)
+    and the k most likely tokens there."""
+
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True, eq=False)
@@ -66,6 +86,11 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens whose KV is already in the cache (prefix hits, or computed before)
     num_prompt_cached_tokens: int | None = None  # prompt tokens served by the prefix cache at its first prefill
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)  # when sampling.top_logprobs > 0
+    cumulative_logprob: float = 0.0  # sum of output_logprobs (best_of ranks by it)
+    prompt_logprobs: list[PromptLogprob] | None = None  # filled once, by the first prefill, when asked
+    index: int = 0  # the choice this sequence is, within its request (n > 1)
+    num_forks_pending: int = 0  # children still to fork from this one after its first prefill (n - 1)
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_preemptions: int = 0
@@ -81,8 +106,36 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+            if self.index == 0:
+                self.num_forks_pending = self.sampling.n - 1
         if self.guide is None and self.sampling.guided is not None:
             self.guide = self.sampling.guided.new_guide()
+
+    @property
+    def num_samples(self) -> int:
+        """Tokens sampled for this sequence in its next step: one, or one per choice at the prefill that forks."""
+        return 1 + self.num_forks_pending
+
+    def sample_seed(self, index: int | None = None) -> int | None:
+        """The seed of choice `index` (this sequence's by default): the request's seed for choice 0, a distinct
+        one derived from it for the others, so each choice is reproducible and none repeats another."""
+        seed = self.sampling.seed
+        i = self.index if index is None else index
+        if seed is None or i == 0:
+            return seed
+        return (seed + i * 0x9E3779B97F4A7C15) % (2**63)
+
+    def fork(self, index: int) -> Sequence:
+        """A child after the first prefill: the same prompt and parameters, its own outputs. The caller shares or
+        copies the KV blocks (`KVCacheManager.fork`) and appends the child's first token."""
+        child = Sequence(list(self.prompt_token_ids), self.sampling, self.arrival_time, index=index)
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.num_prompt_cached_tokens = self.num_prompt_cached_tokens
+        child.prompt_logprobs = self.prompt_logprobs
+        child.first_scheduled_time = self.first_scheduled_time
+        child.prefill_batch_size = self.prefill_batch_size
+        return child
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,15 @@ Contract with the scheduler (the only caller in the engine):
   is full). Returns False when no block is free.
 - `cache_computed(seq)` after a step: registers the full blocks whose KV is now computed
   (`seq.num_cached_tokens`), so only computed KV is ever a prefix hit.
+- `fork(parent, child)` right after the parent's first prefill (n > 1): the child shares the parent's full
+  blocks (one more reference each) and gets a fresh block for the partly filled last one, returned as a
+  (parent block, child block) pair for the runner to copy. That is copy-on-write whose write is certain: the
+  child's first token goes into that block at its next step, so the copy is made at once. `fork_blocks(seq)` is
+  the blocks the forks will take: `allocate` takes them with the parent's (held aside, in no block table, until
+  the fork or the parent's end), so nothing can take them while the prompt is prefilled, chunk by chunk or at once.
+  Afterwards each sequence of the group is an ordinary one: preempted, swapped (its own host copy of every block,
+  shared or not), recomputed or freed on its own; a shared block returns to the free list with its last owner.
+- A sequence that asks for prompt logprobs never gets prefix-cache hits (every prompt position must be computed).
 - `swap_out(seq)` / `swap_in(seq)` return (src, dst) block pairs for the runner to copy. Host blocks that
   `swap_in` empties are released at the next `begin_step()`, so a swap-out in the same step cannot overwrite
   them before they are copied back.
@@ -37,6 +46,7 @@ class KVCacheManager:
         self._hashes: dict[int, list[int]] = {}  # seq_id -> chained hashes of its full blocks
         self._num_registered: dict[int, int] = {}  # seq_id -> leading blocks already in the prefix cache
         self._host_pending_release: list[int] = []
+        self._fork_spares: dict[int, list[int]] = {}  # seq_id -> blocks held for its forks' partial-block copies
         self.prefix_hits = 0  # blocks that allocate found in the prefix cache
 
     # --- figures -----------------------------------------------------------------------------------------------
@@ -80,7 +90,7 @@ class KVCacheManager:
         return hashes
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling.prompt_logprobs is not None:
             return []
         bs = self.block_size
         # Never a hit on the block holding the last token: it must be computed to get logits.
@@ -109,7 +119,9 @@ class KVCacheManager:
         return len(self._match_prefix(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
-        return self._allocation_cost(seq, self._match_prefix(seq)) <= self.device.num_free
+        """Room for the prefill of `seq` and its forks' blocks."""
+        cost = self._allocation_cost(seq, self._match_prefix(seq)) + self.fork_blocks(seq)
+        return cost <= self.device.num_free
 
     def allocate(self, seq: Sequence) -> None:
         """Blocks for a prefill of all `seq.num_tokens` (a new prompt, or prompt + output after recompute)."""
@@ -127,6 +139,44 @@ class KVCacheManager:
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
         self._num_registered[seq.seq_id] = len(hits)
+        if self.fork_blocks(seq):
+            self._fork_spares[seq.seq_id] = [self.device.allocate() for _ in range(self.fork_blocks(seq))]
+
+    # --- fork (n > 1) -------------------------------------------------------------------------------------------
+
+    def fork_blocks(self, seq: Sequence) -> int:
+        """Free blocks the forks of `seq` will take after its prefill: one per child when its last block is partial."""
+        return seq.num_forks_pending if seq.num_tokens % self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """The child shares the parent's full blocks and gets its own copy of a partial last one (see above)."""
+        if child.block_table or child.host_block_table:
+            raise RuntimeError(f"sequence {child.seq_id} already holds blocks")
+        full = parent.num_tokens // self.block_size
+        table = parent.block_table
+        if len(table) * self.block_size < parent.num_tokens:
+            raise RuntimeError(f"sequence {parent.seq_id} holds no blocks to fork")
+        for block_id in table[:full]:
+            self.device.share(block_id)
+        child.block_table = list(table[:full])
+        copies: list[tuple[int, int]] = []
+        if full < len(table):
+            spares = self._fork_spares.get(parent.seq_id)
+            if not spares and not self.device.num_free:
+                for block_id in reversed(child.block_table):
+                    self.device.release(block_id)
+                child.block_table = []
+                raise RuntimeError(f"no free KV block to fork sequence {parent.seq_id}")
+            block_id = spares.pop() if spares else self.device.allocate()
+            if spares is not None and not spares:
+                del self._fork_spares[parent.seq_id]
+            child.block_table.append(block_id)
+            copies.append((table[full], block_id))
+        hashes = self._hashes.get(parent.seq_id)
+        if hashes is not None:
+            self._hashes[child.seq_id] = hashes[:full]
+        self._num_registered[child.seq_id] = min(self._num_registered.get(parent.seq_id, 0), full)
+        return copies
 
     # --- decode ------------------------------------------------------------------------------------------------
 
@@ -166,10 +216,19 @@ class KVCacheManager:
             self.device.release(block_id)
         for block_id in seq.host_block_table:
             self.host.release(block_id)
+        self._release_spares(seq)
         seq.block_table = []
         seq.host_block_table = []
         self._hashes.pop(seq.seq_id, None)
         self._num_registered.pop(seq.seq_id, None)
+
+    def _release_spares(self, seq: Sequence) -> None:
+        for block_id in self._fork_spares.pop(seq.seq_id, []):
+            self.device.release(block_id)
+
+    def spare_blocks(self) -> list[int]:
+        """Blocks held for forks not yet made (owned by no block table)."""
+        return [b for spares in self._fork_spares.values() for b in spares]
 
     # --- swap --------------------------------------------------------------------------------------------------
 
@@ -187,6 +246,7 @@ class KVCacheManager:
         if not self.can_swap_out(seq):
             raise RuntimeError(f"not enough free host blocks to swap out sequence {seq.seq_id}")
         pairs = [(block_id, self.host.allocate()) for block_id in seq.block_table]
+        self._release_spares(seq)
         for block_id in reversed(seq.block_table):
             self.device.release(block_id)  # a shared prefix block stays with its other owners
         seq.host_block_table = [host for _, host in pairs]

@@ -33,6 +33,10 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)  # recomputed: back to waiting, blocks freed
     finished: list[Sequence] = field(default_factory=list)  # ended by this step's scheduling (aborts, errors)
+    # Filled by `Scheduler.update` after a prefill that forked (n > 1): (parent, child) pairs, and the device
+    # block copies (parent block -> child block) the engine runs before the next step.
+    forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # MIXED only: tokens each sequence computes
     num_prefill_seqs: int = 0  # MIXED only: sequences computing a prompt chunk (the rest decode)
 

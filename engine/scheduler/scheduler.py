@@ -34,6 +34,13 @@ Rules:
   victims are preempted (swap or recompute, as above) until every remaining request can run. If no request can run
   at all, preemption happens whatever the threshold, so nothing hangs (MindIE's "0 means no request can be
   dispatched" is not reproduced). A threshold close to 1 gives vLLM's behaviour: always preempt.
+- n > 1 (a request sampling several sequences from one prompt): the parent is admitted to a prefill only when
+  maxBatchSize has room for all n (n above maxBatchSize is refused at `add`) and the KV cache has room for its
+  blocks plus the forks' (`KVCacheManager.fork_blocks`). The prefill samples n tokens from its last logits; `update`
+  forks n - 1 children sharing the prompt's full blocks (the partial last block copied: `out.block_copies`, which
+  the engine copies right after `update`), lists them in `out.forked` and gives each its own first token. From
+  then on every sequence of the group is scheduled, preempted (swapped or recomputed) and ended on its own.
+- max_tokens 0 (prompt logprobs only): the prefill runs and the request ends LENGTH with no output token.
 - Ends: EOS (unless ignore_eos) or a stop token -> STOP; max_tokens, maxIterTimes (output tokens) or maxSeqLen
   (prompt + output) -> LENGTH. A prompt that can never fit the whole cache, or leaves no room under maxSeqLen,
   ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
@@ -63,7 +70,7 @@ from collections.abc import Callable, Iterable
 from npuserve.mindie_config import ScheduleSection
 
 from ..kvcache import KVCacheManager
-from ..sequence import FinishReason, Sequence, SequenceStatus
+from ..sequence import FinishReason, Sequence, SequenceStatus, TopLogprobs
 from .output import SchedulerOutput, StepKind
 from .queues import Policy, WaitingQueue
 from .stage import StageSelector
@@ -142,9 +149,12 @@ class Scheduler:
         n = seq.num_prompt_tokens
         if n == 0:
             return "empty prompt"
+        if seq.sampling.n > self.schedule_config.maxBatchSize:
+            return (f"n of {seq.sampling.n} sequences exceeds maxBatchSize {self.schedule_config.maxBatchSize}, "
+                    "the most that can run at once")
         if n >= self.max_seq_len:
             return f"prompt of {n} tokens leaves no room for output under maxSeqLen {self.max_seq_len}"
-        if not self.kv.can_ever_fit(n):
+        if not self.kv.can_ever_fit(n) or self.kv.blocks_for(n) + self.kv.fork_blocks(seq) > self.kv.num_device_blocks:
             return (
                 f"prompt of {n} tokens needs {self.kv.blocks_for(n)} KV blocks; "
                 f"the whole cache has {self.kv.num_device_blocks}"
@@ -223,6 +233,7 @@ class Scheduler:
         max_reqs = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
         batch: list[Sequence] = []
         tokens = 0
+        forks = 0  # running slots the batch's forks will take after the step
         while len(batch) < max_reqs:
             seq = self.waiting.peek()
             if seq is None:
@@ -237,13 +248,20 @@ class Scheduler:
                     self._end(seq, FinishReason.ERROR, now)
                 out.finished.append(seq)
                 continue
-            if not kv.can_allocate(seq):
+            if seq.num_samples > cfg.maxBatchSize:  # maxBatchSize lowered live below its n: it can never run
+                self.waiting.pop()
+                seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {cfg.maxBatchSize}"
+                self._end(seq, FinishReason.ERROR, now)
+                out.finished.append(seq)
+                continue
+            if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
             if batch and tokens + new_tokens > cfg.maxPrefillTokens:
                 break
             self.waiting.pop()
             kv.allocate(seq)
+            forks += seq.num_forks_pending
             tokens += seq.num_tokens - seq.num_cached_tokens
             seq.status = _RUNNING
             if seq.first_scheduled_time is None:
@@ -305,7 +323,16 @@ class Scheduler:
                 seq.error = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache"
                 self._end(seq, FinishReason.ERROR, now)
             out.finished.append(seq)
-        if seq is None or not kv.can_allocate(seq):
+        if seq is not None and seq.num_samples > self.schedule_config.maxBatchSize:
+            self.waiting.pop()  # maxBatchSize lowered live below its n: it can never run
+            seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {self.schedule_config.maxBatchSize}"
+            self._end(seq, FinishReason.ERROR, now)
+            out.finished.append(seq)
+            return None
+        forks = sum(s.num_forks_pending for s in self.running)  # children of prompts still being chunked
+        if seq is None or len(self.running) + forks + seq.num_samples > self.schedule_config.maxBatchSize:
+            return None
+        if not kv.can_allocate(seq):
             return None
         self.waiting.pop()
         kv.allocate(seq)
@@ -377,6 +404,7 @@ class Scheduler:
         self.num_preemptions_total += 1
         kv = self.kv
         mid_prompt = victim.num_cached_tokens < victim.num_tokens - 1  # a chunked prefill not done: recompute it
+        mid_prompt |= victim.num_forks_pending > 0  # its prompt's end not sampled yet (n > 1): recompute it too
         if swaps_this_step < self.schedule_config.maxPreemptCount and not mid_prompt and kv.can_swap_out(victim):
             out.swap_out.extend(kv.swap_out(victim))
             victim.status = SequenceStatus.SWAPPED
@@ -411,32 +439,33 @@ class Scheduler:
     # --- after the model ran -----------------------------------------------------------------------------------
 
     def update(
-        self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None
+        self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> list[Sequence]:
-        """Append one sampled token per scheduled sequence (same order as `output.seqs`); return those that ended.
-
-        A sequence that ended while the step ran (aborted, or `finish`ed) is skipped.
+        """Append the sampled tokens (`seq.num_samples` per scheduled sequence, in `output.seqs` order: one, or one
+        per choice at a forking prefill); fork the children (into `output.forked`, their block copies into
+        `output.block_copies`); return the sequences that ended. A sequence that ended while the step ran (aborted,
+        or `finish`ed) is skipped.
         """
         seqs = output.seqs
         if not seqs:
             return []
-        if len(token_ids) != len(seqs):
-            raise ValueError(f"{len(token_ids)} tokens for {len(seqs)} scheduled sequences")
+        rows = sum(s.num_samples for s in seqs)
+        if len(token_ids) != rows:
+            raise ValueError(f"{len(token_ids)} tokens for {rows} sampled rows of {len(seqs)} scheduled sequences")
         now = self.clock()
         kv = self.kv
         cache = kv.cache_computed if kv.enable_prefix_caching else None
         block_size = kv.block_size
         prefill = output.kind is not StepKind.DECODE  # MIXED steps compute prompt tokens too
         chunks = output.num_new_tokens if output.kind is StepKind.MIXED else None
-        eos = self.eos_token_ids
-        max_iter = self.schedule_config.maxIterTimes
-        max_seq_len = self.max_seq_len
         finished: list[Sequence] = []
+        row = 0
         for i, seq in enumerate(seqs):
+            first_row, row = row, row + seq.num_samples
             if seq.status is not _RUNNING:
                 continue
-            tokens = seq.token_ids
-            n = len(tokens)
+            n = len(seq.token_ids)
             if chunks is not None and seq.num_cached_tokens + chunks[i] < n:
                 seq.num_cached_tokens += chunks[i]  # a prompt chunk short of the last token: nothing sampled
                 if cache is not None:
@@ -445,22 +474,53 @@ class Scheduler:
             seq.num_cached_tokens = n  # every token before the new one now has its KV
             if cache is not None and (prefill or n % block_size == 0):
                 cache(seq)
-            token = token_ids[i]
-            tokens.append(token)
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs[i])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            sp = seq.sampling
-            num_out = n + 1 - len(seq.prompt_token_ids)
-            if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-                reason = FinishReason.STOP
-            elif num_out >= sp.max_tokens or num_out >= max_iter or n + 1 >= max_seq_len:
-                reason = FinishReason.LENGTH
-            else:
-                continue
-            self._end(seq, reason, now)
-            finished.append(seq)
+            group = [seq]
+            if seq.num_forks_pending:
+                group += self._fork(output, seq)
+            for j, member in enumerate(group):
+                r = first_row + j
+                reason = self._append(member, token_ids[r], None if logprobs is None else logprobs[r],
+                                      None if top_logprobs is None else top_logprobs[r], now)
+                if reason is not None:
+                    self._end(member, reason, now)
+                    finished.append(member)
         if finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return finished
+
+    def _fork(self, output: SchedulerOutput, parent: Sequence) -> list[Sequence]:
+        """The parent's n - 1 children, sharing its prompt's blocks; they run from the next step on."""
+        children = []
+        for index in range(parent.index + 1, parent.index + 1 + parent.num_forks_pending):
+            child = parent.fork(index)
+            output.block_copies.extend(self.kv.fork(parent, child))
+            child.status = _RUNNING
+            self._seqs[child.seq_id] = child
+            self.running.append(child)
+            output.forked.append((parent, child))
+            children.append(child)
+        parent.num_forks_pending = 0
+        return children
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top: TopLogprobs | None,
+                now: float) -> FinishReason | None:
+        """One sampled token onto `seq`; the reason it ends now, if it does."""
+        sp = seq.sampling
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if sp.max_tokens == 0:  # prompt logprobs only: nothing is generated
+            return FinishReason.LENGTH
+        tokens = seq.token_ids
+        tokens.append(token)
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+            seq.cumulative_logprob += logprob
+        if top is not None and sp.top_logprobs:
+            seq.output_top_logprobs.append(top)
+        n = len(tokens)
+        num_out = n - len(seq.prompt_token_ids)
+        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if num_out >= sp.max_tokens or num_out >= self.schedule_config.maxIterTimes or n >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None

@@ -231,7 +231,7 @@ class RequestStream:
         try:
             while not self._finished:
                 output = await self._stream.queue.get()
-                self._finished = output.finished
+                self._finished = bool(output.last)
                 yield output
         finally:
             self.close()
@@ -246,7 +246,7 @@ def _sample(output: RequestOutput) -> FinishedRequestSample:
     m = output.metrics
     return FinishedRequestSample(
         finish_reason=(output.finish_reason or FinishReason.ABORT).value,
-        prompt_tokens=output.num_prompt_tokens,
+        prompt_tokens=output.num_prompt_tokens if output.index == 0 else 0,  # a request's prompt counts once
         generation_tokens=len(output.token_ids),
         queue_time=m.get("queue_time", m.get("e2e", 0.0)),
         prefill_time=m.get("prefill_time", 0.0),

@@ -17,11 +17,18 @@ from pydantic import BaseModel
 
 from npuserve.engine.guided import CompiledGrammar, GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
-from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.sequence import SamplingParams, TopLogprobs
 from npuserve.engine.server import tool_calls
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.chat_template import ChatTemplateError
 from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.logprobs import (
+    best_of,
+    chat_logprobs,
+    completion_logprobs,
+    echoed_prompt,
+    prompt_logprobs_field,
+)
 from npuserve.engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -31,10 +38,8 @@ from npuserve.engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprob,
     ChatMessage,
     CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DeltaFunctionCall,
@@ -114,11 +119,35 @@ def finish_reason(output: RequestOutput) -> str | None:
 
 @dataclass
 class _Collected:
-    """A request's final output plus what the increments carried (token texts for logprobs)."""
+    """One choice's final output plus what its increments carried (for logprobs)."""
 
     final: RequestOutput | None = None
-    token_texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[TopLogprobs] = field(default_factory=list)
+
+    def add(self, output: RequestOutput) -> None:
+        self.token_ids += output.new_token_ids
+        self.logprobs += output.new_logprobs or []
+        self.tops += output.new_top_logprobs or []
+        if output.finished:
+            self.final = output
+
+
+def _check_choices(state: ServerState, n: int, best: int) -> None:
+    """n and best_of: at most maxBatchSize sequences (they run at once), best_of at least n."""
+    if best < n:
+        raise APIError(400, f"best_of ({best}) must be at least n ({n})", param="best_of")
+    max_batch = state.engine.engine.snapshot.schedule.maxBatchSize
+    if best > max_batch:
+        name = "n" if best == n else "best_of"
+        raise APIError(400, f"{name} is {best}; this server runs at most {max_batch} sequences at once "
+                       "(maxBatchSize)", param=name)
+
+
+def _decode(state: ServerState, ids: list[int]) -> str:
+    tokenizer = state.engine.engine.tokenizer
+    return tokenizer.decode(ids) if tokenizer is not None else ""
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -170,81 +199,127 @@ async def list_models(request: Request) -> ModelList:
 async def create_completion(body: CompletionRequest, request: Request,
                             state: State) -> CompletionResponse | StreamingResponse:
     state.check_model(body.model)
-    prompts = [state.tokenize(p, "prompt") for p in body.prompts()]
+    sources = body.prompts()
+    prompts = [state.tokenize(p, "prompt") for p in sources]
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", param="prompt")
+    n, best = body.n, body.best_of or body.n
+    _check_choices(state, n, best)
+    if body.stream and best > n:
+        raise APIError(400, "best_of above n cannot be streamed (the best are known only at the end)",
+                       param="best_of")
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens is 0: that asks for no output, which only makes sense with echo",
+                       param="max_tokens")
+    if body.max_tokens == 0 and best > 1:
+        raise APIError(400, "max_tokens 0 (echo only) gives one choice; n and best_of must be 1", param="n")
     want_logprobs = body.logprobs is not None
+    k = body.logprobs or 0
+    prompt_k = body.prompt_logprobs
+    if prompt_k is None and body.echo and want_logprobs:
+        prompt_k = k
+    if prompt_k is None and body.max_tokens == 0:
+        prompt_k = 0  # the prefill runs for the echo: its prompt logprobs are what it computes
     guided = await state.compile_grammar(guided_of(body))
     streams: list[RequestStream] = []
     try:
         for prompt in prompts:
             max_tokens = state.resolve_max_tokens(body.max_tokens, len(prompt), "max_tokens")
-            params = sampling_params(state, body, max_tokens, want_logprobs, guided)
+            params = sampling_params(state, body, max_tokens, want_logprobs or best > n, guided)
+            params.top_logprobs, params.prompt_logprobs, params.n = k, prompt_k, best
             streams.append(state.submit(prompt, params, "prompt"))
     except BaseException:
         for s in streams:
             s.close()
         raise
+    echoes = [(src if isinstance(src, str) else _decode(state, ids)) if body.echo else ""
+              for src, ids in zip(sources, prompts, strict=True)]
     rid, created, model = new_id("cmpl"), now_seconds(), state.served_model_name
     if body.stream:
-        return StreamingResponse(_completion_events(state, body, streams, rid, created, model),
+        return StreamingResponse(_completion_events(state, body, streams, echoes, rid, created, model),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def collect() -> list[_Collected]:
-        results = [_Collected() for _ in streams]
-        async for index, output in _merge(streams):
-            r = results[index]
-            if want_logprobs:
-                r.token_texts += [state.token_text(t) for t in output.new_token_ids]
-                r.logprobs += output.new_logprobs or []
-            if output.finished:
-                r.final = output
+    async def collect() -> dict[tuple[int, int], _Collected]:
+        results: dict[tuple[int, int], _Collected] = {}
+        async for p_index, output in _merge(streams):
+            results.setdefault((p_index, output.index), _Collected()).add(output)
         return results
 
     results = await cancel_on_disconnect(request, collect())
     choices, timings, finals = [], [], []
-    for index, r in enumerate(results):
-        assert r.final is not None
-        raise_for_error(r.final)
-        logprobs = None
-        if want_logprobs:
-            offsets, pos = [], 0
-            for text in r.token_texts:
-                offsets.append(pos)
-                pos += len(text)
-            logprobs = CompletionLogprobs(tokens=r.token_texts, token_logprobs=r.logprobs, text_offset=offsets)
-        choices.append(CompletionChoice(index=index, text=r.final.text, logprobs=logprobs,
-                                        finish_reason=finish_reason(r.final)))
-        timings.append(RequestTimings.from_engine(r.final.metrics))
-        finals.append(r.final)
+    for p_index in range(len(prompts)):
+        collected = {r.final.index: r for (p, _), r in results.items() if p == p_index and r.final is not None}
+        ended = [r.final for r in collected.values() if r.final is not None]
+        for output in ended:
+            raise_for_error(output)
+        chosen = best_of(ended, n)
+        for j, output in enumerate(chosen):
+            choices.append(_completion_choice(state, body, p_index * n + j, echoes[p_index],
+                                              collected[output.index]))
+            finals.append(output)
+        timings.append(RequestTimings.from_engine(chosen[0].metrics))
     return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
                               npuserve=timings[0] if len(timings) == 1 else timings)
 
 
-async def _completion_events(state: ServerState, body: CompletionRequest, streams: list[RequestStream], rid: str,
-                             created: int, model: str) -> AsyncIterator[str]:
-    latest: dict[int, RequestOutput] = {}
+def _completion_choice(state: ServerState, body: CompletionRequest, index: int, echo: str,
+                       r: _Collected) -> CompletionChoice:
+    final = r.final
+    assert final is not None
+    logprobs = None
+    if body.logprobs is not None:
+        ids, lps = list(r.token_ids), list[float | None](r.logprobs)
+        tops: list[TopLogprobs | None] | None = list(r.tops) if body.logprobs else None
+        if body.echo:
+            prompt_lps, prompt_tops = echoed_prompt(final.prompt_token_ids, final.prompt_logprobs, bool(body.logprobs))
+            ids, lps = final.prompt_token_ids + ids, prompt_lps + lps
+            tops = None if tops is None else prompt_tops + tops
+        logprobs = completion_logprobs(state.token_text, ids, lps, tops)
+    choice = CompletionChoice(index=index, text=echo + final.text, logprobs=logprobs,
+                              finish_reason=finish_reason(final))
+    if body.prompt_logprobs is not None:
+        choice.prompt_logprobs = prompt_logprobs_field(state.token_text, final.prompt_token_ids,
+                                                       final.prompt_logprobs)
+    return choice
+
+
+async def _completion_events(state: ServerState, body: CompletionRequest, streams: list[RequestStream],
+                             echoes: list[str], rid: str, created: int, model: str) -> AsyncIterator[str]:
+    latest: dict[tuple[int, int], RequestOutput] = {}
+    offsets: dict[tuple[int, int], int] = {}
     want_logprobs = body.logprobs is not None
     try:
-        async for index, output in _merge(streams):
+        async for p_index, output in _merge(streams):
             status = error_status(output)
             if status is not None:
                 yield sse(error_body(status, output.error or "the request failed"))
                 break
-            latest[index] = output
+            key = (p_index, output.index)
+            first = key not in latest
+            latest[key] = output
+            text = output.new_text
+            ids, lps = list(output.new_token_ids), list[float | None](output.new_logprobs or [])
+            tops: list[TopLogprobs | None] | None = list(output.new_top_logprobs or []) if body.logprobs else None
+            if first and body.echo:  # the prompt goes out with the choice's first chunk
+                text = echoes[p_index] + text
+                prompt_lps, prompt_tops = echoed_prompt(output.prompt_token_ids, output.prompt_logprobs,
+                                                        bool(body.logprobs))
+                ids, lps = output.prompt_token_ids + ids, prompt_lps + lps
+                tops = None if tops is None else prompt_tops + tops
             logprobs = None
-            if want_logprobs and output.new_token_ids:
-                logprobs = CompletionLogprobs(tokens=[state.token_text(t) for t in output.new_token_ids],
-                                              token_logprobs=output.new_logprobs or [])
-            if not output.new_text and not output.finished and logprobs is None:
+            if want_logprobs and ids:
+                logprobs = completion_logprobs(state.token_text, ids, lps, tops, offsets.get(key, 0))
+                offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs.tokens)
+            if not text and not output.finished and logprobs is None:
                 continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
             usage = Usage.of(list(latest.values())) if body.continuous_usage else None
-            chunk = CompletionResponse(
-                id=rid, created=created, model=model,
-                choices=[CompletionChoice(index=index, text=output.new_text, logprobs=logprobs,
-                                          finish_reason=finish_reason(output))],
-                **_final_extras(output, usage),
-            )
+            choice = CompletionChoice(index=p_index * body.n + output.index, text=text, logprobs=logprobs,
+                                      finish_reason=finish_reason(output))
+            if first and body.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_field(state.token_text, output.prompt_token_ids,
+                                                               output.prompt_logprobs)
+            chunk = CompletionResponse(id=rid, created=created, model=model, choices=[choice],
+                                       **_final_extras(output, usage))
             yield sse(chunk)
         else:
             if body.include_usage:
@@ -340,11 +415,8 @@ def _chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: list[di
 
 
 def _chat_logprobs(state: ServerState, output: RequestOutput) -> ChatChoiceLogprobs:
-    entries = []
-    for token_id, logprob in zip(output.new_token_ids, output.new_logprobs or [], strict=False):
-        text = state.token_text(token_id)
-        entries.append(ChatLogprob(token=text, logprob=logprob, bytes=list(text.encode())))
-    return ChatChoiceLogprobs(content=entries)
+    return ChatChoiceLogprobs(content=chat_logprobs(state.token_text, output.new_token_ids, output.new_logprobs or [],
+                                                    output.new_top_logprobs))
 
 
 def _tool_call(call: tool_calls.ParsedCall) -> ToolCall:
@@ -378,35 +450,46 @@ def _message(setup: _Tools, final: RequestOutput) -> tuple[AssistantMessage, str
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  state: State) -> ChatCompletionResponse | StreamingResponse:
     state.check_model(body.model)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    _check_choices(state, body.n, body.n)
     setup, given = _tool_setup(state, body)
     prompt = _chat_prompt(state, body, setup.tools)
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = state.resolve_max_tokens(body.output_limit, len(prompt), field_name)
     guided = await state.compile_grammar(given)
-    stream = state.submit(prompt, sampling_params(state, body, max_tokens, body.logprobs, guided), "messages")
+    params = sampling_params(state, body, max_tokens, body.logprobs, guided)
+    params.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
+    params.n = body.n
+    stream = state.submit(prompt, params, "messages")
     rid, created, model = new_id("chatcmpl"), now_seconds(), state.served_model_name
     if body.stream:
         return StreamingResponse(_chat_events(state, body, setup, stream, rid, created, model),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def collect() -> tuple[RequestOutput, list[ChatLogprob]]:
-        entries: list[ChatLogprob] = []
+    async def collect() -> dict[int, _Collected]:
+        results: dict[int, _Collected] = {}
         async for output in stream:
-            if body.logprobs:
-                entries += _chat_logprobs(state, output).content or []
-            if output.finished:
-                return output, entries
-        raise RuntimeError("the request stream ended without a final output")
+            results.setdefault(output.index, _Collected()).add(output)
+        return results
 
-    final, entries = await cancel_on_disconnect(request, collect())
-    raise_for_error(final)
-    usage = Usage.of([final])
-    message, reason = _message(setup, final)
-    choice = ChatChoice(index=0, message=message,
-                        logprobs=ChatChoiceLogprobs(content=entries) if body.logprobs else None,
-                        finish_reason=reason)
-    return ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage,
-                                  npuserve=RequestTimings.from_engine(final.metrics))
+    results = await cancel_on_disconnect(request, collect())
+    choices, finals = [], []
+    for index in sorted(results):
+        r = results[index]
+        final = r.final
+        if final is None:
+            raise RuntimeError("the request stream ended without a final output")
+        raise_for_error(final)
+        logprobs = None
+        if body.logprobs:
+            logprobs = ChatChoiceLogprobs(content=chat_logprobs(state.token_text, r.token_ids, r.logprobs,
+                                                                r.tops if params.top_logprobs else None))
+        message, reason = _message(setup, final)
+        choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
+        finals.append(final)
+    return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
+                                  npuserve=RequestTimings.from_engine(finals[0].metrics))
 
 
 class _StreamedTools:
@@ -462,37 +545,39 @@ class _StreamedTools:
 
 async def _chat_events(state: ServerState, body: ChatCompletionRequest, setup: _Tools, stream: RequestStream,
                        rid: str, created: int, model: str) -> AsyncIterator[str]:
-    tools = _StreamedTools(setup)
+    tools: dict[int, _StreamedTools] = {}  # per choice
     with contextlib.closing(stream):
-        final: RequestOutput | None = None
-        role_sent = False
+        latest: dict[int, RequestOutput] = {}
         async for output in stream:
             status = error_status(output)
             if status is not None:
                 yield sse(error_body(status, output.error or "the request failed"))
                 break
-            usage = Usage.of([output]) if body.continuous_usage else None
-            if not role_sent:
+            first = output.index not in latest
+            latest[output.index] = output
+            streamed = tools.setdefault(output.index, _StreamedTools(setup))
+            usage = Usage.of(list(latest.values())) if body.continuous_usage else None
+            if first:
                 # As vLLM: the role goes out once the first token is computed, never before prefill, so a client's
-                # time to the first chunk with choices is the time to the first token.
-                role_sent = True
+                # time to the first chunk with choices is the time to the first token. One per choice.
                 yield sse(ChatCompletionChunk(
                     id=rid, created=created, model=model, choices=[ChatChunkChoice(
-                        index=0, delta=ChatDelta(role="assistant", content=""), logprobs=None, finish_reason=None)],
-                    **({"usage": Usage.of([output])} if usage is not None else {})))
+                        index=output.index, delta=ChatDelta(role="assistant", content=""), logprobs=None,
+                        finish_reason=None)],
+                    **({"usage": usage} if usage is not None else {})))
             logprobs = _chat_logprobs(state, output) if body.logprobs and output.new_token_ids else None
-            delta = tools.delta(output.new_text, output.finished)
+            delta = streamed.delta(output.new_text, output.finished)
             if delta.content is None and delta.tool_calls is None and not output.finished and logprobs is None:
                 continue
             chunk = ChatCompletionChunk(
                 id=rid, created=created, model=model,
-                choices=[ChatChunkChoice(index=0, delta=delta, logprobs=logprobs,
-                                         finish_reason=tools.finish_reason(output))],
+                choices=[ChatChunkChoice(index=output.index, delta=delta, logprobs=logprobs,
+                                         finish_reason=streamed.finish_reason(output))],
                 **_final_extras(output, usage),
             )
             yield sse(chunk)
-            if output.finished:
-                final = output
-        if final is not None and body.include_usage:
-            yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[], usage=Usage.of([final])))
+        else:
+            if latest and body.include_usage:
+                yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
+                                              usage=Usage.of(list(latest.values()))))
         yield "data: [DONE]\n\n"

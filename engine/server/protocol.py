@@ -92,7 +92,6 @@ class SamplingFields(_Request):
     guided_grammar: str | None = Field(default=None, description="vLLM: a context-free grammar (Lark or GBNF)")
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        "n": (1, "one choice per request for now; send n requests"),
         "presence_penalty": (0.0, "penalties are not implemented"),
         "frequency_penalty": (0.0, "penalties are not implemented"),
         "logit_bias": ({}, "logit_bias is not implemented"),
@@ -142,18 +141,18 @@ class SamplingFields(_Request):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 only with echo (prompt logprobs only)")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="the chosen token's and the top k (<= 20)")
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, description="sample best_of, return the n of highest "
+                                "cumulative logprob")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="vLLM extension: each prompt "
+                                        "token's logprob and the top k")
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         **SamplingFields.UNSUPPORTED,
-        "logprobs": (0, "only the chosen token's logprob (logprobs: 0) for now"),
-        "echo": (False, "echo is not implemented yet"),
         "suffix": ("", "the models served here have no fill-in-the-middle template"),
-        "best_of": (1, "best_of is not implemented yet"),
     }
 
     def prompts(self) -> list[str | list[int]]:
@@ -282,7 +281,6 @@ class ChatCompletionRequest(SamplingFields):
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         **SamplingFields.UNSUPPORTED,
-        "top_logprobs": (0, "only the chosen token's logprob (top_logprobs: 0) for now"),
         "functions": ([], "the deprecated functions API is not implemented; use tools"),
         "function_call": ("none", "the deprecated functions API is not implemented"),
         "modalities": (["text"], "the models served here produce text only"),
@@ -315,10 +313,12 @@ class Usage(BaseModel):
 
     @classmethod
     def of(cls, outputs: list[RequestOutput]) -> Usage:
-        """Usage of one or more requests (the choices of one response), from their latest outputs."""
-        prompt = sum(o.num_prompt_tokens for o in outputs)
+        """Usage of one or more requests (the choices of one response), from their latest outputs: a request's
+        prompt counts once however many choices it has (n > 1), each choice's tokens count."""
+        firsts = {o.request_id: o for o in outputs}.values()
+        prompt = sum(o.num_prompt_tokens for o in firsts)
         completion = sum(len(o.token_ids) for o in outputs)
-        cached = sum(o.num_cached_prompt_tokens for o in outputs)
+        cached = sum(o.num_cached_prompt_tokens for o in firsts)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
@@ -363,9 +363,17 @@ def now_seconds() -> int:
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    token_logprobs: list[float | None] = Field(default_factory=list)  # null for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprobEntry(BaseModel):
+    """vLLM's `prompt_logprobs` entries: token id -> this."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -373,6 +381,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None  # vLLM extension, when asked
 
 
 class CompletionResponse(BaseModel):
@@ -388,11 +397,17 @@ class CompletionResponse(BaseModel):
 # --- chat ------------------------------------------------------------------------------------------------------
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
 class ChatLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
-    top_logprobs: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
 
 
 class ChatChoiceLogprobs(BaseModel):

@@ -1,6 +1,7 @@
-"""Property test of the KV manager: over random allocate/compute/append/free/swap/abort sequences, no block is
-owned twice (a shared block always holds the same full prefix block for every owner), none leaks, and the pools'
-reference counts and free lists agree with the sequences' block tables."""
+"""Property test of the KV manager: over random allocate/compute/fork/append/free/swap/abort sequences, no block is
+owned twice (a shared block always holds the same full prefix block for every owner: prefix hits and forks share
+only full blocks, a fork's partial block is the child's own copy), none leaks, and the pools' reference counts and
+free lists agree with the sequences' block tables."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ class KVMachine(RuleBasedStateMachine):
     def _new(self, prompt: list[int]) -> Sequence:
         return Sequence(prompt_token_ids=prompt, sampling=SamplingParams(), arrival_time=0.0)
 
-    @rule(target=seqs, prompt=tokens)
-    def allocate(self, prompt: list[int]) -> Sequence:
-        s = self._new(prompt)
+    @rule(target=seqs, prompt=tokens, n=st.sampled_from([1, 1, 2, 3]))
+    def allocate(self, prompt: list[int], n: int) -> Sequence:
+        s = Sequence(prompt_token_ids=prompt, sampling=SamplingParams(n=n), arrival_time=0.0)
         if self.kv.can_allocate(s):
             self.kv.allocate(s)
             assert s.num_cached_tokens < s.num_tokens
@@ -44,6 +45,32 @@ class KVMachine(RuleBasedStateMachine):
         if s.seq_id in self.live and s.block_table:
             s.num_cached_tokens = s.num_tokens
             self.kv.cache_computed(s)
+
+    @rule(target=seqs, s=seqs)
+    def fork(self, s: Sequence) -> Sequence:
+        """After the prefill (the prompt computed, nothing appended yet): its n - 1 children, as `Scheduler.update`;
+        the partial-block copies come from the blocks `allocate` set aside."""
+        if s.seq_id not in self.live or not s.block_table or not s.num_forks_pending or s.num_output_tokens:
+            return s
+        s.num_cached_tokens = s.num_tokens
+        self.kv.cache_computed(s)
+        used = self.kv.device.num_used
+        set_aside = s.seq_id in self.kv._fork_spares  # (a swap-out gave them back; the fork then allocates)
+        child = s
+        for index in range(1, s.num_forks_pending + 1):
+            child = s.fork(index)
+            copies = self.kv.fork(s, child)
+            partial = s.num_tokens % BS != 0
+            assert len(copies) == int(partial)
+            if partial:
+                assert copies[0] == (s.block_table[-1], child.block_table[-1])
+            assert child.block_table[: s.num_tokens // BS] == s.block_table[: s.num_tokens // BS]
+            self.live[child.seq_id] = child
+        s.num_forks_pending = 0
+        if set_aside:
+            assert self.kv.device.num_used == used  # the copies used the blocks set aside, nothing more
+        assert s.seq_id not in self.kv._fork_spares
+        return child
 
     @rule(s=seqs, token=st.integers(0, 2))
     def append(self, s: Sequence, token: int) -> None:
@@ -93,10 +120,12 @@ class KVMachine(RuleBasedStateMachine):
             owners.update(s.block_table)
             if s.block_table:
                 assert len(s.block_table) * BS >= s.num_tokens, "block table does not cover the tokens"
+        spares = Counter(self.kv.spare_blocks())  # set aside for forks not made yet
+        assert not set(spares) & set(owners) and all(c == 1 for c in spares.values())
         for block in self.kv.device.blocks:
-            assert block.ref_count == owners[block.block_id]
+            assert block.ref_count == owners[block.block_id] + spares[block.block_id]
             assert self.kv.device.is_free(block.block_id) == (block.ref_count == 0)
-        assert self.kv.device.num_free + len(owners) == self.kv.device.num_blocks
+        assert self.kv.device.num_free + len(owners) + len(spares) == self.kv.device.num_blocks
 
     @invariant()
     def shared_blocks_hold_one_full_prefix(self) -> None:

@@ -652,3 +652,22 @@ def test_logprobs_recorded() -> None:
     out = sched.schedule()
     sched.update(out, [TOKEN], [-0.25])
     assert a.output_logprobs == [-0.25]
+
+
+def test_a_group_larger_than_a_lowered_max_batch_size_ends_with_an_error() -> None:
+    sched = Scheduler(ScheduleSection(maxBatchSize=4, maxPrefillBatchSize=4), KVCacheManager(16, 0, 4),
+                      clock=lambda: 0.0)
+    seq = Sequence([1, 2, 3], SamplingParams(n=3), arrival_time=0.0)
+    sched.add(seq)
+    sched.update_schedule(ScheduleSection(maxBatchSize=2, maxPrefillBatchSize=2))
+    out = sched.schedule()
+    assert seq in out.finished and seq.finish_reason is FinishReason.ERROR and "maxBatchSize" in (seq.error or "")
+    assert not sched.has_unfinished() and sched.kv.num_used_blocks == 0
+
+
+def test_n_above_max_batch_size_is_refused_at_add() -> None:
+    sched = Scheduler(ScheduleSection(maxBatchSize=2, maxPrefillBatchSize=2), KVCacheManager(16, 0, 4),
+                      clock=lambda: 0.0)
+    seq = Sequence([1, 2, 3], SamplingParams(n=3), arrival_time=0.0)
+    sched.add(seq)
+    assert seq.finish_reason is FinishReason.ERROR and "maxBatchSize" in (seq.error or "")

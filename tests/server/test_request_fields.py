@@ -43,11 +43,10 @@ CHAT_FIELDS: dict[str, Any] = {
 # vLLM's extensions this server honours, checked below like the rest.
 EXTENSIONS = {"top_k": 1, "ignore_eos": True, "stop_token_ids": [5], "priority": 1}
 
-REFUSED_COMPLETION = {"best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "n", "presence_penalty",
-                      "suffix"}
+REFUSED_COMPLETION = {"frequency_penalty", "logit_bias", "presence_penalty", "suffix"}
 REFUSED_CHAT = {"audio", "frequency_penalty", "function_call", "functions", "logit_bias", "metadata", "modalities",
-                "n", "prediction", "presence_penalty", "reasoning_effort", "service_tier", "store", "top_logprobs",
-                "verbosity", "web_search_options", "prompt_cache_key", "safety_identifier"}
+                "prediction", "presence_penalty", "reasoning_effort", "service_tier", "store", "verbosity",
+                "web_search_options", "prompt_cache_key", "safety_identifier"}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +108,7 @@ def test_the_field_lists_cover_the_schemas() -> None:
     """Every field is either refused (above) or has a behaviour check (below)."""
     checked = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "seed", "stop", "stream",
                "stream_options", "temperature", "top_p", "user", "logprobs", "response_format", "tools",
-               "tool_choice", "parallel_tool_calls"}
+               "tool_choice", "parallel_tool_calls", "n", "best_of", "echo", "top_logprobs"}
     assert set(COMPLETION_FIELDS) <= REFUSED_COMPLETION | checked
     assert set(CHAT_FIELDS) <= REFUSED_CHAT | checked
     assert not REFUSED_COMPLETION & checked - {"logprobs"} and not REFUSED_CHAT & checked
@@ -182,6 +181,21 @@ def test_logprobs_are_honoured(server: RunningServer) -> None:
     assert len(_complete(server, logprobs=0)["choices"][0]["logprobs"]["token_logprobs"]) == 4
     assert len(_chat(server, logprobs=True)["choices"][0]["logprobs"]["content"]) == 4
     assert _chat(server)["choices"][0]["logprobs"] is None
+
+
+def test_choices_echo_and_top_logprobs_are_honoured(server: RunningServer) -> None:
+    """n, best_of, echo, logprobs > 0 and top_logprobs (tests/server/test_openai_choices_logprobs.py: in depth)."""
+    for call in (_complete, _chat):
+        assert len(call(server, n=2, temperature=1.0)["choices"]) == 2
+    every = _complete(server, n=3, temperature=1.0, seed=5, logprobs=0)["choices"]
+    best = max(every, key=lambda c: sum(c["logprobs"]["token_logprobs"]))
+    chosen = _complete(server, best_of=3, temperature=1.0, seed=5)["choices"]
+    assert [c["text"] for c in chosen] == [best["text"]]
+    assert _complete(server, echo=True)["choices"][0]["text"].startswith(PROMPT)
+    tops = _complete(server, logprobs=2)["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(tops) == 4 and all(1 <= len(t) <= 3 for t in tops)
+    content = _chat(server, logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"]
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
 
 
 def test_user_is_written_to_the_request_log(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
