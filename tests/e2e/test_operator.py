@@ -285,6 +285,8 @@ def test_rendered_objects_pass_server_side_dry_run(
     from npuserve.operator.render import render
 
     raw = yaml.safe_load((EXAMPLES / example).read_text())
+    # A name of its own: an object of the example's name may exist (`make demo` leaves tiny-cpu's running).
+    raw["metadata"]["name"] = f"{raw['metadata']['name']}-{uuid.uuid4().hex[:6]}"
     # The InferenceService itself first, as the API server validates it (CRD schema and CEL rules).
     k8s_cluster.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(raw))
     raw["metadata"].update(namespace="default", uid=str(uuid.uuid4()))
