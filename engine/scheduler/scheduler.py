@@ -450,7 +450,8 @@ class Scheduler:
         seqs = output.seqs
         if not seqs:
             return []
-        rows = sum(s.num_samples for s in seqs)
+        # A decode step samples one row per sequence (forks happen at the prefill that ends a prompt).
+        rows = len(seqs) if output.kind is StepKind.DECODE else sum(s.num_samples for s in seqs)
         if len(token_ids) != rows:
             raise ValueError(f"{len(token_ids)} tokens for {rows} sampled rows of {len(seqs)} scheduled sequences")
         now = self.clock()
@@ -459,10 +460,41 @@ class Scheduler:
         block_size = kv.block_size
         prefill = output.kind is not StepKind.DECODE  # MIXED steps compute prompt tokens too
         chunks = output.num_new_tokens if output.kind is StepKind.MIXED else None
+        eos, max_iter, max_seq_len = self.eos_token_ids, self.schedule_config.maxIterTimes, self.max_seq_len
         finished: list[Sequence] = []
+
+        # the hot loop (every running request, every step): locals only, one call per sampled token
+        def append(seq: Sequence, r: int) -> None:
+            sp = seq.sampling
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if sp.max_tokens == 0:  # prompt logprobs only: nothing is generated
+                reason = FinishReason.LENGTH
+            else:
+                token = token_ids[r]
+                tokens = seq.token_ids
+                tokens.append(token)
+                if logprobs is not None:
+                    seq.output_logprobs.append(logprobs[r])
+                    seq.cumulative_logprob += logprobs[r]
+                if top_logprobs is not None and sp.top_logprobs:
+                    seq.output_top_logprobs.append(top_logprobs[r])
+                n = len(tokens)
+                num_out = n - len(seq.prompt_token_ids)
+                if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif num_out >= sp.max_tokens or num_out >= max_iter or n >= max_seq_len:
+                    reason = FinishReason.LENGTH
+                else:
+                    return
+            self._end(seq, reason, now)
+            finished.append(seq)
+
         row = 0
         for i, seq in enumerate(seqs):
-            first_row, row = row, row + seq.num_samples
+            first_row = row
+            forks = seq.num_forks_pending
+            row += 1 + forks
             if seq.status is not _RUNNING:
                 continue
             n = len(seq.token_ids)
@@ -474,16 +506,11 @@ class Scheduler:
             seq.num_cached_tokens = n  # every token before the new one now has its KV
             if cache is not None and (prefill or n % block_size == 0):
                 cache(seq)
-            group = [seq]
-            if seq.num_forks_pending:
-                group += self._fork(output, seq)
-            for j, member in enumerate(group):
-                r = first_row + j
-                reason = self._append(member, token_ids[r], None if logprobs is None else logprobs[r],
-                                      None if top_logprobs is None else top_logprobs[r], now)
-                if reason is not None:
-                    self._end(member, reason, now)
-                    finished.append(member)
+            if forks:
+                for j, member in enumerate([seq, *self._fork(output, seq)]):
+                    append(member, first_row + j)
+            else:
+                append(seq, first_row)
         if finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return finished
@@ -501,26 +528,3 @@ class Scheduler:
             children.append(child)
         parent.num_forks_pending = 0
         return children
-
-    def _append(self, seq: Sequence, token: int, logprob: float | None, top: TopLogprobs | None,
-                now: float) -> FinishReason | None:
-        """One sampled token onto `seq`; the reason it ends now, if it does."""
-        sp = seq.sampling
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        if sp.max_tokens == 0:  # prompt logprobs only: nothing is generated
-            return FinishReason.LENGTH
-        tokens = seq.token_ids
-        tokens.append(token)
-        if logprob is not None:
-            seq.output_logprobs.append(logprob)
-            seq.cumulative_logprob += logprob
-        if top is not None and sp.top_logprobs:
-            seq.output_top_logprobs.append(top)
-        n = len(tokens)
-        num_out = n - len(seq.prompt_token_ids)
-        if (token in self.eos_token_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
-            return FinishReason.STOP
-        if num_out >= sp.max_tokens or num_out >= self.schedule_config.maxIterTimes or n >= self.max_seq_len:
-            return FinishReason.LENGTH
-        return None
