@@ -235,25 +235,9 @@ class Scheduler:
         tokens = 0
         forks = 0  # running slots the batch's forks will take after the step
         while len(batch) < max_reqs:
-            seq = self.waiting.peek()
+            seq = self._servable_head(out, now)
             if seq is None:
                 break
-            if not kv.can_ever_fit(seq.num_tokens):
-                # Only a recomputed request can have grown past the cache: it keeps what it generated.
-                self.waiting.pop()
-                if seq.num_output_tokens:
-                    self._end(seq, FinishReason.LENGTH, now)
-                else:
-                    seq.error = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache"
-                    self._end(seq, FinishReason.ERROR, now)
-                out.finished.append(seq)
-                continue
-            if seq.num_samples > cfg.maxBatchSize:  # maxBatchSize lowered live below its n: it can never run
-                self.waiting.pop()
-                seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {cfg.maxBatchSize}"
-                self._end(seq, FinishReason.ERROR, now)
-                out.finished.append(seq)
-                continue
             if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
@@ -312,23 +296,30 @@ class Scheduler:
         if seqs:
             out.kind, out.seqs, out.num_new_tokens, out.num_prefill_seqs = StepKind.MIXED, seqs, counts, prefills
 
+    def _servable_head(self, out: SchedulerOutput, now: float) -> Sequence | None:
+        """The head of the waiting queue, after ending the heads that can never run (into `out.finished`)."""
+        max_batch = self.schedule_config.maxBatchSize
+        while (seq := self.waiting.peek()) is not None:
+            if not self.kv.can_ever_fit(seq.num_tokens):
+                # Only a recomputed request can have grown past the cache: it keeps what it generated.
+                if seq.num_output_tokens:
+                    reason = FinishReason.LENGTH
+                else:
+                    seq.error, reason = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache", FinishReason.ERROR
+            elif seq.num_samples > max_batch:  # maxBatchSize lowered live below its n: it can never run
+                seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {max_batch}"
+                reason = FinishReason.ERROR
+            else:
+                return seq
+            self.waiting.pop()
+            self._end(seq, reason, now)
+            out.finished.append(seq)
+        return None
+
     def _admit(self, out: SchedulerOutput, now: float) -> Sequence | None:
         """The head of the waiting queue, with blocks for its whole prompt, now running; None if it cannot be."""
         kv = self.kv
-        while (seq := self.waiting.peek()) is not None and not kv.can_ever_fit(seq.num_tokens):
-            self.waiting.pop()  # only a recomputed request can have grown past the cache
-            if seq.num_output_tokens:
-                self._end(seq, FinishReason.LENGTH, now)
-            else:
-                seq.error = f"prompt of {seq.num_tokens} tokens cannot fit the KV cache"
-                self._end(seq, FinishReason.ERROR, now)
-            out.finished.append(seq)
-        if seq is not None and seq.num_samples > self.schedule_config.maxBatchSize:
-            self.waiting.pop()  # maxBatchSize lowered live below its n: it can never run
-            seq.error = f"n of {seq.num_samples} sequences exceeds maxBatchSize {self.schedule_config.maxBatchSize}"
-            self._end(seq, FinishReason.ERROR, now)
-            out.finished.append(seq)
-            return None
+        seq = self._servable_head(out, now)
         forks = sum(s.num_forks_pending for s in self.running)  # children of prompts still being chunked
         if seq is None or len(self.running) + forks + seq.num_samples > self.schedule_config.maxBatchSize:
             return None
