@@ -365,6 +365,11 @@ def _tool_setup(state: ServerState, body: ChatCompletionRequest) -> tuple[_Tools
         setup.mode = "none"
     elif choice == "auto":
         setup.mode = "parse"
+        strict = next((i for i, t in enumerate(body.tools) if t.function.strict), None)
+        if strict is not None:  # only a constrained choice holds the arguments to the schema
+            raise APIError(400, f"tools.{strict}.function.strict: with tool_choice 'auto' the model's calls are "
+                           "parsed, not held to the schema; use tool_choice 'required' or a named function",
+                           param=f"tools.{strict}.function.strict")
     else:
         if given is not None:
             raise APIError(400, f"{given[0]} cannot be combined with tool_choice {choice!r}: that choice constrains "

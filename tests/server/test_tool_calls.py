@@ -172,6 +172,11 @@ def test_tool_choice_errors(tool_server: RunningServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     r = post(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    # strict needs a constrained choice: with auto the calls are parsed, so strict would be accepted and not kept
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}  # type: ignore[dict-item]
+    r = post(tools=[WEATHER, strict])
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.function.strict"
+    assert post(tools=[strict], tool_choice="required").status_code == 200
 
 
 def test_a_template_without_tools_refuses_them(server: RunningServer) -> None:
