@@ -294,29 +294,18 @@ class LLMEngine:
             mixed = out.kind is StepKind.MIXED
             sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
                                           num_new_tokens=out.num_new_tokens if mixed else None)
-            # a prompt chunk short of its last token samples nothing: its rows' tokens are not the request's; a
-            # forking prefill's rows after the first are its children's (filled in once they exist)
-            rows: list[Sequence | None] = []
-            for seq, n in zip(out.seqs, out.num_new_tokens or [0] * len(out.seqs), strict=True):
-                keep = not mixed or seq.num_cached_tokens + n >= seq.num_tokens
-                rows += [seq if keep else None] + [None] * (seq.num_samples - 1)
-            starts = [0]
-            for seq in out.seqs:
-                starts.append(starts[-1] + seq.num_samples)
             for seq in out.seqs:
                 if seq.seq_id in sampled.prompt_logprobs:
                     seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
             self.scheduler.update(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
             self.runner.copy_blocks(out.block_copies)  # a fork's partial prompt blocks, before anything reuses them
             ran = list(out.seqs)
-            position = {seq.seq_id: k for k, seq in enumerate(out.seqs)}
             for parent, child in out.forked:
                 request_id = self.outputs.track_fork(parent, child)
                 if request_id is not None:
                     self._request_ids.setdefault(request_id, []).append(child.seq_id)
-                rows[starts[position[parent.seq_id]] + child.index - parent.index] = child
                 ran.append(child)
-            for seq in guided.advance(rows, sampled.token_ids):  # the grammar is complete: stop here
+            for seq in guided.advance(out.sampled_by, sampled.token_ids):  # the grammar is complete: stop here
                 self.scheduler.finish(seq, FinishReason.STOP)
             num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
             stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)

@@ -37,6 +37,9 @@ class SchedulerOutput:
     # block copies (parent block -> child block) the engine runs before the next step.
     forked: list[tuple[Sequence, Sequence]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Filled by `Scheduler.update`: per sampled row, the sequence that took its token (None: a prompt chunk short
+    # of its end, or a request that ended meanwhile), so nothing downstream redoes the row accounting.
+    sampled_by: list[Sequence | None] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)  # MIXED only: tokens each sequence computes
     num_prefill_seqs: int = 0  # MIXED only: sequences computing a prompt chunk (the rest decode)
 

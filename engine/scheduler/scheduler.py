@@ -453,6 +453,8 @@ class Scheduler:
         chunks = output.num_new_tokens if output.kind is StepKind.MIXED else None
         eos, max_iter, max_seq_len = self.eos_token_ids, self.schedule_config.maxIterTimes, self.max_seq_len
         finished: list[Sequence] = []
+        owners: list[Sequence | None] = [None] * rows
+        output.sampled_by = owners
 
         # the hot loop (every running request, every step): locals only, one call per sampled token
         def append(seq: Sequence, r: int) -> None:
@@ -463,6 +465,7 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             else:
                 token = token_ids[r]
+                owners[r] = seq
                 tokens = seq.token_ids
                 tokens.append(token)
                 if logprobs is not None:
