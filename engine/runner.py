@@ -24,8 +24,9 @@ from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
-from npuserve.engine.sampler import LogprobsMode, Sampler, SamplerOutput
+from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
+from npuserve.mindie_config import LogprobsMode
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)

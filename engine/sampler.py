@@ -16,13 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, TopLogprobs
+from npuserve.mindie_config import LogprobsMode
 
-LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 LOGPROB_FLOOR = -9999.0  # what -inf is sent as (vLLM's serving layer does the same)
 

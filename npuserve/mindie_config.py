@@ -140,6 +140,9 @@ class BackendSection(_MindIEModel):
         return self
 
 
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]  # vLLM's logprobs_mode values
+
+
 class NpuserveExtensions(BaseModel):
     """What MindIE lacks; stored under the top-level `npuserve` key."""
 
@@ -153,7 +156,7 @@ class NpuserveExtensions(BaseModel):
     chunkedPrefill: bool = Field(default=False, description="MindIE's SplitFuse: prompts split into chunks mixed "
                                  "into decode steps under maxPrefillTokens; turns supportSelectBatch off")
     maxWaitingRequests: int = Field(default=4096, ge=1, description="waiting queue bound; beyond it requests get 429")
-    logprobsMode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+    logprobsMode: LogprobsMode = Field(
         default="processed_logprobs", description="vLLM's logprobs_mode: logprobs of the distribution sampled from "
         "(after temperature, top-k, top-p), or the model's raw ones")
     servedModelName: str | None = None
