@@ -157,7 +157,7 @@ class LLMEngine:
         if isinstance(self.tokenizer, Tokenizer):
             vocab_json = self.tokenizer.to_json()
             self.grammars = guided.GrammarCompiler(vocab_json, self.spec.vocab_size,
-                                                  sorted(self.scheduler.eos_token_ids))
+                                                  sorted(self.eos_token_ids))
         self._request_ids: dict[str, list[int]] = {}  # unfinished request id -> its seq ids (step thread)
         self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []

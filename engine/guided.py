@@ -22,7 +22,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -105,13 +104,6 @@ class GrammarCompiler:
         self._cache: OrderedDict[GuidedSpec, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-
-    @classmethod
-    def from_model_dir(cls, folder: Path, vocab_size: int, eos_token_ids: list[int]) -> GrammarCompiler:
-        path = folder / "tokenizer.json"
-        if not path.exists():
-            raise GrammarError(f"structured output needs the model's tokenizer.json, and {folder} has none")
-        return cls(path.read_text(), vocab_size, eos_token_ids)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
