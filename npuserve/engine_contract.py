@@ -185,3 +185,45 @@ class EngineInfo(BaseModel):
     ready: bool | None = None
     max_waiting_requests: int | None = None
     num_requests_in_flight: int | None = None
+
+
+# --- per-request timings: what the engine reports of each request, what the load generator reads -------------------
+
+# Name of the field that carries a request's RequestTimings on the last streamed chunk and on a whole response.
+TIMINGS_FIELD = "npuserve"
+
+# The TGI `/generate` timing headers (milliseconds, except the two token counts). The seeds' perf scheme reads
+# first-token latency as prefill + queue time, decode latency as time per token, response time as inference time.
+HEADER_PROMPT_TOKENS = "x-prompt-tokens"
+HEADER_GENERATED_TOKENS = "x-generated-tokens"
+HEADER_QUEUE_TIME = "x-queue-time"
+HEADER_PREFILL_TIME = "x-prefill-time"
+HEADER_INFERENCE_TIME = "x-inference-time"
+HEADER_TIME_PER_TOKEN = "x-time-per-token"
+
+
+class RequestTimings(BaseModel):
+    """Per-request timings the load generator turns into MindIE's PrefillBatchsize, DecoderBatchsize and
+    QueueWaitTime columns (DESIGN.md 2.2). Milliseconds."""
+
+    queue_time_ms: float | None = None
+    prefill_time_ms: float | None = None
+    ttft_ms: float | None = None
+    decode_time_ms: float | None = None
+    e2e_ms: float | None = None
+    prefill_batch_size: int = 0
+    mean_decode_batch_size: float | None = None
+    num_preemptions: int = 0
+
+    @classmethod
+    def from_engine(cls, metrics: dict[str, float]) -> RequestTimings:
+        def ms(key: str) -> float | None:
+            return None if key not in metrics else round(metrics[key] * 1000.0, 3)
+
+        return cls(
+            queue_time_ms=ms("queue_time"), prefill_time_ms=ms("prefill_time"), ttft_ms=ms("ttft"),
+            decode_time_ms=ms("decode_time"), e2e_ms=ms("e2e"),
+            prefill_batch_size=int(metrics.get("prefill_batch_size", 0)),
+            mean_decode_batch_size=metrics.get("mean_decode_batch_size"),
+            num_preemptions=int(metrics.get("num_preemptions", 0)),
+        )

@@ -48,7 +48,6 @@ from npuserve.engine.server.protocol import (
     InvalidField,
     ModelCard,
     ModelList,
-    RequestTimings,
     SamplingFields,
     ToolCall,
     Usage,
@@ -63,6 +62,7 @@ from npuserve.engine.server.state import (
     get_state,
     raise_for_error,
 )
+from npuserve.engine_contract import TIMINGS_FIELD, RequestTimings
 
 router = APIRouter()
 log = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ def _final_extras(output: RequestOutput, usage: Usage | None) -> dict[str, Any]:
     if usage is not None:
         extras["usage"] = usage
     if output.finished:
-        extras["npuserve"] = RequestTimings.from_engine(output.metrics)
+        extras[TIMINGS_FIELD] = RequestTimings.from_engine(output.metrics)
     return extras
 
 

@@ -22,7 +22,7 @@ from pydantic import (
 
 from npuserve.engine.guided import GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
-from npuserve.engine_contract import schedule_field
+from npuserve.engine_contract import RequestTimings, schedule_field
 
 # --- shared --------------------------------------------------------------------------------------------------------
 
@@ -321,33 +321,6 @@ class Usage(BaseModel):
         cached = sum(o.num_cached_prompt_tokens for o in firsts)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
-
-
-class RequestTimings(BaseModel):
-    """Per-request timings the load generator turns into MindIE's PrefillBatchsize, DecoderBatchsize and
-    QueueWaitTime columns (DESIGN.md 2.2). Milliseconds."""
-
-    queue_time_ms: float | None = None
-    prefill_time_ms: float | None = None
-    ttft_ms: float | None = None
-    decode_time_ms: float | None = None
-    e2e_ms: float | None = None
-    prefill_batch_size: int = 0
-    mean_decode_batch_size: float | None = None
-    num_preemptions: int = 0
-
-    @classmethod
-    def from_engine(cls, metrics: dict[str, float]) -> RequestTimings:
-        def ms(key: str) -> float | None:
-            return None if key not in metrics else round(metrics[key] * 1000.0, 3)
-
-        return cls(
-            queue_time_ms=ms("queue_time"), prefill_time_ms=ms("prefill_time"), ttft_ms=ms("ttft"),
-            decode_time_ms=ms("decode_time"), e2e_ms=ms("e2e"),
-            prefill_batch_size=int(metrics.get("prefill_batch_size", 0)),
-            mean_decode_batch_size=metrics.get("mean_decode_batch_size"),
-            num_preemptions=int(metrics.get("num_preemptions", 0)),
-        )
 
 
 def new_id(prefix: str) -> str:

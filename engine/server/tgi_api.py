@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from npuserve import engine_contract as contract
 from npuserve.engine.guided import CompiledGrammar
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams
@@ -70,12 +71,12 @@ def timing_headers(output: RequestOutput) -> dict[str, str]:
     decode = m.get("decode_time", 0.0) * 1000
     per_token = decode / (n - 1) if n > 1 else 0.0
     return {
-        "x-prompt-tokens": str(output.num_prompt_tokens),
-        "x-generated-tokens": str(n),
-        "x-queue-time": f"{queue:.3f}",
-        "x-prefill-time": f"{prefill:.3f}",
-        "x-inference-time": f"{prefill + decode:.3f}",
-        "x-time-per-token": f"{per_token:.3f}",
+        contract.HEADER_PROMPT_TOKENS: str(output.num_prompt_tokens),
+        contract.HEADER_GENERATED_TOKENS: str(n),
+        contract.HEADER_QUEUE_TIME: f"{queue:.3f}",
+        contract.HEADER_PREFILL_TIME: f"{prefill:.3f}",
+        contract.HEADER_INFERENCE_TIME: f"{prefill + decode:.3f}",
+        contract.HEADER_TIME_PER_TOKEN: f"{per_token:.3f}",
     }
 
 
