@@ -18,7 +18,10 @@ from npuserve.loadgen.config import DEFAULT_MAX_OUTPUT_LEN, DatasetConfig, Datas
 from npuserve.loadgen.datasets import DatasetError, dataset_label, load_requests
 from npuserve.loadgen.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 
-GSM8K_TEST = Path("/work/shared/datasets/gsm8k/test.jsonl")
+# The GSM8K test split, where this checkout has it: $GSM8K_TEST_JSONL, else the workspace's shared folder beside it.
+GSM8K_TEST = Path(
+    os.environ.get("GSM8K_TEST_JSONL", Path(__file__).resolve().parents[2].parent / "shared/datasets/gsm8k/test.jsonl")
+)
 SPECIAL_TEXTS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")  # the dummy tokenizer's special tokens
 
 
