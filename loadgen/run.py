@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel
 
 from npuserve.loadgen.arrivals import RequestQueue, iter_send_offsets, think_time
-from npuserve.loadgen.client import make_http_client, send
+from npuserve.loadgen.client import ConnectionPool, send
 from npuserve.loadgen.config import BenchConfig
 from npuserve.loadgen.datasets import dataset_label, load_requests
 from npuserve.loadgen.metrics import BenchMetrics, compute_metrics
@@ -72,10 +72,10 @@ def choose_tokenizer(config: BenchConfig, info: ServerInfo) -> TokenCounter | No
 class _Run:
     """One run's moving parts: the pool, the clock, the records, the stop signal."""
 
-    def __init__(self, config: BenchConfig, http: httpx.AsyncClient, model: str, tokenizer: TokenCounter | None,
+    def __init__(self, config: BenchConfig, pool: ConnectionPool, model: str, tokenizer: TokenCounter | None,
                  on_record: RecordHook | None, stop: asyncio.Event):
         self.config = config
-        self.http = http
+        self.pool = pool
         self.model = model
         self.tokenizer = tokenizer
         self.on_record = on_record
@@ -95,7 +95,7 @@ class _Run:
     async def one(self, request: BenchRequest, *, user: int | None, warmup: bool) -> None:
         record = RequestRecord(index=self.next_index, user=user, warmup=warmup, t0=0.0)
         self.next_index += 1
-        await send(self.http, self.config.endpoint, request, record, model=self.model,
+        await send(self.pool, self.config.endpoint, request, record, model=self.model,
                    ignore_eos=self.config.ignore_eos, tokenizer=self.tokenizer, clock=self.clock)
         self.records.append(record)
         if self.on_record is not None:
@@ -166,8 +166,10 @@ async def run_benchmark(config: BenchConfig, *, on_record: RecordHook | None = N
         raise ValueError("--duration with an unbounded --request-rate sends without end: give --max-concurrency "
                          "or --request-rate")
     stop = stop or asyncio.Event()
-    async with make_http_client(config.base_url, load.max_concurrency, config.request_timeout_s) as http:
-        info = await probe(http, config.base_url, config.model)
+    pool = ConnectionPool(config.base_url, config.request_timeout_s)
+    try:
+        async with httpx.AsyncClient(base_url=config.base_url) as http:
+            info = await probe(http, config.base_url, config.model)
         tokenizer = choose_tokenizer(config, info)
         drawn = load_requests(config.dataset, load.warmup_requests + load.num_prompts, tokenizer=tokenizer,
                               seed=load.seed)
@@ -181,7 +183,7 @@ async def run_benchmark(config: BenchConfig, *, on_record: RecordHook | None = N
             if on_record is not None:
                 on_record(record)
 
-        run = _Run(config, http, info.model, tokenizer, hook, stop)
+        run = _Run(config, pool, info.model, tokenizer, hook, stop)
         try:
             if warmups:
                 await run.closed_loop(warmups, load.max_concurrency or 1, cycle=False, warmup=True)
@@ -208,6 +210,8 @@ async def run_benchmark(config: BenchConfig, *, on_record: RecordHook | None = N
         finally:
             if trace is not None:
                 trace.close()
+    finally:
+        await pool.aclose()
     sources = [r.token_source for r in measured if r.token_source is not None]
     source = max(set(sources), key=sources.count) if sources else TokenCountSource.CHUNKS
     return BenchResult(
