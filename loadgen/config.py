@@ -67,7 +67,7 @@ class LoadConfig(BaseModel):
         if self.think_time_s is not None:
             low, high = self.think_time_s
             if not 0 <= low <= high:
-                raise ValueError(f"think time {low}:{high}: want 0 <= low <= high")
+                raise ValueError(f"--think-time {low}:{high}: want 0 <= low <= high")
             if self.max_concurrency is None:
                 raise ValueError("--think-time needs users: --concurrency (or --max-concurrency)")
             if math.isfinite(self.request_rate):

@@ -338,3 +338,28 @@ def test_library_run_returns_a_report_and_prints_nothing(engine: RunningServer,
     assert report.metrics.slo is not None and report.metrics.slo.passed
     assert report.result.tokenizer is not None  # the model folder /v1/models names, found on this machine
     assert capsys.readouterr() == ("", "")
+
+
+def test_open_loop_rate_and_duration_modes(engine: RunningServer) -> None:
+    base = BenchConfig(base_url=engine.url, ignore_eos=True,
+                       dataset=DatasetConfig(name=DatasetName.RANDOM, random_input_len=8, random_output_len=4))
+    # Open loop: 20 req/s Poisson for 10 requests takes about half a second of sending, not all at once.
+    paced = asyncio.run(run_benchmark(base.model_copy(update={"load": LoadConfig(num_prompts=10, request_rate=20)})))
+    sends = sorted(r.t0 for r in paced.measured)
+    assert len(sends) == 10 and all(r.ok for r in paced.measured)
+    assert sends[-1] - sends[0] > 0.1  # spread by the arrivals (mean 0.45 s), where an unpaced run sends at once
+    # --duration: two users cycle a 3-prompt dataset until 1.5 s have passed, then stop sending.
+    load = LoadConfig(num_prompts=3, duration_s=1.5, max_concurrency=2)
+    timed = asyncio.run(run_benchmark(base.model_copy(update={"load": load})))
+    assert len(timed.measured) > 3  # the dataset was cycled
+    assert max(r.t0 for r in timed.measured) < 1.5  # nothing sent after the deadline
+    assert {r.user for r in timed.measured} == {0, 1}
+
+
+def test_bad_flags_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _bench(capsys, "--dataset-name", "gsm8k", "--num-prompts", "2")
+    assert code == 2 and "--dataset-path" in err
+    code, _, err = _bench(capsys, "--think-time", "3:1", "--concurrency", "2")
+    assert code == 2 and "--think-time" in err
+    code, _, err = _bench(capsys, "--sweep", "batch=1,2")
+    assert code == 2 and "--sweep" in err
