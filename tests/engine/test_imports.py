@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-PACKAGES = ("npuserve.engine.scheduler", "npuserve.engine.kvcache")
+PACKAGES = ("npuserve.engine.scheduler", "npuserve.engine.kvcache", "npuserve.engine.simulated")
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

@@ -1,0 +1,208 @@
+"""Step time of one engine step from first principles plus fitted overheads (DESIGN.md 3.4). Pure arithmetic.
+
+A step reads every weight of the card's shard once, reads (and writes) the KV of every token its sequences attend
+to, computes the FLOPs of the tokens it runs, and pays host-side costs; with tensor parallel it all-reduces each
+layer's activations. Per card, with tensor parallel over `world_size` cards:
+
+    weights_s  = weight bytes / world_size / (peak bandwidth x bandwidth_efficiency)      same for any batch
+    kv_s       = context tokens x KV bytes per token per card / (same bandwidth)            linear in context
+    compute_s  = (2 x matmul params x tokens + 2 x LM-head params x sampled rows
+                  + 4 x layers x q_size x attended pairs) / world_size / (peak FLOP/s x compute_efficiency)
+    comm_s     = (2 x layers + 1) all-reduces x (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth)
+    host_s     = per_seq_overhead x sequences          the host's per-request work: inputs, sampling, outputs
+    overhead_s = step_overhead                         what overlaps nothing: launch, synchronisation
+    swap_s     = swapped blocks x block bytes per card / host link bandwidth
+
+    device_s   = max(weights_s + kv_s, compute_s) + comm_s
+    total_s    = overhead_s + max(device_s, host_s) + swap_s
+
+Memory traffic and compute overlap on the device (the roofline's max): a decode step is bandwidth-bound, a prefill
+step of a few thousand tokens compute-bound. The host prepares and post-processes a step while the device runs
+(MindIE's and vLLM's asynchronous scheduling), so the step takes the longer of the two: small batches are paced by
+the device, large ones by the host, which is why the decode time bends upwards past a batch size (the guide's 47,
+50, 60 ms at 100, 150, 200). The overheads, the communication latency and the achieved fractions of peak are the
+free parameters (`CostParams`, fitted by `benchmarks/simulator_calibration.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from npuserve.catalog.accelerators import Accelerator
+from npuserve.modelspec import ModelSpec
+
+GB = 1e9
+TERA = 1e12
+
+
+class CostParams(BaseModel):
+    """The free parameters of the cost model (`FITTED_COST_PARAMS`: the fit to the MindIE tuning guide)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bandwidth_efficiency: float = Field(default=0.85, gt=0, le=1, description="achieved / peak memory bandwidth")
+    compute_efficiency: float = Field(default=0.6, gt=0, le=1, description="achieved / peak 16-bit FLOP/s (MFU)")
+    step_overhead_ms: float = Field(default=0.0, ge=0, description="per step, overlapping nothing: launches, "
+                                                                    "synchronisation")
+    per_seq_overhead_ms: float = Field(default=0.0, ge=0, description="host work per sequence in a step (inputs, "
+                                                                       "sampling, outputs), overlapped with the device")
+    allreduce_latency_us: float = Field(default=0.0, ge=0, description="fixed cost of one all-reduce (worldSize > 1)")
+    host_link_gbps: float = Field(default=25.0, gt=0, description="device <-> host copies (swap), GB/s; PCIe 4.0 "
+                                                                  "x16 as an assumption, not a measurement")
+
+
+# The fit to the MindIE tuning guide (benchmarks/simulator_calibration.py prints it; calibration.py has the setup).
+# The 910B4's bandwidth and compute are fitted with these and live in the catalog (FITTED_910B4_* in
+# npuserve/catalog/accelerators.py). The all-reduce latency is assumed (a typical small-message HCCL/NCCL latency),
+# not fitted: with one step overhead fitted beside it, the two cannot be told apart by the guide's data.
+FITTED_COST_PARAMS = CostParams(
+    bandwidth_efficiency=0.85,
+    compute_efficiency=0.6,
+    step_overhead_ms=32.5,
+    per_seq_overhead_ms=0.125,
+    allreduce_latency_us=20.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What the cost model needs of one card, and where each figure comes from."""
+
+    name: str
+    bandwidth_gbps: float
+    tflops: float
+    interconnect_gbps: float
+    source: str  # "datasheet" or "fitted", as the catalog says
+
+    @classmethod
+    def of(cls, accelerator: Accelerator) -> Hardware:
+        figures = accelerator.simulation_figures()
+        if figures is None:
+            raise ValueError(f"accelerator {accelerator.name!r} has no bandwidth/compute figures (published or fitted) "
+                             "to simulate it with")
+        return cls(accelerator.name, figures.memory_bandwidth_gbps, figures.tflops_16bit, figures.interconnect_gbps,
+                   figures.source)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What one step runs, as the cost model needs it (built from a SchedulerOutput by the runner)."""
+
+    num_seqs: int  # sequences in the step
+    new_tokens: int  # tokens computed (prompt tokens of a prefill, one per decoding sequence)
+    context_tokens: int  # tokens whose KV the step reads or writes (every attended position, new ones included)
+    attended_pairs: int  # (query token, key token) pairs of attention
+    sampled_rows: int  # rows that go through the LM head
+    swapped_blocks: int = 0  # blocks copied between device and host (both directions)
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """One step's time and each term of it, in seconds (the breakdown a user can inspect)."""
+
+    weights_s: float
+    kv_s: float
+    compute_s: float
+    comm_s: float
+    host_s: float
+    overhead_s: float
+    swap_s: float
+
+    @property
+    def memory_s(self) -> float:
+        return self.weights_s + self.kv_s
+
+    @property
+    def device_s(self) -> float:
+        return max(self.memory_s, self.compute_s) + self.comm_s
+
+    @property
+    def bound(self) -> str:
+        """What set the step's pace: 'memory' or 'compute' (the device's roofline), or 'host'."""
+        if self.host_s > self.device_s:
+            return "host"
+        return "memory" if self.memory_s >= self.compute_s else "compute"
+
+    @property
+    def total_s(self) -> float:
+        return self.overhead_s + max(self.device_s, self.host_s) + self.swap_s
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {"weights_s": self.weights_s, "kv_s": self.kv_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "host_s": self.host_s, "overhead_s": self.overhead_s, "swap_s": self.swap_s,
+                "total_s": self.total_s, "bound": self.bound}
+
+
+class CostModel:
+    """Step times of one model on `world_size` cards of one accelerator. Per-step arithmetic only: the constants of
+    the model and the hardware are folded once here, so a step costs a few multiplications."""
+
+    def __init__(self, model: ModelSpec, hardware: Hardware, world_size: int = 1, params: CostParams | None = None,
+                 *, block_size: int = 128) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.model = model
+        self.hardware = hardware
+        self.world_size = world_size
+        self.params = params or FITTED_COST_PARAMS
+        p = self.params
+        n = world_size
+        dtype = model.dtype_bytes
+        layer_params = model.num_layers * model.params_per_layer
+        lm_head_params = model.vocab_size * model.hidden_size
+        bandwidth = hardware.bandwidth_gbps * GB * p.bandwidth_efficiency
+        flops = hardware.tflops * TERA * p.compute_efficiency
+        # The embedding table is gathered row by row (a lookup), the LM head read whole: count it once, as weights.
+        self.weight_bytes_per_card = (layer_params + lm_head_params) * dtype / n
+        self.kv_bytes_per_token_per_card = model.kv_bytes_per_block(1, n)
+        self.block_bytes_per_card = model.kv_bytes_per_block(block_size, n)
+        self._weights_s = self.weight_bytes_per_card / bandwidth
+        self._kv_s_per_token = self.kv_bytes_per_token_per_card / bandwidth
+        self._s_per_token = 2.0 * layer_params / n / flops
+        self._s_per_row = 2.0 * lm_head_params / n / flops
+        self._s_per_pair = 4.0 * model.num_layers * model.q_size / n / flops
+        self._step_overhead_s = p.step_overhead_ms / 1e3
+        self._seq_overhead_s = p.per_seq_overhead_ms / 1e3
+        if n > 1:
+            all_reduces = 2 * model.num_layers + 1  # after attention and after the MLP of each layer; the LM head
+            link = hardware.interconnect_gbps * GB
+            self._comm_fixed_s = all_reduces * p.allreduce_latency_us / 1e6
+            self._comm_s_per_token = all_reduces * 2.0 * (n - 1) / n * model.hidden_size * dtype / link
+        else:
+            self._comm_fixed_s = self._comm_s_per_token = 0.0
+        self._swap_s_per_block = self.block_bytes_per_card / (p.host_link_gbps * GB)
+
+    def step(self, shape: StepShape) -> StepCost:
+        return StepCost(
+            weights_s=self._weights_s,
+            kv_s=shape.context_tokens * self._kv_s_per_token,
+            compute_s=(shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
+                       + shape.attended_pairs * self._s_per_pair),
+            comm_s=self._comm_fixed_s + shape.new_tokens * self._comm_s_per_token,
+            host_s=shape.num_seqs * self._seq_overhead_s,
+            overhead_s=self._step_overhead_s,
+            swap_s=shape.swapped_blocks * self._swap_s_per_block,
+        )
+
+    def step_time(self, shape: StepShape) -> float:
+        """`step(shape).total_s` without building the breakdown (the runner's hot path)."""
+        memory = self._weights_s + shape.context_tokens * self._kv_s_per_token
+        compute = (shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
+                   + shape.attended_pairs * self._s_per_pair)
+        device = max(memory, compute) + self._comm_fixed_s + shape.new_tokens * self._comm_s_per_token
+        return (self._step_overhead_s + max(device, shape.num_seqs * self._seq_overhead_s)
+                + shape.swapped_blocks * self._swap_s_per_block)
+
+
+def decode_shape(batch: int, context_per_seq: int) -> StepShape:
+    """A decode step of `batch` sequences each holding `context_per_seq` tokens (for tests and quick estimates)."""
+    return StepShape(num_seqs=batch, new_tokens=batch, context_tokens=batch * context_per_seq,
+                     attended_pairs=batch * context_per_seq, sampled_rows=batch)
+
+
+def prefill_shape(prompt_lens: list[int]) -> StepShape:
+    """A prefill step of fresh prompts (causal attention: a prompt of n tokens attends n (n + 1) / 2 pairs)."""
+    return StepShape(num_seqs=len(prompt_lens), new_tokens=sum(prompt_lens), context_tokens=sum(prompt_lens),
+                     attended_pairs=sum(n * (n + 1) // 2 for n in prompt_lens), sampled_rows=len(prompt_lens))
