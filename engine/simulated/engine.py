@@ -111,14 +111,14 @@ class SimulationResult:
         return totals
 
 
-def draw_requests(config: SimulationConfig, num: int) -> list[SimRequest]:
-    """`num` requests from the configured dataset (the load generator's own code, without a tokenizer), with their
-    token counts and true output lengths (see `lengths`)."""
-    bench = config.bench
+def draw_requests(bench: BenchConfig, num: int, lengths: OutputLengths | None = None) -> list[SimRequest]:
+    """`num` requests from the bench config's dataset (the load generator's own code, without a tokenizer), with
+    their token counts and true output lengths (see `lengths`)."""
     drawn = load_requests(bench.dataset, num, tokenizer=None, seed=bench.load.seed)
     rng = random.Random(bench.load.seed + 2)  # its own stream: the arrivals use seed + 1, the dataset seed
-    return [SimRequest(prompt_tokens(r), output_tokens(r, bench.dataset.name, config.output_lengths, bench.ignore_eos,
-                                                       rng), r.max_tokens)
+    lengths = lengths or OutputLengths()
+    return [SimRequest(prompt_tokens(r), output_tokens(r, bench.dataset.name, lengths, bench.ignore_eos, rng),
+                       r.max_tokens)
             for r in drawn]
 
 
@@ -128,7 +128,7 @@ def simulate(config: SimulationConfig, requests: Sequence[SimRequest] | None = N
     `warmup_requests + num_prompts` of them)."""
     bench, load = config.bench, config.bench.load
     total = load.warmup_requests + load.num_prompts
-    drawn = list(requests) if requests is not None else draw_requests(config, total)
+    drawn = list(requests) if requests is not None else draw_requests(bench, total, config.output_lengths)
     if len(drawn) != total:
         raise ValueError(f"{len(drawn)} requests given; the load asks for {total} (warm-up included)")
     warmups, measured = drawn[:load.warmup_requests], drawn[load.warmup_requests:]
@@ -177,7 +177,9 @@ def sweep(config: SimulationConfig, values: Iterable[int], *, prefill_half: bool
     """One run per maxBatchSize (maxPrefillBatchSize = half of it, the plan's rule, unless `prefill_half` is False),
     the same requests every run (drawn once)."""
     load = config.bench.load
-    drawn = list(requests) if requests is not None else draw_requests(config, load.warmup_requests + load.num_prompts)
+    if requests is None:
+        requests = draw_requests(config.bench, load.warmup_requests + load.num_prompts, config.output_lengths)
+    drawn = list(requests)
     results = []
     for batch in values:
         changes: dict[str, int] = {"maxBatchSize": batch}

@@ -177,10 +177,7 @@ def build(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest],
         if cards is not None and cards != world:
             raise SimulateError(f"--cards {cards} disagrees with worldSize {world} of {args.config}")
         cards = world
-    draft = SimulationConfig(engine=MindIEConfig.from_dict({"BackendConfig": {"ModelDeployConfig": {
-        "ModelConfig": [{"modelName": name, "modelWeightPath": name, "npuMemSize": 1}]}}}),
-        model=spec, accelerator=args.accelerator, bench=bench, output_lengths=lengths)
-    requests = draw_requests(draft, bench.load.warmup_requests + bench.load.num_prompts)
+    requests = draw_requests(bench, bench.load.warmup_requests + bench.load.num_prompts, lengths)
     try:
         planned = plan(_spec(args, spec, name, requests, cards, bench))
     except ValidationError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -128,25 +129,24 @@ def test_drawn_output_lengths_keep_their_mean_under_the_cap() -> None:
     assert sum(lengths) / len(lengths) == pytest.approx(346, rel=0.02)
 
 
-def test_true_output_length_follows_the_dataset(tmp_path: object) -> None:
+def test_random_prompts_run_to_their_drawn_lengths() -> None:
     load = LoadConfig(num_prompts=4)
-    random_config = sim_config(load)
-    assert all(r.output_tokens == r.max_tokens == 50 for r in draw_requests(random_config, 4))
-    assert all(r.prompt_tokens == 200 for r in draw_requests(random_config, 4))
+    bench = sim_config(load).bench
+    assert all(r.output_tokens == r.max_tokens == 50 for r in draw_requests(bench, 4))
+    assert all(r.prompt_tokens == 200 for r in draw_requests(bench, 4))
 
 
-def test_gsm8k_prompts_are_estimated_and_outputs_drawn_around_the_mean(tmp_path: pytest.TempPathFactory) -> None:
-    path = tmp_path / "gsm8k.jsonl"  # type: ignore[operator]
+def test_gsm8k_prompts_are_estimated_and_outputs_drawn_around_the_mean(tmp_path: Path) -> None:
+    path = tmp_path / "gsm8k.jsonl"
     path.write_text('{"question": "' + "x" * 400 + '", "answer": "1"}\n')
     dataset = DatasetConfig(name=DatasetName.GSM8K, path=path, max_output_len=512)
-    config = sim_config(LoadConfig(num_prompts=2000), dataset=dataset)
-    capped = draw_requests(config, 5)
+    bench = sim_config(LoadConfig(num_prompts=2000), dataset=dataset).bench
+    capped = draw_requests(bench, 5)
     assert all(r.prompt_tokens == 100 and r.output_tokens == 512 for r in capped)  # no mean given: to the cap
-    drawn = draw_requests(config.model_copy(update={"output_lengths": OutputLengths(mean=300)}), 2000)
+    drawn = draw_requests(bench, 2000, OutputLengths(mean=300))
     assert sum(r.output_tokens for r in drawn) / 2000 == pytest.approx(300, rel=0.05)
-    ignoring = config.model_copy(update={"output_lengths": OutputLengths(mean=300),
-                                         "bench": config.bench.model_copy(update={"ignore_eos": True})})
-    assert all(r.output_tokens == 512 for r in draw_requests(ignoring, 20))
+    ignoring = bench.model_copy(update={"ignore_eos": True})
+    assert all(r.output_tokens == 512 for r in draw_requests(ignoring, 20, OutputLengths(mean=300)))
 
 
 def test_open_loop_sends_at_the_load_generators_offsets() -> None:
