@@ -53,7 +53,8 @@ class SimulationConfig(BaseModel):
                                           description="true output lengths of datasets that give only a cap")
     num_kv_blocks: int | None = Field(default=None, gt=0, description="device KV blocks; None: from npuMemSize")
     num_host_blocks: int | None = Field(default=None, ge=0, description="host KV blocks; None: from cpuMemSize")
-    recompute_threshold: float = Field(default=0.5, ge=0.0, lt=1.0, description="MINDIE_LLM_RECOMPUTE_THRESHOLD")
+    recompute_threshold: float = Field(default=0.5, ge=0.0, lt=1.0,
+                                       description="MindIE's recompute threshold (its variables: engine_contract)")
     cost: CostParams = Field(default_factory=lambda: FITTED_COST_PARAMS, description="the cost model's parameters")
     hardware: Hardware | None = Field(default=None, description="the card's figures; None: the catalog's (published, "
                                                                 "else fitted)")

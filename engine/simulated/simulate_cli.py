@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS, get_model_preset
-from npuserve.engine_contract import SCHEDULE_FIELD_BY_NAME, SCHEDULE_FIELDS
+from npuserve.engine_contract import FLAG_CONFIG, SCHEDULE_FIELD_BY_NAME, SCHEDULE_FIELDS
 from npuserve.loadgen import cli_args
 from npuserve.loadgen.config import BenchConfig
 from npuserve.loadgen.datasets import DatasetError
@@ -61,7 +61,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--card-memory-gib", type=float, help="memory per card (default: the catalog's)")
     m.add_argument("--reserved-gib", type=float, help="memory a card holds at idle (default: the catalog's)")
     e = parser.add_argument_group("engine")
-    e.add_argument("--config", metavar="CONFIG_JSON", help="a MindIE config.json instead of the plan's")
+    e.add_argument(FLAG_CONFIG, dest="config", metavar="CONFIG_JSON", help="a MindIE config.json instead of the plan's")
     e.add_argument("--schedule", nargs="+", metavar="K=V", default=[],
                    help="ScheduleConfig fields by MindIE's names, e.g. maxBatchSize=300 supportSelectBatch=false "
                         "(maxBatchSize alone also sets maxPrefillBatchSize to half of it, the plan's rule)")
