@@ -1,0 +1,444 @@
+"""The tuner (operator/tuner.py, DESIGN.md 4.3) driven in a loop against an analytic engine: it converges near the
+analytic optimum of each objective within the trial budgets, exact and with +-5% noise, and handles the edge cases
+(pinned knobs, an unreachable SLO, failed and noisy trials, a one-value range, the trial budget, resuming).
+
+`pytest -s` prints every run's trials.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from npuserve.operator.api import InferenceServiceSpec, PlanSchedule, SLOSpec
+from npuserve.operator.planner import plan
+from npuserve.operator.tuner import (
+    LatencyStats,
+    NextTrial,
+    Trial,
+    TrialMetrics,
+    TunedSchedule,
+    TuningProblem,
+    Verdict,
+    failure_of,
+    next_step,
+    trial_from_status,
+    trial_status,
+    tuning_status,
+)
+
+# --- the analytic engine -------------------------------------------------------------------------------------------
+# Shaped on the MindIE guide's measurements (DESIGN.md 3.4). supportSelectBatch true: TPOT convex in the batch
+# (43 ms at 100, 62 at 200), and throughput = batch / TPOT, cut past 400 by KV pressure: 2848 / 2981 / 2533 tok/s at
+# 200 / 300 / 400, as the guide measured (2845 / 2980 / 2520), peaking at 276. supportSelectBatch false: TPOT through
+# the guide's 50.0 / 61.9 / 73.7 ms at 100 / 150 / 200, TTFT through its 6365 ms at 100 and steeply up (11.9 s at 150,
+# 21.2 s at 200). The `knee` shape bends TPOT harder: flat to 150, then steep (47 / 52 / 63 ms at 100 / 150 / 200).
+
+
+def analytic_truth(batch: int, select: bool, knee: bool = False) -> tuple[float, float, float]:
+    """(output tok/s, TTFT ms, TPOT ms) at one batch."""
+    if select:
+        if knee:
+            tpot = 41 + 0.06 * batch + 3 * math.log1p(math.exp((batch - 150) / 15))
+        else:
+            tpot = 30 + 0.1 * batch + 3e-4 * batch * batch
+        return 884 * batch / tpot * math.exp(-((batch / 516) ** 7)), 300 + 5 * batch, tpot
+    tpot = 26.25 + 0.2375 * batch
+    return 800 * batch / tpot, 6365 * (batch / 100) ** 1.74, tpot
+
+
+Engine = Callable[[TunedSchedule], TrialMetrics]
+
+
+def analytic_engine(noise: float = 0.0, seed: int = 0, kv_limit: int | None = None, samples: int = 500,
+                    knee: bool = False) -> Engine:
+    """A measurement at a schedule: the truth, each figure times its own uniform factor in [1 - noise, 1 + noise]
+    (seeded), and the KV cache exhausted above `kv_limit`."""
+    rng = random.Random(seed)
+
+    def measure(schedule: TunedSchedule) -> TrialMetrics:
+        tput, ttft, tpot = analytic_truth(schedule.maxBatchSize, schedule.supportSelectBatch, knee)
+        f = [1 + rng.uniform(-noise, noise) for _ in range(3)]
+        exhausted = kv_limit is not None and schedule.maxBatchSize > kv_limit
+        return TrialMetrics(output_tokens_per_s=tput * f[0],
+                            ttft_ms=LatencyStats(mean=ttft * f[1], p90=1.3 * ttft * f[1], p99=1.6 * ttft * f[1]),
+                            tpot_ms=LatencyStats(mean=tpot * f[2], p90=1.2 * tpot * f[2], p99=1.5 * tpot * f[2]),
+                            samples=samples, kv_exhausted=exhausted)
+
+    return measure
+
+
+BASE = PlanSchedule(cacheBlockSize=128, maxBatchSize=108, maxPrefillBatchSize=54, maxPrefillTokens=10044,
+                    prefillTimeMsPerReq=150, decodeTimeMsPerReq=50, maxIterTimes=512, maxPreemptCount=0,
+                    supportSelectBatch=True, maxQueueDelayMicroseconds=5000)
+GUIDE_SLO: dict[str, dict[str, Any]] = {  # the guide's bounds (DESIGN.md 4.3)
+    "throughput": {},
+    "decodeLatency": {"tpot_ms": 50},
+    "firstTokenAndDecode": {"ttft_ms": 8000, "tpot_ms": 50},
+}
+RANGES = [(90, 272, 108), (50, 600, 200), (60, 1000, 108), (20, 400, 300), (100, 2000, 435)]
+
+
+def problem(objective: str, batch_range: tuple[int, int, int] = (90, 272, 108), **settings: Any) -> TuningProblem:
+    low, high, start = batch_range
+    return TuningProblem.model_validate({
+        "objective": objective, "batch_min": low, "batch_max": high, "batch_start": start, "base": BASE,
+        "mean_input_tokens": 186, "max_input_tokens": 2048, **GUIDE_SLO[objective], **settings})
+
+
+def measured(p: TuningProblem, engine: Engine, *batches: int) -> list[Trial]:
+    return [Trial(schedule=p.schedule_for(b), metrics=engine(p.schedule_for(b))) for b in batches]
+
+
+def drive(p: TuningProblem, engine: Engine, limit: int = 40,
+          history: list[Trial] | None = None) -> tuple[Verdict, list[Trial]]:
+    """The tuner's loop, as the simulator and the operator run it; checks every proposal on the way."""
+    trials = list(history or [])
+    for _ in range(limit):
+        step = next_step(p, trials)
+        assert next_step(p, trials) == step  # pure: the same history gives the same answer
+        if isinstance(step, Verdict):
+            print(f"  -> {step.reason}: {step.message}")
+            return step, trials
+        if step.repeat_of is None:
+            assert step.schedule not in [t.schedule for t in trials], "a schedule measured again, not as a repeat"
+        else:
+            assert trials[step.repeat_of].schedule == step.schedule
+        assert p.batch_min <= step.schedule.maxBatchSize <= p.batch_max
+        trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))
+        m = trials[-1].metrics
+        assert m is not None
+        failed = failure_of(p, trials[-1])
+        print(f"  trial {len(trials) - 1}: maxBatchSize {step.schedule.maxBatchSize:4d}  "
+              f"{m.output_tokens_per_s:6.0f} tok/s  TTFT {m.ttft_ms.mean:7.0f} ms  TPOT {m.tpot_ms.mean:5.1f} ms  "
+              f"{'FAILED: ' + failed + '  ' if failed else ''}({step.reason})")
+    raise AssertionError(f"no verdict in {limit} steps")
+
+
+def optimum(p: TuningProblem, knee: bool = False) -> int:
+    """The exhaustive sweep's answer over the whole range."""
+    select = p.schedule_for(p.batch_min).supportSelectBatch
+    batches = range(p.batch_min, p.batch_max + 1)
+    if p.objective == "throughput":
+        return max(batches, key=lambda b: analytic_truth(b, select, knee)[0])
+    bounds = p.bounds()
+    return max(b for b in batches if all(analytic_truth(b, select, knee)[1 if k == "ttft" else 2] <= v
+                                         for k, v in bounds.items()))
+
+
+def error(p: TuningProblem, verdict: Verdict, trials: list[Trial], knee: bool = False) -> float:
+    """How far the verdict is from the sweep's optimum: for throughput, the chosen batch's throughput below the best
+    throughput; else the relative distance in maxBatchSize."""
+    assert verdict.best is not None
+    chosen, best = trials[verdict.best].schedule.maxBatchSize, optimum(p, knee)
+    if p.objective == "throughput":
+        select = p.schedule_for(chosen).supportSelectBatch
+        return 1 - analytic_truth(chosen, select, knee)[0] / analytic_truth(best, select, knee)[0]
+    return abs(chosen / best - 1)
+
+
+# --- convergence ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("objective", list(GUIDE_SLO))
+@pytest.mark.parametrize("batch_range", RANGES, ids=[f"{lo}-{hi}-from-{s}" for lo, hi, s in RANGES])
+def test_exact_measurements_converge_within_3_percent_in_5_trials(objective: str,
+                                                                  batch_range: tuple[int, int, int]) -> None:
+    p = problem(objective, batch_range, noise=0.0, max_trials=30)
+    print(f"\n{objective} in {batch_range[:2]} from {batch_range[2]}; the sweep's optimum: {optimum(p)}")
+    verdict, trials = drive(p, analytic_engine())
+    assert verdict.reason == "converged"
+    assert verdict.slo_met is True
+    assert error(p, verdict, trials) <= 0.03
+    assert len(trials) <= 5
+
+
+@pytest.mark.parametrize("objective", ["throughput", "decodeLatency"])
+@pytest.mark.parametrize("batch_range", RANGES[:4], ids=[f"{lo}-{hi}-from-{s}" for lo, hi, s in RANGES[:4]])
+def test_a_tpot_knee_converges_as_fast(objective: str, batch_range: tuple[int, int, int]) -> None:
+    # Fits from one side of the knee fall short, and the throughput drops off a cliff past its peak.
+    p = problem(objective, batch_range, noise=0.0, max_trials=30)
+    print(f"\n{objective}, knee, {batch_range[:2]} from {batch_range[2]}; the sweep's optimum: "
+          f"{optimum(p, knee=True)}")
+    verdict, trials = drive(p, analytic_engine(knee=True))
+    assert verdict.reason == "converged" and error(p, verdict, trials, knee=True) <= 0.03
+    assert len(trials) <= 5
+
+
+@pytest.mark.parametrize("objective", list(GUIDE_SLO))
+@pytest.mark.parametrize("batch_range", RANGES[:3], ids=[f"{lo}-{hi}-from-{s}" for lo, hi, s in RANGES[:3]])
+def test_noisy_measurements_end_within_5_percent_in_8_trials_in_9_of_10_seeds(
+        objective: str, batch_range: tuple[int, int, int]) -> None:
+    p = problem(objective, batch_range, noise=0.05, max_trials=8)
+    errors = []
+    for seed in range(10):
+        print(f"\n{objective}, seed {seed}; the sweep's optimum: {optimum(p)}")
+        verdict, trials = drive(p, analytic_engine(noise=0.05, seed=seed))
+        assert len(trials) <= 8
+        errors.append(error(p, verdict, trials))
+    assert sum(e <= 0.05 for e in errors) >= 9, errors
+
+
+def test_the_guide_plan_sets_up_the_problem_and_the_planners_rules() -> None:
+    spec = InferenceServiceSpec.model_validate({
+        "model": {"name": "guide", "weights": {"loadFormat": "dummy"}, "architecture": {
+            "numLayers": 32, "hiddenSize": 4096, "numAttentionHeads": 32, "numKeyValueHeads": 8, "headDim": 512,
+            "vocabSize": 128256, "intermediateSize": 14336, "parameters": 8_030_261_248}},
+        "accelerator": {"type": "ascend-910b4", "cards": 2, "memoryGiB": 32, "reservedGiB": 3},
+        "workload": {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512, "maxInputTokens": 256},
+        "slo": {"objective": "firstTokenAndDecode", "ttftMs": 8000, "tpotMs": 50},
+    })
+    guide = plan(spec)
+    p = TuningProblem.from_plan(guide, spec.slo, max_trials=6)
+    assert (p.batch_min, p.batch_start, p.batch_max) == (90, 108, 272)  # the guide's [90, 272], average 108
+    assert (p.mean_input_tokens, p.max_input_tokens, p.max_trials) == (186, 256, 6)
+    assert (p.objective, p.ttft_ms, p.tpot_ms, p.pinned) == ("firstTokenAndDecode", 8000, 50, {})
+    # At the plan's own batch, the tuner's derived knobs are the plan's: the same rules (prefill batch half,
+    # maxPrefillTokens = min(8192, 54 x 186) = 8192, selectBatch off when TTFT is bound).
+    s = guide.schedule
+    assert p.schedule_for(s.maxBatchSize).model_dump() == {
+        "maxBatchSize": 108, "maxPrefillBatchSize": 54, "maxPrefillTokens": 8192, "supportSelectBatch": False}
+    assert p.schedule_for(s.maxBatchSize).model_dump() == {k: getattr(s, k) for k in p.schedule_for(1).model_dump()}
+    # Small batches: 5 x 186 = 930 tokens, raised to maxInputTokens only when below it.
+    assert p.schedule_for(10).maxPrefillTokens == 930
+    assert p.schedule_for(2).maxPrefillTokens == 256
+
+
+@settings(max_examples=150, deadline=None)
+@given(objective=st.sampled_from(list(GUIDE_SLO)), low=st.integers(1, 400), width=st.integers(0, 3000),
+       start=st.floats(0, 1), noise=st.sampled_from([0.0, 0.05]), max_trials=st.integers(1, 12),
+       kv_limit=st.one_of(st.none(), st.integers(1, 3400)), knee=st.booleans(), seed=st.integers(0, 99))
+def test_any_range_ends_in_a_verdict_within_the_budget(objective: str, low: int, width: int, start: float,
+                                                       noise: float, max_trials: int, kv_limit: int | None,
+                                                       knee: bool, seed: int) -> None:
+    high = min(low + width, 5000)
+    p = problem(objective, (low, high, low + round(start * (high - low))), noise=noise, max_trials=max_trials)
+    verdict, trials = drive(p, analytic_engine(noise=noise, seed=seed, kv_limit=kv_limit, knee=knee))
+    assert len(trials) <= max_trials
+    if verdict.best is not None:
+        assert failure_of(p, trials[verdict.best]) is None and verdict.schedule == trials[verdict.best].schedule
+
+
+# --- edge cases ----------------------------------------------------------------------------------------------------
+
+
+def test_a_pinned_max_batch_size_stops_at_once_and_says_so() -> None:
+    verdict = next_step(problem("throughput", pinned={"maxBatchSize": 300}), [])
+    assert isinstance(verdict, Verdict)
+    assert (verdict.reason, verdict.best, verdict.slo_met) == ("pinned", None, None)
+    assert "maxBatchSize is pinned" in verdict.message
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 300
+    every = {"maxBatchSize": 300, "maxPrefillBatchSize": 100, "maxPrefillTokens": 8192, "supportSelectBatch": True}
+    verdict = next_step(problem("decodeLatency", pinned=every), [])
+    assert isinstance(verdict, Verdict) and verdict.reason == "pinned"
+    assert "every knob the tuner owns is pinned" in verdict.message
+
+
+def test_pinned_knobs_never_change_in_any_proposed_schedule() -> None:
+    pinned = {"maxPrefillTokens": 4096, "supportSelectBatch": True}
+    p = problem("firstTokenAndDecode", (50, 600, 200), pinned=pinned, noise=0.05, max_trials=8)
+    verdict, trials = drive(p, analytic_engine(noise=0.05, seed=3))
+    assert trials and all(t.schedule.maxPrefillTokens == 4096 and t.schedule.supportSelectBatch for t in trials)
+    assert {t.schedule.maxPrefillBatchSize for t in trials} == {t.schedule.maxBatchSize // 2 for t in trials}
+    # supportSelectBatch pinned true: TTFT stays low and TPOT binds, at a batch other than the unpinned optimum.
+    assert verdict.best is not None and trials[verdict.best].schedule.maxBatchSize > 120
+
+
+def test_an_unreachable_slo_reports_the_closest_trial() -> None:
+    p = problem("decodeLatency", (100, 400, 200), tpot_ms=35, noise=0.0)  # TPOT at 100 is 43 ms
+    verdict, trials = drive(p, analytic_engine())
+    assert (verdict.reason, verdict.slo_met) == ("sloUnreachable", False)
+    assert verdict.best is not None and trials[verdict.best].schedule.maxBatchSize == 100
+    assert "even the range minimum 100 misses the SLO" in verdict.message
+    assert len(trials) <= 3
+
+
+def test_a_failed_trial_backs_off_below_it() -> None:
+    # The KV cache runs out above 250: the throughput peak (276) is out of reach.
+    p = problem("throughput", (50, 600, 300), noise=0.0)
+    first = next_step(p, [])
+    assert isinstance(first, NextTrial) and first.schedule.maxBatchSize == 300
+    failed = Trial(schedule=first.schedule, metrics=analytic_engine(kv_limit=250)(first.schedule))
+    step = next_step(p, [failed])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 225  # 300 x 0.75
+    assert "backing off below maxBatchSize 300 (KV cache exhausted)" in step.reason
+    verdict, trials = drive(p, analytic_engine(kv_limit=250))
+    assert verdict.reason == "converged" and verdict.best is not None
+    best = trials[verdict.best].schedule.maxBatchSize
+    assert 243 <= best <= 250  # the largest batch below the failure, within 3%
+    assert all(t.schedule.maxBatchSize < 300 for t in trials[1:])
+
+
+def test_a_trial_that_could_not_be_measured_counts_as_failed() -> None:
+    p = problem("decodeLatency", noise=0.0)
+    start = p.schedule_for(108)
+    step = next_step(p, [Trial(schedule=start, failure="pods not ready in 10m")])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 90  # 108 x 0.75 = 81, held to the range
+    verdict = next_step(p, [Trial(schedule=start, failure="pods not ready in 10m"),
+                            Trial(schedule=p.schedule_for(90), failure="pods not ready in 10m")])
+    assert isinstance(verdict, Verdict) and verdict.reason == "allFailed" and verdict.best is None
+
+
+def test_errors_and_preemption_storms_fail_a_trial() -> None:
+    p = problem("throughput", noise=0.0)
+    ok = analytic_engine()(p.schedule_for(108))
+    for bad in (ok.model_copy(update={"error_rate": 0.02}), ok.model_copy(update={"preemptions": 400})):
+        step = next_step(p, [Trial(schedule=p.schedule_for(108), metrics=bad)])
+        assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 90 and "backing off" in step.reason
+
+
+def test_a_range_of_one_value_is_measured_once() -> None:
+    p = problem("decodeLatency", (120, 120, 120), noise=0.0)
+    verdict, trials = drive(p, analytic_engine())
+    assert len(trials) == 1 and trials[0].schedule.maxBatchSize == 120
+    assert (verdict.reason, verdict.best, verdict.slo_met) == ("converged", 0, True)
+
+
+def test_the_trial_budget_ends_the_search_with_the_best_so_far() -> None:
+    p = problem("throughput", (60, 1000, 108), noise=0.0, max_trials=2)
+    verdict, trials = drive(p, analytic_engine())
+    assert len(trials) == 2 and verdict.reason == "maxTrials"
+    assert verdict.best == 1 and trials[1].schedule.maxBatchSize == 162  # 108 x 1.5, the higher throughput
+    assert verdict.message.startswith("2 trials spent")
+
+
+def test_too_few_samples_asks_for_a_repeat_and_the_repeats_pool() -> None:
+    p = problem("decodeLatency", noise=0.05, min_samples=100)
+    engine = analytic_engine(samples=60)
+    trials = [Trial(schedule=p.schedule_for(108), metrics=engine(p.schedule_for(108)))]
+    step = next_step(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of == 0 and step.schedule == trials[0].schedule
+    assert "only 60 requests" in step.reason
+    trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))  # 120 pooled: enough
+    step = next_step(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of is None and step.schedule.maxBatchSize != 108
+
+
+def test_a_measurement_inconsistent_with_its_neighbours_is_repeated() -> None:
+    p = problem("decodeLatency", (50, 600, 200), noise=0.05)
+    engine = analytic_engine()
+    trials = measured(p, engine, 200, 120)
+    # A third window whose TPOT is far below that of a smaller batch: TPOT never falls as the batch grows.
+    odd = engine(p.schedule_for(150)).model_copy(update={"tpot_ms": LatencyStats(mean=30, p90=36, p99=45)})
+    trials.append(Trial(schedule=p.schedule_for(150), metrics=odd))
+    step = next_step(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of == 2 and step.schedule.maxBatchSize == 150
+    assert "TPOT 46.3 ms at 120 exceeds 30.0 ms at 150" in step.reason
+    # With exact measurements (noise 0) a repeat would say the same: none is asked.
+    exact = next_step(p.model_copy(update={"noise": 0.0}), trials)
+    assert isinstance(exact, NextTrial) and exact.repeat_of is None
+
+
+def test_noisy_points_bunched_below_the_bound_do_not_send_the_next_trial_far() -> None:
+    # Four windows within 5% of each other, 8% under the bound: their own slope is noise (here flat), so the fit
+    # holds to the prior elasticity and aims near the truth (140), not at the end of the range.
+    p = problem("decodeLatency", (50, 600, 200), noise=0.05)
+    window = analytic_engine()(p.schedule_for(120))
+    trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
+        "tpot_ms": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
+        for b, tpot in ((120, 46.8), (122, 46.0), (124, 46.2), (126, 46.1))]
+    step = next_step(p, trials)
+    assert isinstance(step, NextTrial) and 130 <= step.schedule.maxBatchSize <= 160
+
+
+def test_the_peak_search_jumps_to_the_fitted_vertex() -> None:
+    p = problem("throughput", (50, 600, 200), noise=0.0)
+    step = next_step(p, measured(p, analytic_engine(), 150, 200, 350))  # 2562, 2848, 2846 tok/s
+    assert isinstance(step, NextTrial) and step.reason == "the fitted peak: 2939 tok/s at 264"
+    assert step.schedule.maxBatchSize == 264  # the truth: 276
+
+
+def test_a_wide_gap_past_the_best_point_is_looked_into_before_stopping() -> None:
+    # 100, 200 and 450 make a parabola that peaks at 209, 0.1% above 200; the truth rises 5% more to 276, then falls
+    # off a cliff (KV pressure) before 450.
+    p = problem("throughput", (50, 600, 200), noise=0.0)
+    history = measured(p, analytic_engine(), 100, 200, 450)
+    step = next_step(p, history)
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 300  # sqrt(200 x 450)
+    assert "the gap around it is wide" in step.reason
+    verdict, trials = drive(p, analytic_engine(), history=history)
+    assert verdict.reason == "converged" and error(p, verdict, trials) <= 0.03
+
+
+def test_a_throughput_bound_caps_the_batch() -> None:
+    p = problem("throughput", (50, 600, 200), tpot_ms=60, noise=0.0)  # TPOT 60 ms at 190; the peak is at 276
+    verdict, trials = drive(p, analytic_engine())
+    assert verdict.slo_met is True and verdict.best is not None
+    assert 185 <= trials[verdict.best].schedule.maxBatchSize <= 190
+
+
+# --- resuming from the status --------------------------------------------------------------------------------------
+
+
+def test_the_status_history_resumes_the_search_where_it_was() -> None:
+    p = problem("firstTokenAndDecode", (50, 600, 200), noise=0.05)
+    engine = analytic_engine(noise=0.05, seed=1)
+    trials: list[Trial] = []
+    for _ in range(4):
+        step = next_step(p, trials)
+        assert isinstance(step, NextTrial)
+        trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))
+    trials.append(Trial(schedule=p.schedule_for(400), failure="pods not ready"))
+    status = tuning_status(p, trials)
+    assert status.phase == "Running" and status.trial == 5 and len(status.history) == 5
+    assert status.history[4].verdict == "failed: pods not ready" and status.history[4].metrics == {}
+    assert status.history[0].schedule.maxBatchSize == 200
+    first = trials[0].metrics
+    assert first is not None and status.history[0].metrics["tpotMeanMs"] == pytest.approx(first.tpot_ms.mean)
+    # Through JSON and back, as the operator reads status.tuning.history: the same trials, the same next step.
+    restored = [trial_from_status(type(h).model_validate_json(h.model_dump_json())) for h in status.history]
+    assert restored == trials
+    assert next_step(p, restored) == next_step(p, trials)
+
+
+def test_the_status_of_a_finished_search_names_its_best_trial() -> None:
+    p = problem("decodeLatency", noise=0.0)
+    verdict, trials = drive(p, analytic_engine())
+    status = tuning_status(p, trials)
+    assert status.phase == "Converged" and status.best is not None and verdict.best is not None
+    assert status.best == trial_status(p, verdict.best, trials[verdict.best])
+    best = trials[verdict.best].metrics
+    assert best is not None and status.best.verdict.startswith(f"{best.output_tokens_per_s:.0f} tok/s; TPOT mean")
+    assert status.best.schedule.maxBatchSize == trials[verdict.best].schedule.maxBatchSize
+
+
+def test_trials_of_another_problem_are_left_out() -> None:
+    p = problem("decodeLatency", noise=0.0)
+    other = problem("firstTokenAndDecode", noise=0.0)  # supportSelectBatch false: another schedule at each batch
+    engine = analytic_engine()
+    foreign = measured(other, engine, 108, 150, 200)
+    assert next_step(p, foreign) == next_step(p, [])
+
+
+def test_the_full_schedule_keeps_the_plans_other_knobs() -> None:
+    p = problem("throughput", base=BASE.model_copy(update={"maxPreemptCount": 200}))
+    full = p.full_schedule(p.schedule_for(120))
+    assert (full.maxBatchSize, full.maxPrefillBatchSize, full.maxPrefillTokens) == (120, 60, 8192)
+    assert (full.maxPreemptCount, full.maxIterTimes, full.cacheBlockSize) == (120, 512, 128)
+
+
+def test_from_plan_reads_the_pinned_values_and_the_slo() -> None:
+    spec = InferenceServiceSpec.model_validate({
+        "model": {"name": "llama3-8b", "preset": "llama3-8b", "weights": {"loadFormat": "dummy"}},
+        "accelerator": {"type": "ascend-910b4", "cards": 2, "memoryGiB": 32, "reservedGiB": 3},
+        "workload": {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512},
+        "engine": {"schedule": {"maxPrefillTokens": 9000}},
+    })
+    p = TuningProblem.from_plan(plan(spec), SLOSpec(objective="decodeLatency", tpotMs=50, statistic="p90"))
+    assert p.pinned == {"maxPrefillTokens": 9000}
+    assert (p.batch_min, p.batch_start, p.batch_max) == (362, 435, 1088)  # the real head size: 2176 blocks
+    assert (p.statistic, p.bounds()) == ("p90", {"tpot": 50})
+    assert p.schedule_for(400).maxPrefillTokens == 9000
+    # A pinned prefill batch stays as pinned, so no maxBatchSize below it is tried (MindIE wants it <= maxBatchSize).
+    spec.engine.schedule.maxPrefillBatchSize = 400
+    p = TuningProblem.from_plan(plan(spec), SLOSpec(objective="throughput"))
+    assert (p.batch_min, p.batch_start, p.batch_max) == (400, 435, 1088)
+    assert p.schedule_for(400).maxPrefillBatchSize == 400
+    with pytest.raises(ValueError, match="batch_min 362 is below the pinned maxPrefillBatchSize"):
+        p.model_validate(p.model_dump() | {"batch_min": 362})
