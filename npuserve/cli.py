@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -18,11 +18,9 @@ from dataclasses import dataclass
 class Command:
     name: str
     help: str
-    module: str | None  # None: not built yet
-    pending_issue: str = ""
+    module: str
 
 
-# Subcommands not built yet name the issue that brings them and exit non-zero; they print no fake output.
 COMMANDS: tuple[Command, ...] = (
     Command("serve", "run the engine's HTTP server (OpenAI, TGI, /metrics)", "npuserve.engine.server.serve_cli"),
     Command("generate", "offline generation from a model folder, one JSON line per prompt",
@@ -34,18 +32,10 @@ COMMANDS: tuple[Command, ...] = (
     Command("simulate", "run the scheduler on the simulated cost-model runner",
             "npuserve.engine.simulated.simulate_cli"),
     Command("operator", "run the kopf operator", "npuserve.operator.operator_cli"),
-    Command("tune", "run the tuner (--simulate: against the simulated engine)", None, "a later issue (tuner)"),
+    Command("tune", "run the tuner (--simulate: against the simulated engine)", "npuserve.engine.simulated.tune_cli"),
     Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
             "npuserve.engine.model_cli"),
 )
-
-
-def _pending(command: Command) -> Callable[[argparse.Namespace], int]:
-    def run(_: argparse.Namespace) -> int:
-        print(f"npuserve {command.name}: not built yet; it arrives with {command.pending_issue}.", file=sys.stderr)
-        return 2
-
-    return run
 
 
 def build_parser(only: str | None = None, *, every: bool = False) -> argparse.ArgumentParser:
@@ -57,9 +47,7 @@ def build_parser(only: str | None = None, *, every: bool = False) -> argparse.Ar
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         p = sub.add_parser(command.name, help=command.help, description=command.help)
-        if command.module is None:
-            p.set_defaults(func=_pending(command))
-        elif every or command.name == only:
+        if every or command.name == only:
             module = importlib.import_module(command.module)
             module.configure(p)
             p.set_defaults(func=module.run)

@@ -20,14 +20,6 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
     assert {c.name for c in COMMANDS} == DESIGN_SUBCOMMANDS
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c.module is None], ids=lambda c: c.name)
-def test_unbuilt_subcommands_name_their_issue_and_fail(command, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
-    assert main([command.name]) != 0
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "not built yet" in captured.err and "issue" in captured.err
-
-
 def test_console_script_runs() -> None:
     script = Path(sys.executable).parent / "npuserve"
     result = subprocess.run([str(script), "--version"], capture_output=True, text=True, check=True)

@@ -49,7 +49,8 @@ class SimulateError(ValueError):
     """A flag or file that cannot make a simulation; the message names it."""
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def add_simulation_args(parser: argparse.ArgumentParser) -> None:
+    """The model, cards, engine config, dataset, load and output-length flags (`npuserve tune --simulate` too)."""
     m = parser.add_argument_group("model and cards (as npuserve plan)")
     source = m.add_mutually_exclusive_group(required=True)
     source.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model architecture from the catalog")
@@ -67,12 +68,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(maxBatchSize alone also sets maxPrefillBatchSize to half of it, the plan's rule)")
     cli_args.add_dataset_args(parser)
     cli_args.add_load_args(parser)
-    cli_args.add_slo_args(parser)
     o = parser.add_argument_group("simulated outputs")
     o.add_argument("--ignore-eos", action="store_true", help="every request generates its max_tokens")
     o.add_argument("--mean-output-len", type=float,
                    help="mean output tokens of datasets that give only a cap (gsm8k, jsonl); omitted: run to the cap")
     o.add_argument("--output-len-cv", type=float, default=0.5, help="spread of those lengths (sd / mean)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_simulation_args(parser)
+    cli_args.add_slo_args(parser)
     r = parser.add_argument_group("reports")
     r.add_argument("--format", choices=FORMATS, default="vllm",
                    help="vllm: bench serve's summary; mindie: MindIE Benchmark's tables; json: everything")
@@ -162,6 +167,12 @@ def _spec(args: argparse.Namespace, spec: ModelSpec, name: str, requests: list[S
 
 def build(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest], list[str]]:
     """The simulation the flags ask for, its requests (drawn once) and notes for the report."""
+    config, requests, notes, _ = build_with_plan(args)
+    return config, requests, notes
+
+
+def build_with_plan(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest], list[str], Any]:
+    """`build`, and the plan it started from (`npuserve tune --simulate` takes the tuner's range from it)."""
     from npuserve.operator.planner import PlanError, plan
 
     spec, name = _model(args)
@@ -211,7 +222,7 @@ def build(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest],
         f"{' with --schedule' if changes else ''}: maxBatchSize {s.maxBatchSize}, maxPrefillBatchSize "
         f"{s.maxPrefillBatchSize}, maxPrefillTokens {s.maxPrefillTokens}, supportSelectBatch "
         f"{str(s.supportSelectBatch).lower()}; {config.kv_blocks} KV blocks, {config.host_blocks} host blocks")
-    return config, requests, notes
+    return config, requests, notes, planned
 
 
 # --- reports -------------------------------------------------------------------------------------------------------

@@ -1,0 +1,161 @@
+"""`npuserve tune --simulate`: the operator's tuner (`npuserve.operator.tuner`, pure) against the simulated engine.
+
+Each trial applies the tuner's schedule to the simulated engine, runs the load, and hands the tuner what a settled
+Prometheus window would show (output tok/s, TTFT and TPOT mean/p90/p99, errors, preemptions, samples). The same
+`next_step` runs in the operator against real engines, so what this prints is what the operator would do.
+
+The load of a trial is the guide's benchmark (DESIGN.md 4.3): maxBatchSize - 1 closed-loop users, unless
+`--max-concurrency` or `--request-rate` fixes it. `--noise` multiplies every measured figure by a seeded uniform
+factor in [1 - noise, 1 + noise], to see how the tuner copes with a noisy cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from typing import Any
+
+from npuserve.loadgen import cli_args
+from npuserve.loadgen.datasets import DatasetError
+from npuserve.loadgen.metrics import BenchMetrics, compute_metrics
+from npuserve.mindie_config import MindIEConfigError
+from npuserve.operator.api import SLOSpec
+from npuserve.operator.tuner import (
+    LatencyStats,
+    NextTrial,
+    Trial,
+    TrialMetrics,
+    TuningProblem,
+    Verdict,
+    next_step,
+    trial_status,
+)
+
+from . import simulate_cli
+from .engine import SimulationConfig, SimulationResult, simulate
+from .runner import SimRequest
+
+OBJECTIVES = ("throughput", "decodeLatency", "firstTokenAndDecode")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--simulate", action="store_true", required=True,
+                        help="tune against the simulated engine (the only mode outside a cluster)")
+    simulate_cli.add_simulation_args(parser)
+    t = parser.add_argument_group("tuning")
+    t.add_argument("--objective", choices=OBJECTIVES, default="throughput",
+                   help="throughput: the most output tok/s; decodeLatency: the largest batch meeting --tpot-ms; "
+                        "firstTokenAndDecode: the largest meeting --ttft-ms and --tpot-ms (supportSelectBatch false)")
+    t.add_argument("--ttft-ms", type=float, help="TTFT bound (ms)")
+    t.add_argument("--tpot-ms", type=float, help="TPOT bound (ms)")
+    t.add_argument("--statistic", choices=["mean", "p90", "p99"], default="mean",
+                   help="the statistic held against the bounds (default mean)")
+    t.add_argument("--max-trials", type=int, default=8, help="trials at most (default 8)")
+    t.add_argument("--noise", type=float, default=0.0,
+                   help="inject +-this relative noise into every measured figure (default 0: the simulator's own)")
+    t.add_argument("--noise-seed", type=int, default=0)
+
+
+def trial_metrics(metrics: BenchMetrics, result: SimulationResult) -> TrialMetrics:
+    """What the tuner reads of one run: the figures a Prometheus window gives."""
+    def stats(d: Any) -> LatencyStats:
+        return LatencyStats(mean=d.mean, p90=d.p90, p99=d.p99)
+
+    return TrialMetrics(output_tokens_per_s=metrics.output_throughput, ttft_ms=stats(metrics.ttft_ms),
+                        tpot_ms=stats(metrics.tpot_ms), error_rate=metrics.error_rate, samples=metrics.completed,
+                        preemptions=result.num_preemptions)
+
+
+def with_noise(m: TrialMetrics, noise: float, rng: random.Random) -> TrialMetrics:
+    """Each figure times its own factor in [1 - noise, 1 + noise]."""
+    def f() -> float:
+        return 1.0 + rng.uniform(-noise, noise)
+
+    def stats(s: LatencyStats) -> LatencyStats:
+        return LatencyStats(mean=s.mean * f(), p90=s.p90 * f(), p99=s.p99 * f())
+
+    return m.model_copy(update={"output_tokens_per_s": m.output_tokens_per_s * f(), "ttft_ms": stats(m.ttft_ms),
+                                "tpot_ms": stats(m.tpot_ms)})
+
+
+def run_trial(base: SimulationConfig, requests: list[SimRequest], step: NextTrial, *, benchmark_load: bool,
+              noise: float = 0.0, rng: random.Random | None = None) -> Trial:
+    """One trial on the simulator: the schedule applied, the load run, the window's figures."""
+    s = step.schedule
+    config = base.with_schedule(**s.model_dump())
+    if benchmark_load:
+        load = base.bench.load.model_copy(update={"max_concurrency": max(1, s.maxBatchSize - 1)})
+        config = config.model_copy(update={"bench": base.bench.model_copy(update={"load": load})})
+    result = simulate(config.model_copy(update={"keep_steps": False}), requests)
+    metrics = trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
+    if noise > 0:
+        metrics = with_noise(metrics, noise, rng or random.Random(0))
+    return Trial(schedule=s, metrics=metrics)
+
+
+def tune(problem: TuningProblem, base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool,
+         noise: float = 0.0, seed: int = 0) -> tuple[list[Trial], Verdict]:
+    """The loop the operator runs, on the simulator: next_step, measure, repeat until a verdict."""
+    rng = random.Random(seed)
+    trials: list[Trial] = []
+    while True:
+        step = next_step(problem, trials)
+        if isinstance(step, Verdict):
+            return trials, step
+        trials.append(run_trial(base, requests, step, benchmark_load=benchmark_load, noise=noise, rng=rng))
+
+
+def _table(problem: TuningProblem, trials: list[Trial], verdict: Verdict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tuning ({problem.objective}): {verdict.reason}")
+    for column in ("trial", "maxBatchSize", "prefill batch", "selectBatch", "output tok/s", "TTFT ms", "TPOT ms",
+                   "verdict"):
+        table.add_column(column)
+    for i, trial in enumerate(trials):
+        m, s = trial.metrics, trial.schedule
+        status = trial_status(problem, i, trial)
+        best = " *" if verdict.best == i else ""
+        table.add_row(f"{i}{best}", str(s.maxBatchSize), str(s.maxPrefillBatchSize), str(s.supportSelectBatch),
+                      f"{m.output_tokens_per_s:.0f}" if m else "-",
+                      f"{m.ttft_ms.of(problem.statistic):.1f}" if m else "-",
+                      f"{m.tpot_ms.of(problem.statistic):.1f}" if m else "-", status.verdict)
+    Console(file=sys.stderr).print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_trials < 1:
+        print("npuserve tune: --max-trials: want >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.noise < 1:
+        print("npuserve tune: --noise: want 0 <= noise < 1", file=sys.stderr)
+        return 2
+    # The plan reads the objective from the SLO flags, as `npuserve simulate` does.
+    args.slo_ttft_ms, args.slo_tpot_ms, args.slo_statistic = args.ttft_ms, args.tpot_ms, args.statistic
+    try:
+        base, requests, _, planned = simulate_cli.build_with_plan(args)
+        slo = SLOSpec.model_validate({"objective": args.objective, "ttftMs": args.ttft_ms, "tpotMs": args.tpot_ms,
+                                      "statistic": args.statistic})
+        problem = TuningProblem.from_plan(planned, slo, max_trials=args.max_trials, noise=args.noise)
+        pinned = simulate_cli.parse_schedule(args.schedule)
+        if pinned:  # --schedule sets knobs as spec.engine.schedule does: pinned, the tuner leaves them alone
+            problem = TuningProblem.model_validate({**problem.model_dump(), "pinned": pinned})
+    except (simulate_cli.SimulateError, cli_args.ArgumentError, DatasetError, MindIEConfigError, OSError,
+            ValueError) as e:  # pydantic's ValidationError is a ValueError
+        print(f"npuserve tune: {e}", file=sys.stderr)
+        return 2
+    benchmark_load = args.max_concurrency is None and not math.isfinite(args.request_rate)
+    trials, verdict = tune(problem, base, requests, benchmark_load=benchmark_load, noise=args.noise,
+                           seed=args.noise_seed)
+    for i, trial in enumerate(trials):
+        status = trial_status(problem, i, trial)
+        print(json.dumps({"trial": i, "schedule": trial.schedule.model_dump(), "metrics": status.metrics,
+                          "verdict": status.verdict}), flush=True)
+    print(json.dumps({"verdict": verdict.model_dump(mode="json")}))
+    if sys.stderr.isatty():
+        _table(problem, trials, verdict)
+    return 0
