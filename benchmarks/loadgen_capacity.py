@@ -3,7 +3,9 @@
 The peer is a minimal streaming endpoint in its own process (a bare ASGI app on uvicorn, not the engine): every
 request gets its first SSE chunk after a fixed delay (the true TTFT) and the rest of its chunks at once. The script
 sends open-loop load at rising request rates and prints, per rate, the streamed requests per second the generator
-sustained (against the rate offered) and its TTFT error (measured TTFT minus the endpoint's known delay).
+sustained (against the rate offered) and its TTFT error (measured TTFT minus the endpoint's known delay); the last
+row is a closed loop of --users users, the most the generator sends. The endpoint shares the machine with the
+generator, so on a small machine both limit the figures.
 Target: at least 500 req/s with 16 chunks each.
 
     .venv/bin/python -P benchmarks/loadgen_capacity.py [--rates 250,500,1000] [--seconds 4] [--chunks 16]
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import multiprocessing
 import socket
 import statistics
@@ -69,13 +72,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def measure(url: str, rate: float, seconds: float) -> tuple[float, float, float, int]:
+async def measure(url: str, rate: float, seconds: float, users: int | None = None,
+                  num: int | None = None) -> tuple[float, float, float, int]:
     from npuserve.loadgen.config import BenchConfig, DatasetConfig, LoadConfig
     from npuserve.loadgen.metrics import compute_metrics
     from npuserve.loadgen.run import run_benchmark
 
     config = BenchConfig(base_url=url, dataset=DatasetConfig(random_input_len=8, random_output_len=16),
-                         load=LoadConfig(num_prompts=max(1, int(rate * seconds)), request_rate=rate, seed=1))
+                         load=LoadConfig(num_prompts=num or max(1, int(rate * seconds)), request_rate=rate,
+                                         max_concurrency=users, seed=1))
     result = await run_benchmark(config)
     metrics = compute_metrics(result.measured, result.duration_s)
     ttfts = sorted(r.chunk_times[0] - r.t0 for r in result.measured if r.ok and r.chunk_times)
@@ -89,6 +94,7 @@ def main() -> None:
     parser.add_argument("--rates", default="250,500,1000", help="offered request rates (req/s)")
     parser.add_argument("--seconds", type=float, default=4.0, help="seconds of load per rate")
     parser.add_argument("--chunks", type=int, default=16, help="streamed chunks per request")
+    parser.add_argument("--users", type=int, default=64, help="closed-loop users of the last row (the ceiling)")
     args = parser.parse_args()
     port = free_port()
     server = multiprocessing.get_context("spawn").Process(target=serve, args=(port, args.chunks), daemon=True)
@@ -111,6 +117,11 @@ def main() -> None:
             sustained, err_mean, err_p99, failed = asyncio.run(measure(url, rate, args.seconds))
             print(f"{rate:>14.0f} {sustained:>16.1f} {sustained / rate:>18.3f} {err_mean:>19.2f} {err_p99:>18.2f} "
                   f"{failed:>7}")
+        # The ceiling: a closed loop offers as fast as the generator can send.
+        sustained, err_mean, err_p99, failed = asyncio.run(
+            measure(url, math.inf, args.seconds, users=args.users, num=int(500 * args.seconds)))
+        print(f"{f'{args.users} users':>14} {sustained:>16.1f} {'-':>18} {err_mean:>19.2f} {err_p99:>18.2f} "
+              f"{failed:>7}")
     finally:
         server.terminate()
         server.join(timeout=10)
