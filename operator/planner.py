@@ -38,6 +38,12 @@ PREFILL_TOKENS_CAP = DEFAULT_MAX_PREFILL_TOKENS  # 8192, the guide's cap on maxP
 MIN_BATCH = 1  # worldSize search: the pool must hold at least this many requests of maximum length
 
 
+def planned_prefill_tokens(prefill_batch: int, mean_input_tokens: int, max_input_tokens: int) -> int:
+    """maxPrefillTokens by the guide's rule (step 5): min(8192, maxPrefillBatchSize x mean input), raised to
+    maxInputTokens so the longest prompt can prefill. The tuner applies the same rule at each batch it tries."""
+    return max(max_input_tokens, min(PREFILL_TOKENS_CAP, prefill_batch * mean_input_tokens))
+
+
 class PlanError(ValueError):
     """The spec cannot be planned; the message says which field to change."""
 
@@ -316,7 +322,7 @@ class _Planner:
             self.add(5, "schedule.maxPrefillTokens", prefill_tokens, "spec.engine.schedule.maxPrefillTokens",
                      "tokens", pinned_note)
         else:
-            prefill_tokens = max(w.maxInputTokens, min(PREFILL_TOKENS_CAP, prefill_batch * w.avgInputTokens))
+            prefill_tokens = planned_prefill_tokens(prefill_batch, w.avgInputTokens, w.maxInputTokens)
             self.add(5, "schedule.maxPrefillTokens", prefill_tokens,
                      "max(maxInputTokens, min(8192, maxPrefillBatchSize x avgInputTokens))", "tokens",
                      "raised to maxInputTokens when below it: MindIE requires maxPrefillTokens >= maxInputTokenLen "

@@ -46,7 +46,7 @@ from npuserve.operator.api import (
     TuningStatus,
     TuningTrial,
 )
-from npuserve.operator.planner import MINDIE_MAX_BATCH_SIZE, PREFILL_TOKENS_CAP
+from npuserve.operator.planner import MINDIE_MAX_BATCH_SIZE, planned_prefill_tokens
 
 OWNED_KNOBS = ("maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "supportSelectBatch")
 StopReason = Literal["converged", "maxTrials", "pinned", "sloUnreachable", "allFailed"]
@@ -74,13 +74,6 @@ class _Model(BaseModel):
 
 
 # --- the problem ---------------------------------------------------------------------------------------------------
-
-
-def planned_prefill_tokens(prefill_batch: int, mean_input_tokens: int, max_input_tokens: int) -> int:
-    """maxPrefillTokens by the plan's rule (planner step 5): min(8192, maxPrefillBatchSize x mean input), raised to
-    maxInputTokens so the longest prompt can prefill. The planner spells the same formula inline; a test holds the
-    two equal on the guide's plan."""
-    return max(max_input_tokens, min(PREFILL_TOKENS_CAP, prefill_batch * mean_input_tokens))
 
 
 def _pinned_floor(pinned: dict[str, int | bool]) -> int:
