@@ -14,6 +14,7 @@ import json
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,16 @@ from npuserve.loadgen.records import Endpoint
 from npuserve.loadgen.report_json import report_json
 from npuserve.loadgen.report_mindie import render_mindie
 from npuserve.loadgen.report_perf import render_perf
-from npuserve.loadgen.report_vllm import default_result_filename, render_vllm, vllm_result_json
+from npuserve.loadgen.report_vllm import (
+    DEFAULT_METRIC_PERCENTILES,
+    DEFAULT_PERCENTILE_METRICS,
+    PERCENTILE_METRICS,
+    default_result_filename,
+    render_vllm,
+    vllm_result_json,
+)
 from npuserve.loadgen.result import BenchResult
-from npuserve.loadgen.run import ServerUnreachable, run_benchmark
+from npuserve.loadgen.run import PreparedRun, ServerUnreachable, prepare, run_benchmark
 from npuserve.loadgen.sweep import (
     SweepParameter,
     SweepPoint,
@@ -43,8 +51,17 @@ from npuserve.loadgen.sweep import (
 from npuserve.loadgen.tokenizer import TokenizerError
 
 FORMATS = ("vllm", "mindie", "perf", "json")
-PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 SWEEPABLE = ("max-concurrency", "request-rate")
+DEFAULT_SEARCH_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class ReportOptions:
+    """The report flags, parsed once."""
+
+    format: str
+    percentile_metrics: list[str]
+    metric_percentiles: list[float]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -61,14 +78,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     cli_args.add_load_args(parser)
     cli_args.add_slo_args(parser)
     r = parser.add_argument_group("reports")
-    r.add_argument("--format", choices=FORMATS, default="vllm",
-                   help="vllm: bench serve's summary; mindie: MindIE Benchmark's tables; perf: the perf scheme; "
-                        "json: everything with the raw records")
-    r.add_argument("--percentile-metrics", default="ttft,tpot,itl",
-                   help=f"comma-separated metrics to report percentiles of ({', '.join(PERCENTILE_METRICS)})")
-    r.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
+    # Flags that apply to some runs only default to None, so one given where it does not apply is refused.
+    r.add_argument("--format", choices=FORMATS,
+                   help="vllm (default): bench serve's summary; mindie: MindIE Benchmark's tables; perf: the perf "
+                        "scheme; json: everything with the raw records")
+    r.add_argument("--percentile-metrics",
+                   help=f"comma-separated metrics to report percentiles of ({', '.join(PERCENTILE_METRICS)}; "
+                        f"default {','.join(DEFAULT_PERCENTILE_METRICS)}): the vllm report and --save-result")
+    r.add_argument("--metric-percentiles", help="comma-separated percentiles, e.g. 50,90,99 (default 99): the vllm "
+                                                "report and --save-result")
     r.add_argument("--save-result", action="store_true", help="write vLLM's result JSON")
-    r.add_argument("--result-dir", default=".", help="where --save-result writes (default: here)")
+    r.add_argument("--result-dir", help="where --save-result writes (default: here)")
     r.add_argument("--result-filename", help="the result file's name (default: vLLM's pattern)")
     r.add_argument("--save-trace", metavar="FILE.jsonl", help="every request's record, written as it ends")
     s = parser.add_argument_group("sweeps and capacity")
@@ -80,7 +100,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--find-max-concurrency", action="store_true",
                    help="search (doubling, then bisection; each point a full run) for the largest concurrency "
                         "that meets --slo-ttft-ms / --slo-tpot-ms")
-    s.add_argument("--max-search-concurrency", type=int, default=4096, help="upper bound of that search")
+    s.add_argument("--max-search-concurrency", type=int,
+                   help=f"upper bound of that search (default {DEFAULT_SEARCH_LIMIT})")
     s.add_argument("--target-users", type=int, help="with --find-max-concurrency: print the instances needed")
 
 
@@ -91,16 +112,46 @@ def _csv_list(text: str, flag: str, cast: Callable[[str], Any]) -> list[Any]:
         raise cli_args.ArgumentError(f"{flag}: {text!r} is not a comma-separated list") from None
 
 
+def report_options(args: argparse.Namespace) -> ReportOptions:
+    metrics = _csv_list(args.percentile_metrics, "--percentile-metrics", str) if args.percentile_metrics \
+        else list(DEFAULT_PERCENTILE_METRICS)
+    unknown = [m for m in metrics if m not in PERCENTILE_METRICS]
+    if unknown:
+        raise cli_args.ArgumentError(f"--percentile-metrics: unknown {', '.join(unknown)}; choose from "
+                                     f"{', '.join(PERCENTILE_METRICS)}")
+    percentiles = _csv_list(args.metric_percentiles, "--metric-percentiles", float) if args.metric_percentiles \
+        else list(DEFAULT_METRIC_PERCENTILES)
+    if any(not 0 < p <= 100 for p in percentiles):
+        raise cli_args.ArgumentError(f"--metric-percentiles: {args.metric_percentiles!r}: want values in (0, 100]")
+    return ReportOptions(args.format or "vllm", metrics, percentiles)
+
+
+def misplaced_flags(args: argparse.Namespace) -> list[str]:
+    """Flags given where they do nothing: each is refused by name rather than ignored."""
+    several = args.sweep or args.find_max_concurrency  # many runs: points and a CSV, not one run's report
+    rules = [
+        (args.target_users is not None and not args.find_max_concurrency,
+         "--target-users needs --find-max-concurrency"),
+        (args.max_search_concurrency is not None and not args.find_max_concurrency,
+         "--max-search-concurrency needs --find-max-concurrency"),
+        (bool(args.sweep and args.find_max_concurrency), "--sweep and --find-max-concurrency are two runs; give one"),
+        (args.sweep_csv is not None and not args.sweep, "--sweep-csv needs --sweep"),
+        (args.plot is not None and not several, "--plot needs --sweep or --find-max-concurrency"),
+        ((args.result_dir or args.result_filename) is not None and not args.save_result,
+         "--result-dir and --result-filename need --save-result"),
+        ((args.percentile_metrics or args.metric_percentiles) is not None and args.format not in (None, "vllm")
+         and not args.save_result, "--percentile-metrics and --metric-percentiles apply to --format vllm and "
+                                   "--save-result"),
+    ]
+    rules += [(bool(several) and given, f"{flag} reports one run; a sweep or a search prints its points and the CSV")
+              for flag, given in (("--format", args.format is not None), ("--save-result", args.save_result),
+                                  ("--save-trace", args.save_trace is not None))]
+    return [message for broken, message in rules if broken]
+
+
 def _parse_sweep(text: str) -> tuple[SweepParameter, list[float]]:
-    name, sep, values = text.partition("=")
-    if not sep or name not in SWEEPABLE:
-        raise cli_args.ArgumentError(f"--sweep: {text!r}: want {SWEEPABLE[0]}=1,2,4 or {SWEEPABLE[1]}=1,2.5,5")
-    parsed = _csv_list(values, "--sweep", float)
-    if not parsed or any(v <= 0 for v in parsed):
-        raise cli_args.ArgumentError(f"--sweep: {text!r}: want positive values")
-    if name == "max-concurrency" and any(v != int(v) for v in parsed):
-        raise cli_args.ArgumentError(f"--sweep: {text!r}: concurrencies are whole numbers")
-    return ("max-concurrency" if name == "max-concurrency" else "request-rate"), parsed
+    name, values = cli_args.parse_sweep(text, SWEEPABLE, whole=("max-concurrency",))
+    return ("max-concurrency" if name == "max-concurrency" else "request-rate"), values
 
 
 def build_config(args: argparse.Namespace) -> BenchConfig:
@@ -139,10 +190,11 @@ class _Interrupt:
             loop.remove_signal_handler(signal.SIGINT)
 
 
-async def _measure(config: BenchConfig, interrupt: _Interrupt, label: str) -> BenchResult:
+async def _measure(config: BenchConfig, interrupt: _Interrupt, label: str,
+                   prepared: PreparedRun | None = None) -> BenchResult:
     total = None if config.load.duration_s is not None else config.load.num_prompts
     with progress(total, label=label) as counter:
-        return await run_benchmark(config, on_record=counter.add, stop=interrupt.event)
+        return await run_benchmark(config, on_record=counter.add, stop=interrupt.event, prepared=prepared)
 
 
 def _metrics(result: BenchResult, percentiles: list[float]) -> BenchMetrics:
@@ -168,25 +220,23 @@ def _first_errors(result: BenchResult, limit: int = 5) -> list[str]:
     return [f"  {count} x {error}" for error, count in list(seen.items())[:limit]]
 
 
-def _report(args: argparse.Namespace, result: BenchResult, metrics: BenchMetrics) -> str:
-    pct_metrics = _csv_list(args.percentile_metrics, "--percentile-metrics", str)
-    pcts = _csv_list(args.metric_percentiles, "--metric-percentiles", float)
-    if args.format == "mindie":
+def _report(options: ReportOptions, result: BenchResult, metrics: BenchMetrics) -> str:
+    if options.format == "mindie":
         return render_mindie(result, metrics)
-    if args.format == "perf":
+    if options.format == "perf":
         return render_perf(result, metrics)
-    if args.format == "json":
+    if options.format == "json":
         return json.dumps(report_json(result, metrics), indent=2, default=str)
-    return render_vllm(result, metrics, pct_metrics, pcts)
+    return render_vllm(result, metrics, options.percentile_metrics, options.metric_percentiles)
 
 
-def _save_result(args: argparse.Namespace, result: BenchResult, metrics: BenchMetrics) -> Path:
-    pct_metrics = _csv_list(args.percentile_metrics, "--percentile-metrics", str)
-    pcts = _csv_list(args.metric_percentiles, "--metric-percentiles", float)
-    directory = Path(args.result_dir)
+def _save_result(args: argparse.Namespace, options: ReportOptions, result: BenchResult,
+                 metrics: BenchMetrics) -> Path:
+    directory = Path(args.result_dir or ".")
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / (args.result_filename or default_result_filename(result))
-    path.write_text(json.dumps(vllm_result_json(result, metrics, pct_metrics, pcts), indent=2))
+    document = vllm_result_json(result, metrics, options.percentile_metrics, options.metric_percentiles)
+    path.write_text(json.dumps(document, indent=2))
     return path
 
 
@@ -207,14 +257,14 @@ def _point_line(name: str, value: float, metrics: BenchMetrics) -> str:
             f"TTFT mean {metrics.ttft_ms.mean:.1f} ms, TPOT mean {metrics.tpot_ms.mean:.1f} ms{verdict}")
 
 
-async def _sweep(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt) -> int:
+async def _sweep(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt, pcts: list[float]) -> int:
     name, values = _parse_sweep(args.sweep)
-    pcts = _csv_list(args.metric_percentiles, "--metric-percentiles", float)
+    prepared = await prepare(config)  # the points differ only in load: one probe, tokenizer and draw for all
     points: list[SweepPoint] = []
     for value in values:
         load = (config.load.model_copy(update={"max_concurrency": int(value)}) if name == "max-concurrency"
                 else config.load.model_copy(update={"request_rate": value}))
-        result = await _measure(config.model_copy(update={"load": load}), interrupt, f"{name}={value:g}")
+        result = await _measure(config.model_copy(update={"load": load}), interrupt, f"{name}={value:g}", prepared)
         metrics = _metrics(result, pcts)
         print(_point_line(name, value, metrics), flush=True)
         points.append(SweepPoint.from_run(value, result, metrics))
@@ -233,23 +283,24 @@ async def _sweep(args: argparse.Namespace, config: BenchConfig, interrupt: _Inte
     return 0 if any(p.metrics.completed for p in points) else 1
 
 
-async def _capacity(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt) -> int:
+async def _capacity(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt, pcts: list[float]) -> int:
     if not config.slo.given:
         raise cli_args.ArgumentError("--find-max-concurrency needs an objective: --slo-ttft-ms and/or --slo-tpot-ms")
-    pcts = _csv_list(args.metric_percentiles, "--metric-percentiles", float)
+    prepared = await prepare(config)
     points: list[SweepPoint] = []
 
     async def measure(concurrency: int) -> BenchMetrics:
         if interrupt.event.is_set():
             raise KeyboardInterrupt
         load = config.load.model_copy(update={"max_concurrency": concurrency})
-        result = await _measure(config.model_copy(update={"load": load}), interrupt, f"concurrency={concurrency}")
+        result = await _measure(config.model_copy(update={"load": load}), interrupt, f"concurrency={concurrency}",
+                                prepared)
         metrics = _metrics(result, pcts)
         print(_point_line("concurrency", concurrency, metrics), flush=True)
         points.append(SweepPoint.from_run(concurrency, result, metrics))
         return metrics
 
-    search = await find_max_concurrency(measure, config.slo, limit=args.max_search_concurrency)
+    search = await find_max_concurrency(measure, config.slo, limit=args.max_search_concurrency or DEFAULT_SEARCH_LIMIT)
     if args.plot and points:
         plot_sweep(sorted(points, key=lambda p: p.value), "max-concurrency", config.slo, Path(args.plot))
         print(f"plot: {args.plot}")
@@ -263,15 +314,15 @@ async def _capacity(args: argparse.Namespace, config: BenchConfig, interrupt: _I
     return 0
 
 
-async def _single(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt) -> int:
-    pcts = _csv_list(args.metric_percentiles, "--metric-percentiles", float)
+async def _single(args: argparse.Namespace, config: BenchConfig, interrupt: _Interrupt,
+                  options: ReportOptions) -> int:
     result = await _measure(config, interrupt, "bench")
-    metrics = _metrics(result, pcts)
+    metrics = _metrics(result, options.metric_percentiles)
     if metrics.sent and metrics.completed == 0:
         print(f"every request failed ({metrics.sent}); the first errors:", file=sys.stderr)
         print("\n".join(_first_errors(result)), file=sys.stderr)
         return 1
-    print(_report(args, result, metrics))
+    print(_report(options, result, metrics))
     if metrics.failed:
         print(f"failed requests: {metrics.failed} ({metrics.rate_limited} of them HTTP 429)", file=sys.stderr)
         print("\n".join(_first_errors(result)), file=sys.stderr)
@@ -281,27 +332,26 @@ async def _single(args: argparse.Namespace, config: BenchConfig, interrupt: _Int
     if line:
         print(line)
     if args.save_result:
-        print(f"result: {_save_result(args, result, metrics)}")
+        print(f"result: {_save_result(args, options, result, metrics)}")
     return 0
 
 
 async def _main(args: argparse.Namespace) -> int:
     config = build_config(args)
+    options = report_options(args)
     interrupt = _Interrupt()
     with interrupt.installed():
         if args.find_max_concurrency:
-            return await _capacity(args, config, interrupt)
+            return await _capacity(args, config, interrupt, options.metric_percentiles)
         if args.sweep:
-            return await _sweep(args, config, interrupt)
-        return await _single(args, config, interrupt)
+            return await _sweep(args, config, interrupt, options.metric_percentiles)
+        return await _single(args, config, interrupt, options)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.target_users and not args.find_max_concurrency:
-        print("npuserve bench: --target-users needs --find-max-concurrency", file=sys.stderr)
-        return 2
-    if args.find_max_concurrency and args.sweep:
-        print("npuserve bench: --sweep and --find-max-concurrency are two runs; give one", file=sys.stderr)
+    misplaced = misplaced_flags(args)
+    if misplaced:
+        print(f"npuserve bench: {'; '.join(misplaced)}", file=sys.stderr)
         return 2
     try:
         return asyncio.run(_main(args))

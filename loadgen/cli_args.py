@@ -123,3 +123,20 @@ def slo_config(args: argparse.Namespace) -> SLO:
         return SLO(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, statistic=args.slo_statistic)
     except ValidationError as e:
         raise explain(e) from None
+
+
+def parse_sweep(text: str, names: tuple[str, ...], whole: tuple[str, ...] = ()) -> tuple[str, list[float]]:
+    """`--sweep NAME=V1,V2,...`: the swept setting (one of `names`) and its positive values; settings in `whole`
+    (concurrencies, batch sizes) take whole numbers only."""
+    name, sep, values = text.partition("=")
+    if not sep or name not in names:
+        raise ArgumentError(f"--sweep: {text!r}: want one of {', '.join(names)}, e.g. {names[0]}=1,2,4")
+    try:
+        parsed = [float(v) for v in values.split(",") if v.strip()]
+    except ValueError:
+        raise ArgumentError(f"--sweep: {text!r} is not a comma-separated list") from None
+    if not parsed or any(not v > 0 for v in parsed):
+        raise ArgumentError(f"--sweep: {text!r}: want positive values")
+    if name in whole and any(v != int(v) for v in parsed):
+        raise ArgumentError(f"--sweep: {text!r}: {name} takes whole numbers")
+    return name, parsed

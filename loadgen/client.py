@@ -67,10 +67,6 @@ class ConnectionPool:
         finally:
             self._idle.append(client)
 
-    @property
-    def size(self) -> int:
-        return len(self._every)
-
     async def aclose(self) -> None:
         for client in self._every:
             await client.aclose()

@@ -29,9 +29,3 @@ class BenchResult(BaseModel):
     @property
     def concurrency(self) -> int | None:
         return self.config.load.max_concurrency
-
-    @property
-    def server_timings(self) -> bool:
-        """Whether the server sent its per-request timings (MindIE's PrefillBatchsize, DecoderBatchsize and
-        QueueWaitTime rows need them)."""
-        return any(r.server is not None for r in self.measured)

@@ -13,6 +13,7 @@ import math
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
@@ -159,22 +160,43 @@ class _Run:
             await asyncio.wait(set(self.in_flight))
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """What a run needs before it sends: the served model, the tokenizer, the drawn requests (warm-up first). A
+    sweep or a capacity search prepares once and runs every point on it: one probe, one tokenizer load, one draw."""
+
+    info: ServerInfo
+    tokenizer: TokenCounter | None
+    requests: list[BenchRequest]
+
+
+async def prepare(config: BenchConfig) -> PreparedRun:
+    async with httpx.AsyncClient(base_url=config.base_url) as http:
+        info = await probe(http, config.base_url, config.model)
+    tokenizer = choose_tokenizer(config, info)
+    load = config.load
+    drawn = load_requests(config.dataset, load.warmup_requests + load.num_prompts, tokenizer=tokenizer,
+                          seed=load.seed)
+    return PreparedRun(info, tokenizer, drawn)
+
+
 async def run_benchmark(config: BenchConfig, *, on_record: RecordHook | None = None,
-                        stop: asyncio.Event | None = None, grace_s: float = 5.0) -> BenchResult:
+                        stop: asyncio.Event | None = None, grace_s: float = 5.0,
+                        prepared: PreparedRun | None = None) -> BenchResult:
+    """One run. `prepared` (from `prepare` on a config with the same server, dataset, seed and counts) skips the
+    probe, the tokenizer load and the draw."""
     load = config.load
     if load.duration_s is not None and load.max_concurrency is None and not math.isfinite(load.request_rate):
         raise ValueError("--duration with an unbounded --request-rate sends without end: give --max-concurrency "
                          "or --request-rate")
     stop = stop or asyncio.Event()
-    pool = ConnectionPool(config.base_url, config.request_timeout_s)
-    try:
-        async with httpx.AsyncClient(base_url=config.base_url) as http:
-            info = await probe(http, config.base_url, config.model)
-        tokenizer = choose_tokenizer(config, info)
-        drawn = load_requests(config.dataset, load.warmup_requests + load.num_prompts, tokenizer=tokenizer,
-                              seed=load.seed)
-        warmups, requests = drawn[:load.warmup_requests], drawn[load.warmup_requests:]
-        trace = config.save_trace.open("w") if config.save_trace else None
+    prepared = prepared or await prepare(config)
+    info, tokenizer = prepared.info, prepared.tokenizer
+    warmups, requests = prepared.requests[:load.warmup_requests], prepared.requests[load.warmup_requests:]
+    async with contextlib.AsyncExitStack() as stack:
+        pool = ConnectionPool(config.base_url, config.request_timeout_s)
+        stack.push_async_callback(pool.aclose)
+        trace = stack.enter_context(config.save_trace.open("w")) if config.save_trace else None
 
         def hook(record: RequestRecord) -> None:
             if trace is not None:
@@ -184,34 +206,28 @@ async def run_benchmark(config: BenchConfig, *, on_record: RecordHook | None = N
                 on_record(record)
 
         run = _Run(config, pool, info.model, tokenizer, hook, stop)
-        try:
-            if warmups:
-                await run.closed_loop(warmups, load.max_concurrency or 1, cycle=False, warmup=True)
-            run.start = time.perf_counter()
-            started_at = datetime.now().astimezone()
-            run.deadline = load.duration_s if load.duration_s is not None else math.inf
-            cycle = load.duration_s is not None
-            sender = (run.closed_loop(requests, load.max_concurrency or 1, cycle, warmup=False)
-                      if load.closed_loop else run.open_loop(requests, cycle))
-            sending = asyncio.ensure_future(sender)
-            stopped = asyncio.ensure_future(stop.wait())
-            await asyncio.wait({sending, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            if not sending.done():
-                # Interrupted: no new request leaves; the ones in flight get a grace period, then are dropped.
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(sending), timeout=grace_s)
-                for task in list(run.in_flight):
-                    task.cancel()
-                sending.cancel()
-                await asyncio.gather(sending, *run.in_flight, return_exceptions=True)
-            stopped.cancel()
-            measured = [r for r in run.records if not r.warmup]
-            ended = max((r.end or r.t0 for r in measured), default=run.clock())
-        finally:
-            if trace is not None:
-                trace.close()
-    finally:
-        await pool.aclose()
+        if warmups:
+            await run.closed_loop(warmups, load.max_concurrency or 1, cycle=False, warmup=True)
+        run.start = time.perf_counter()
+        started_at = datetime.now().astimezone()
+        run.deadline = load.duration_s if load.duration_s is not None else math.inf
+        cycle = load.duration_s is not None
+        sender = (run.closed_loop(requests, load.max_concurrency or 1, cycle, warmup=False)
+                  if load.closed_loop else run.open_loop(requests, cycle))
+        sending = asyncio.ensure_future(sender)
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({sending, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not sending.done():
+            # Interrupted: no new request leaves; the ones in flight get a grace period, then are dropped.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(sending), timeout=grace_s)
+            for task in list(run.in_flight):
+                task.cancel()
+            sending.cancel()
+            await asyncio.gather(sending, *run.in_flight, return_exceptions=True)
+        stopped.cancel()
+    measured = [r for r in run.records if not r.warmup]
+    ended = max((r.end or r.t0 for r in measured), default=run.clock())
     sources = [r.token_source for r in measured if r.token_source is not None]
     source = max(set(sources), key=sources.count) if sources else TokenCountSource.CHUNKS
     return BenchResult(

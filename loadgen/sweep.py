@@ -31,7 +31,7 @@ class SweepPoint(BaseModel):
 
     @classmethod
     def from_run(cls, value: float, result: BenchResult, metrics: BenchMetrics) -> SweepPoint:
-        prompt, completion = mean_tokens(result.records)
+        prompt, completion = mean_tokens(result.measured)  # as the metrics: warm-up left out
         return cls(value=value, metrics=metrics, mean_prompt_tokens=prompt, mean_completion_tokens=completion)
 
 

@@ -420,6 +420,15 @@ class _Planner:
         return concurrency, replicas
 
 
+# spec.model.architecture (the CRD's camelCase) <-> ModelSpec (HF config.json's names), both directions from here.
+ARCHITECTURE_FIELDS = {
+    "modelType": "model_type", "numLayers": "num_layers", "hiddenSize": "hidden_size",
+    "numAttentionHeads": "num_attention_heads", "numKeyValueHeads": "num_key_value_heads",
+    "intermediateSize": "intermediate_size", "vocabSize": "vocab_size",
+    "maxPositionEmbeddings": "max_position_embeddings", "dtype": "dtype",
+}
+
+
 def _spec_from_architecture(arch: Architecture) -> ModelSpec:
     head_dim = arch.headDim
     if head_dim is None:
@@ -429,12 +438,15 @@ def _spec_from_architecture(arch: Architecture) -> ModelSpec:
             )
         head_dim = arch.hiddenSize // arch.numAttentionHeads
     return ModelSpec(
-        model_type=arch.modelType, num_layers=arch.numLayers, hidden_size=arch.hiddenSize,
-        num_attention_heads=arch.numAttentionHeads, num_key_value_heads=arch.numKeyValueHeads, head_dim=head_dim,
-        intermediate_size=arch.intermediateSize, vocab_size=arch.vocabSize,
-        max_position_embeddings=arch.maxPositionEmbeddings, dtype=arch.dtype,
+        **{name: getattr(arch, field) for field, name in ARCHITECTURE_FIELDS.items()}, head_dim=head_dim,
         attention_bias=arch.modelType == "qwen2", qk_norm=arch.modelType == "qwen3",
     )
+
+
+def architecture_of(spec: ModelSpec) -> Architecture:
+    """An inline spec.model.architecture for a model outside the catalog (`npuserve simulate --model-config`)."""
+    return Architecture.model_validate({**{field: getattr(spec, name) for field, name in ARCHITECTURE_FIELDS.items()},
+                                        "headDim": spec.head_dim})
 
 
 def model_spec(spec: InferenceServiceSpec) -> ModelSpec:

@@ -94,6 +94,11 @@ def test_sweep_prints_the_sweep_csv(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].startswith("2,bfloat16,4,") and lines[2].startswith("2,bfloat16,16,")
 
 
+def test_a_report_format_with_a_sweep_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", *FAST, "--sweep", "maxBatchSize=4,16", "--format", "mindie"]) == 2
+    assert "--format" in capsys.readouterr().err
+
+
 def test_slo_flags_pick_the_plans_objective(capsys: pytest.CaptureFixture[str]) -> None:
     doc = run_json(capsys, "--slo-ttft-ms", "2000", "--slo-tpot-ms", "80")
     assert "supportSelectBatch false" in doc["simulation"]["notes"][0]  # type: ignore[index]

@@ -46,6 +46,8 @@ def test_a_knob_given_with_schedule_is_pinned(capsys: pytest.CaptureFixture[str]
 def test_refusals_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*GUIDE, "--objective", "decodeLatency"]) == 2
     assert "tpot" in capsys.readouterr().err.lower()
+    assert main([*GUIDE, "--noise-seed", "3"]) == 2  # a seed for noise that is not injected
+    assert "--noise-seed needs --noise" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--preset", "llama3-8b"])  # --simulate is the only mode outside a cluster
     assert "--simulate" in capsys.readouterr().err

@@ -76,15 +76,9 @@ _POD_STATUS_COMMON = """
 """
 
 
-def _pod_stage(name: str, engine: bool) -> str:
-    ready, reason = ("False", "\n        reason: ContainersNotReady") if engine else ("True", "")
-    state = (
-        "waiting:\n            reason: ContainerCreating"
-        if engine
-        else "running:\n            startedAt: {{ $now | Quote }}"
-    )
-    return (
-        f"""---
+def _stage_head(name: str) -> str:
+    """A KWOK Stage for pods, up to the match expressions of its selector."""
+    return f"""---
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
 metadata:
@@ -95,7 +89,19 @@ spec:
     kind: Pod
   selector:
     matchExpressions:
-    - key: '.metadata.deletionTimestamp'
+"""
+
+
+def _pod_stage(name: str, engine: bool) -> str:
+    ready, reason = ("False", "\n        reason: ContainersNotReady") if engine else ("True", "")
+    state = (
+        "waiting:\n            reason: ContainerCreating"
+        if engine
+        else "running:\n            startedAt: {{ $now | Quote }}"
+    )
+    return (
+        _stage_head(name)
+        + f"""    - key: '.metadata.deletionTimestamp'
       operator: 'DoesNotExist'
     - key: '.status.podIP'
       operator: 'DoesNotExist'
@@ -136,18 +142,7 @@ spec:
 def kwok_pod_stages() -> str:
     """KWOK Stage documents for pods: engine pods Running but not Ready, others Ready; Job pods complete; deleted
     pods go at once (KWOK's fast stages otherwise)."""
-    complete_and_delete = """---
-apiVersion: kwok.x-k8s.io/v1alpha1
-kind: Stage
-metadata:
-  name: pod-complete
-spec:
-  resourceRef:
-    apiGroup: v1
-    kind: Pod
-  selector:
-    matchExpressions:
-    - key: '.metadata.deletionTimestamp'
+    complete = _stage_head("pod-complete") + """    - key: '.metadata.deletionTimestamp'
       operator: 'DoesNotExist'
     - key: '.status.phase'
       operator: 'In'
@@ -173,25 +168,15 @@ spec:
             startedAt: {{ $now | Quote }}
       {{ end }}
       phase: Succeeded
----
-apiVersion: kwok.x-k8s.io/v1alpha1
-kind: Stage
-metadata:
-  name: pod-delete
-spec:
-  resourceRef:
-    apiGroup: v1
-    kind: Pod
-  selector:
-    matchExpressions:
-    - key: '.metadata.deletionTimestamp'
+"""
+    delete = _stage_head("pod-delete") + """    - key: '.metadata.deletionTimestamp'
       operator: 'Exists'
   next:
     finalizers:
       empty: true
     delete: true
 """
-    return _pod_stage("pod-ready", engine=False) + _pod_stage("engine-pod-running", engine=True) + complete_and_delete
+    return _pod_stage("pod-ready", engine=False) + _pod_stage("engine-pod-running", engine=True) + complete + delete
 
 
 def kwok_config() -> str:

@@ -28,7 +28,7 @@ from npuserve.engine_contract import FLAG_CONFIG, SCHEDULE_FIELD_BY_NAME, SCHEDU
 from npuserve.loadgen import cli_args
 from npuserve.loadgen.config import BenchConfig
 from npuserve.loadgen.datasets import DatasetError
-from npuserve.loadgen.metrics import BenchMetrics, compute_metrics, mean_tokens
+from npuserve.loadgen.metrics import BenchMetrics, compute_metrics
 from npuserve.loadgen.report_json import json_safe, report_json
 from npuserve.loadgen.report_mindie import render_mindie
 from npuserve.loadgen.report_vllm import render_vllm
@@ -36,7 +36,7 @@ from npuserve.loadgen.sweep import SweepParameter, SweepPoint, sweep_csv
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, MindIEConfigError
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
 
-from .engine import SimulationConfig, SimulationResult, draw_requests, simulate
+from .engine import SimulationConfig, SimulationResult, draw_requests, simulate, sweep
 from .lengths import OutputLengths
 from .runner import SimRequest
 
@@ -79,8 +79,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_simulation_args(parser)
     cli_args.add_slo_args(parser)
     r = parser.add_argument_group("reports")
-    r.add_argument("--format", choices=FORMATS, default="vllm",
-                   help="vllm: bench serve's summary; mindie: MindIE Benchmark's tables; json: everything")
+    r.add_argument("--format", choices=FORMATS,
+                   help="vllm (default): bench serve's summary; mindie: MindIE Benchmark's tables; json: everything "
+                        "(one run; a sweep prints its CSV)")
     r.add_argument("--sweep", metavar="PARAM=V1,V2,...",
                    help="one run per value, printed as the sweep CSV: maxBatchSize=100,200,300 (maxPrefillBatchSize "
                         "follows at half), max-concurrency=1,8,64 or request-rate=1,2,4")
@@ -130,17 +131,13 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
 def _spec(args: argparse.Namespace, spec: ModelSpec, name: str, requests: list[SimRequest], cards: int | None,
           bench: BenchConfig) -> Any:
     from npuserve.operator.api import InferenceServiceSpec
+    from npuserve.operator.planner import architecture_of
 
     model: dict[str, Any] = {"name": name, "weights": {"loadFormat": "dummy"}}
     if args.preset:
         model["preset"] = args.preset
     else:
-        model["architecture"] = {
-            "modelType": spec.model_type, "numLayers": spec.num_layers, "hiddenSize": spec.hidden_size,
-            "numAttentionHeads": spec.num_attention_heads, "numKeyValueHeads": spec.num_key_value_heads,
-            "headDim": spec.head_dim, "vocabSize": spec.vocab_size, "intermediateSize": spec.intermediate_size,
-            "maxPositionEmbeddings": spec.max_position_embeddings, "dtype": spec.dtype,
-        }
+        model["architecture"] = architecture_of(spec).model_dump(exclude_none=True)
     accelerator: dict[str, Any] = {"type": args.accelerator}
     for key, value in (("cards", cards), ("memoryGiB", args.card_memory_gib), ("reservedGiB", args.reserved_gib)):
         if value is not None:
@@ -252,34 +249,32 @@ def render(args: argparse.Namespace, result: SimulationResult, metrics: BenchMet
     return "\n".join([*notes, *cost_lines(result), body])
 
 
+def _with_load(config: SimulationConfig, name: str, value: float) -> SimulationConfig:
+    update: dict[str, Any] = ({"max_concurrency": int(value)} if name == "max-concurrency"
+                              else {"request_rate": value})
+    bench = config.bench.model_copy(update={"load": config.bench.load.model_copy(update=update)})
+    return config.model_copy(update={"bench": bench})
+
+
 def _sweep(args: argparse.Namespace, config: SimulationConfig, requests: list[SimRequest]) -> str:
-    name, _, text = str(args.sweep).partition("=")
-    if name not in SWEEPABLE:
-        raise SimulateError(f"--sweep: {args.sweep!r}: want one of {', '.join(SWEEPABLE)}, e.g. maxBatchSize=100,200")
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise SimulateError(f"--sweep: {args.sweep!r} is not a comma-separated list") from None
-    if not values or any(v <= 0 for v in values):
-        raise SimulateError(f"--sweep: {args.sweep!r}: want positive values")
-    points = []
-    for value in values:
-        if name == "maxBatchSize":
-            run = config.with_schedule(maxBatchSize=int(value), maxPrefillBatchSize=max(1, int(value) // 2))
-        else:
-            field = "max_concurrency" if name == "max-concurrency" else "request_rate"
-            load = config.bench.load.model_copy(update={field: int(value) if field == "max_concurrency" else value})
-            run = config.model_copy(update={"bench": config.bench.model_copy(update={"load": load})})
-        result = simulate(run.model_copy(update={"keep_steps": False}), requests)
-        metrics = compute_metrics(result.bench.measured, result.bench.duration_s, run.bench.slo)
-        prompt, completion = mean_tokens(result.bench.measured)
-        points.append(SweepPoint(value=value, metrics=metrics, mean_prompt_tokens=prompt,
-                                 mean_completion_tokens=completion))
+    name, values = cli_args.parse_sweep(str(args.sweep), SWEEPABLE, whole=("maxBatchSize", "max-concurrency"))
+    config = config.model_copy(update={"keep_steps": False})
+    runs: list[tuple[float, SimulationResult]]
+    if name == "maxBatchSize":
+        runs = list(sweep(config, [int(v) for v in values], requests=requests))
+    else:
+        runs = [(v, simulate(_with_load(config, name, v), requests)) for v in values]
+    points = [SweepPoint.from_run(value, result.bench,
+                                  compute_metrics(result.bench.measured, result.bench.duration_s, config.bench.slo))
+              for value, result in runs]
     parameter: SweepParameter = "request-rate" if name == "request-rate" else "max-concurrency"
     return sweep_csv(points, parameter, tp=config.world_size, data_type=config.model.dtype).rstrip("\n")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sweep and args.format is not None:
+        print("npuserve simulate: --format reports one run; a sweep prints its CSV", file=sys.stderr)
+        return 2
     try:
         config, requests, notes = build(args)
         if args.sweep:

@@ -16,18 +16,18 @@ import json
 import math
 import random
 import sys
-from typing import Any
+from collections.abc import Callable
 
 from npuserve.loadgen import cli_args
 from npuserve.loadgen.datasets import DatasetError
-from npuserve.loadgen.metrics import BenchMetrics, compute_metrics
+from npuserve.loadgen.metrics import BenchMetrics, Distribution, compute_metrics
 from npuserve.mindie_config import MindIEConfigError
 from npuserve.operator.api import SLOSpec
 from npuserve.operator.tuner import (
     LatencyStats,
-    NextTrial,
     Trial,
     TrialMetrics,
+    TunedSchedule,
     TuningProblem,
     Verdict,
     next_step,
@@ -56,12 +56,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--max-trials", type=int, default=8, help="trials at most (default 8)")
     t.add_argument("--noise", type=float, default=0.0,
                    help="inject +-this relative noise into every measured figure (default 0: the simulator's own)")
-    t.add_argument("--noise-seed", type=int, default=0)
+    t.add_argument("--noise-seed", type=int, help="seed of --noise's draws (default 0)")
 
 
 def trial_metrics(metrics: BenchMetrics, result: SimulationResult) -> TrialMetrics:
     """What the tuner reads of one run: the figures a Prometheus window gives."""
-    def stats(d: Any) -> LatencyStats:
+    def stats(d: Distribution) -> LatencyStats:
         return LatencyStats(mean=d.mean, p90=d.p90, p99=d.p99)
 
     return TrialMetrics(output_tokens_per_s=metrics.output_throughput, ttft_ms=stats(metrics.ttft_ms),
@@ -81,31 +81,34 @@ def with_noise(m: TrialMetrics, noise: float, rng: random.Random) -> TrialMetric
                                 "tpot_ms": stats(m.tpot_ms)})
 
 
-def run_trial(base: SimulationConfig, requests: list[SimRequest], step: NextTrial, *, benchmark_load: bool,
-              noise: float = 0.0, rng: random.Random | None = None) -> Trial:
-    """One trial on the simulator: the schedule applied, the load run, the window's figures."""
-    s = step.schedule
-    config = base.with_schedule(**s.model_dump())
-    if benchmark_load:
-        load = base.bench.load.model_copy(update={"max_concurrency": max(1, s.maxBatchSize - 1)})
-        config = config.model_copy(update={"bench": base.bench.model_copy(update={"load": load})})
-    result = simulate(config.model_copy(update={"keep_steps": False}), requests)
-    metrics = trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
-    if noise > 0:
-        metrics = with_noise(metrics, noise, rng or random.Random(0))
-    return Trial(schedule=s, metrics=metrics)
+Measure = Callable[[TunedSchedule], TrialMetrics]
 
 
-def tune(problem: TuningProblem, base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool,
-         noise: float = 0.0, seed: int = 0) -> tuple[list[Trial], Verdict]:
-    """The loop the operator runs, on the simulator: next_step, measure, repeat until a verdict."""
+def simulator_measure(base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool) -> Measure:
+    """One trial on the simulator: the schedule applied, the load run (maxBatchSize - 1 users when
+    `benchmark_load`), the window's figures."""
+    def measure(schedule: TunedSchedule) -> TrialMetrics:
+        config = base.with_schedule(**schedule.model_dump())
+        if benchmark_load:
+            load = base.bench.load.model_copy(update={"max_concurrency": max(1, schedule.maxBatchSize - 1)})
+            config = config.model_copy(update={"bench": base.bench.model_copy(update={"load": load})})
+        result = simulate(config.model_copy(update={"keep_steps": False}), requests)
+        return trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
+
+    return measure
+
+
+def tune(problem: TuningProblem, measure: Measure, *, noise: float = 0.0, seed: int = 0
+         ) -> tuple[list[Trial], Verdict]:
+    """The loop the operator runs: next_step, measure (with `noise` drawn per trial, seeded), until a verdict."""
     rng = random.Random(seed)
     trials: list[Trial] = []
-    while True:
-        step = next_step(problem, trials)
-        if isinstance(step, Verdict):
-            return trials, step
-        trials.append(run_trial(base, requests, step, benchmark_load=benchmark_load, noise=noise, rng=rng))
+    while not isinstance(step := next_step(problem, trials), Verdict):
+        metrics = measure(step.schedule)
+        if noise > 0:
+            metrics = with_noise(metrics, noise, rng)
+        trials.append(Trial(schedule=step.schedule, metrics=metrics))
+    return trials, step
 
 
 def _table(problem: TuningProblem, trials: list[Trial], verdict: Verdict) -> None:
@@ -134,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.noise < 1:
         print("npuserve tune: --noise: want 0 <= noise < 1", file=sys.stderr)
         return 2
+    if args.noise_seed is not None and args.noise == 0:
+        print("npuserve tune: --noise-seed needs --noise", file=sys.stderr)
+        return 2
     # The plan reads the objective from the SLO flags, as `npuserve simulate` does.
     args.slo_ttft_ms, args.slo_tpot_ms, args.slo_statistic = args.ttft_ms, args.tpot_ms, args.statistic
     try:
@@ -149,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"npuserve tune: {e}", file=sys.stderr)
         return 2
     benchmark_load = args.max_concurrency is None and not math.isfinite(args.request_rate)
-    trials, verdict = tune(problem, base, requests, benchmark_load=benchmark_load, noise=args.noise,
-                           seed=args.noise_seed)
+    measure = simulator_measure(base, requests, benchmark_load=benchmark_load)
+    trials, verdict = tune(problem, measure, noise=args.noise, seed=args.noise_seed or 0)
     for i, trial in enumerate(trials):
         status = trial_status(problem, i, trial)
         print(json.dumps({"trial": i, "schedule": trial.schedule.model_dump(), "metrics": status.metrics,

@@ -7,7 +7,6 @@ simulator (issue 12): for each objective it must end within 3% of the sweep's an
 from __future__ import annotations
 
 import argparse
-import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from npuserve.engine.simulated.engine import SimulationConfig
 from npuserve.engine.simulated.runner import SimRequest
 from npuserve.engine.simulated.simulate_cli import build_with_plan
 from npuserve.operator.api import SLOSpec
-from npuserve.operator.tuner import NextTrial, Trial, TuningProblem, Verdict, next_step
+from npuserve.operator.tuner import Trial, TrialMetrics, TunedSchedule, TuningProblem, Verdict
 
 pytestmark = pytest.mark.slow
 
@@ -36,17 +35,19 @@ class Setup:
 
     def __post_init__(self) -> None:
         # The simulator is deterministic: a schedule measured once is measured (the sweep, the tuner, every seed).
-        self.cache: dict[tuple[str, bool], Trial] = {}
+        self.cache: dict[tuple[str, bool], TrialMetrics] = {}
+
+    def cached(self, schedule: TunedSchedule) -> TrialMetrics:
+        key = (schedule.model_dump_json(), self.benchmark_load)
+        if key not in self.cache:
+            measure = tune_cli.simulator_measure(self.base, self.requests, benchmark_load=self.benchmark_load)
+            self.cache[key] = measure(schedule)
+        return self.cache[key]
 
     def measure(self, problem: TuningProblem) -> Callable[[int], Trial]:
         def run(batch: int) -> Trial:
             schedule = problem.schedule_for(batch)
-            key = (schedule.model_dump_json(), self.benchmark_load)
-            if key not in self.cache:
-                step = NextTrial(schedule=schedule, reason="sweep")
-                self.cache[key] = tune_cli.run_trial(self.base, self.requests, step,
-                                                     benchmark_load=self.benchmark_load)
-            return self.cache[key]
+            return Trial(schedule=schedule, metrics=self.cached(schedule))
 
         return run
 
@@ -137,17 +138,8 @@ def _meets(trial: Trial, problem: TuningProblem) -> bool:
 
 
 def _tune(setup: Setup, problem: TuningProblem, noise: float = 0.0, seed: int = 0) -> tuple[list[Trial], Verdict]:
-    """`tune_cli.tune`'s loop, each trial from the setup's cache of the (deterministic) simulator, the noise drawn
-    per trial as `tune_cli.with_noise` draws it."""
-    rng = random.Random(seed)
-    measure = setup.measure(problem)
-    trials: list[Trial] = []
-    while not isinstance(step := next_step(problem, trials), Verdict):
-        exact = measure(step.schedule.maxBatchSize)
-        assert exact.schedule == step.schedule and exact.metrics is not None
-        metrics = tune_cli.with_noise(exact.metrics, noise, rng) if noise else exact.metrics
-        trials.append(Trial(schedule=step.schedule, metrics=metrics))
-    verdict = step
+    """`npuserve tune --simulate`'s loop, each trial from the setup's cache of the (deterministic) simulator."""
+    trials, verdict = tune_cli.tune(problem, setup.cached, noise=noise, seed=seed)
     for i, t in enumerate(trials):
         m = t.metrics
         assert m is not None

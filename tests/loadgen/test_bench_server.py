@@ -363,3 +363,13 @@ def test_bad_flags_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "--think-time" in err
     code, _, err = _bench(capsys, "--sweep", "batch=1,2")
     assert code == 2 and "--sweep" in err
+    # Flags that would do nothing in this run are refused by name, not ignored.
+    for flags, named in ((["--plot", "x.png"], "--plot"), (["--sweep-csv", "x.csv"], "--sweep-csv"),
+                         (["--result-dir", "out"], "--result-dir"),
+                         (["--sweep", "max-concurrency=1", "--save-trace", "t.jsonl"], "--save-trace"),
+                         (["--sweep", "max-concurrency=1", "--format", "mindie"], "--format"),
+                         (["--format", "perf", "--metric-percentiles", "50"], "--metric-percentiles"),
+                         (["--max-search-concurrency", "8"], "--max-search-concurrency"),
+                         (["--percentile-metrics", "ttft,nope"], "--percentile-metrics")):
+        code, _, err = _bench(capsys, "--base-url", "http://127.0.0.1:9", *flags)
+        assert code == 2 and named in err, (flags, err)
