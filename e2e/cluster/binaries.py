@@ -1,6 +1,6 @@
-"""The binaries of the local cluster: Kubernetes built from the Go module proxy, KWOK and Helm `go install`ed, all
-cached outside the repository by version (file locks: one builder at a time); Debian's etcd; the `npuserve` the
-engines run with. Standard library only."""
+"""The binaries of the local cluster: Kubernetes built from the Go module proxy, KWOK, Helm and Prometheus
+`go install`ed, all cached outside the repository by version (file locks: one builder at a time); Debian's etcd; the
+`npuserve` the engines run with. Standard library only."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ K8S_VERSION = "v1.34.10"
 GO_TOOLCHAIN = "go1.25.12"
 KWOK_VERSION = "v0.7.0"
 HELM_VERSION = "v3.19.5"
+# Prometheus publishes v3.X.Y as the Go module version v0.3XX.Y. 3.16's go.mod has no replace or exclude directives
+# (3.15's has), so `go install pkg@version` builds it, and its service discovery mechanisms are build tags, so only
+# Kubernetes' is compiled in.
+PROMETHEUS_VERSION = "v3.16.0"
+PROMETHEUS_MODULE_VERSION = "v0.316.0"
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 
@@ -50,6 +55,7 @@ class Binaries:
     etcd: Path
     kwok: Path
     helm: Path
+    prometheus: Path
 
 
 def k8s_bin_dir(version: str = K8S_VERSION) -> Path:
@@ -62,6 +68,10 @@ def kwok_bin_dir() -> Path:
 
 def helm_bin_dir() -> Path:
     return cache_dir() / "helm" / HELM_VERSION / "bin"
+
+
+def prometheus_bin_dir() -> Path:
+    return cache_dir() / "prometheus" / PROMETHEUS_VERSION / "bin"
 
 
 def _go_env(**extra: str) -> dict[str, str]:
@@ -178,12 +188,16 @@ def build_kubernetes(version: str = K8S_VERSION, toolchain: str = GO_TOOLCHAIN) 
     return bin_dir
 
 
-def _go_install(package: str, version: str, bin_dir: Path, ldflags: str = "") -> Path:
+def _go_install(
+    package: str, version: str, bin_dir: Path, ldflags: str = "", tags: str = "", also: Sequence[str] = ()
+) -> Path:
+    """`go install` of `package` (and the packages `also` of the same module) at `version` into `bin_dir`."""
     exe = bin_dir / package.rsplit("/", 1)[-1]
-    if exe.exists():
+    exes = [exe, *(bin_dir / p.rsplit("/", 1)[-1] for p in also)]
+    if all(e.exists() for e in exes):
         return exe
     with file_lock(bin_dir.parent / ".lock"):
-        if exe.exists():
+        if all(e.exists() for e in exes):
             return exe
         if not shutil.which("go"):
             raise RuntimeError("Go is needed to install " + package)
@@ -194,7 +208,10 @@ def _go_install(package: str, version: str, bin_dir: Path, ldflags: str = "") ->
         cmd = [*_nice(), "go", "install", "-trimpath"]
         if ldflags:
             cmd += ["-ldflags", ldflags]
-        _run([*cmd, f"{package}@{version}"], env=_go_env(GOBIN=str(tmp), GOFLAGS="-buildvcs=false"))
+        if tags:
+            cmd += ["-tags", tags]
+        targets = [f"{p}@{version}" for p in (package, *also)]
+        _run([*cmd, *targets], env=_go_env(GOBIN=str(tmp), GOFLAGS="-buildvcs=false"))
         shutil.rmtree(bin_dir, ignore_errors=True)
         tmp.rename(bin_dir)
         log(f"installed {package}@{version} in {time.monotonic() - started:.0f}s")
@@ -230,6 +247,28 @@ def install_helm() -> Path:
     )
 
 
+def install_prometheus() -> Path:
+    """Prometheus (and promtool beside it) with Kubernetes service discovery, the only one compiled in. Not a
+    distribution's package: Debian's (bookworm's 2.42 included) is built without Kubernetes service discovery, so it
+    cannot discover pods through the API server as a Prometheus Operator user's Prometheus does."""
+    info = "github.com/prometheus/common/version"
+    return _go_install(
+        "github.com/prometheus/prometheus/cmd/prometheus",
+        PROMETHEUS_MODULE_VERSION,
+        prometheus_bin_dir(),
+        f"-s -w -X {info}.Version={PROMETHEUS_VERSION.removeprefix('v')} -X {info}.Branch=HEAD",
+        tags="remove_all_sd,enable_kubernetes_sd",
+        also=["github.com/prometheus/prometheus/cmd/promtool"],
+    )
+
+
+def ensure_prometheus() -> Path:
+    """The Prometheus the cluster runs: $NPUSERVE_PROMETHEUS (one with Kubernetes service discovery), else the pinned
+    release built from the Go module proxy on first use."""
+    explicit = os.environ.get("NPUSERVE_PROMETHEUS")
+    return Path(explicit) if explicit else install_prometheus()
+
+
 def find_etcd(install: bool = True) -> Path:
     """etcd from $NPUSERVE_ETCD, PATH, or Debian's etcd-server (installed with apt-get when missing)."""
     explicit = os.environ.get("NPUSERVE_ETCD")
@@ -263,6 +302,7 @@ def ensure_binaries(with_helm: bool = True) -> Binaries:
         etcd=find_etcd(),
         kwok=kwok,
         helm=helm,
+        prometheus=ensure_prometheus(),
     )
 
 

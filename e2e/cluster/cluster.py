@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import localk8s
 
+# What `npuserve operator` reads its Prometheus from when --prometheus-url is not given (operator/operator_cli.py).
+PROMETHEUS_URL_ENV = "NPUSERVE_PROMETHEUS_URL"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cluster.py", description=__doc__)
@@ -25,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("up", help="start the cluster (builds on first use); says so if it is already running")
     sub.add_parser("down", help="stop exactly the processes `up` started")
     sub.add_parser("status", help="print what runs, as JSON; exit 1 if the cluster is not up")
-    sub.add_parser("env", help="print `export KUBECONFIG=...` for eval in a shell")
+    sub.add_parser("env", help="print `export KUBECONFIG=... NPUSERVE_PROMETHEUS_URL=...` for eval in a shell")
     args = parser.parse_args(argv)
     try:
         if args.command == "build":
@@ -37,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "up":
             cluster = localk8s.up()
             print(f"export KUBECONFIG={cluster.kubeconfig}")
+            print(f"export {PROMETHEUS_URL_ENV}={cluster.prometheus_url}")
         elif args.command == "down":
             stopped = localk8s.down()
             print("stopped: " + ", ".join(stopped) if stopped else "no cluster processes were running")
@@ -45,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(st, indent=2))
             return 0 if st["running"] else 1
         elif args.command == "env":
-            print(f"export KUBECONFIG={localk8s.state_dir() / 'kubeconfig'}")
+            cdir = localk8s.state_dir()
+            print(f"export KUBECONFIG={cdir / 'kubeconfig'}")
+            url = cdir / "prometheus-url"
+            if url.exists():
+                print(f"export {PROMETHEUS_URL_ENV}={url.read_text().strip()}")
     except (RuntimeError, OSError) as exc:
         print(f"cluster.py {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""The process kubelet: runs the real `npuserve serve` as a local process for each engine pod on a KWOK node.
+"""The process kubelet: runs the real `npuserve` as a local process for each process pod on a KWOK node.
 
-KWOK fakes everything a kubelet does for ordinary pods. For engine pods (a container whose command is
-`npuserve serve ...`) KWOK's stage only sets the pod Running with a loopback pod IP and leaves it not Ready
-(`kwok.kwok_pod_stages`); this process does the rest, as a kubelet would:
+KWOK fakes everything a kubelet does for ordinary pods. For process pods (a container whose command is
+`npuserve serve ...`, an engine, or `npuserve bench ...`, the load generator of a benchmark Job) KWOK's stage only
+sets the pod Running with a loopback pod IP and leaves it not Ready (`kwok.kwok_pod_stages`); this process does the
+rest, as a kubelet would:
 
-- starts the container's command with the local `npuserve` (the virtual environment's), `--host <podIP>` and the
-  pod's port, in the pod's folder `.cluster/pods/<namespace>_<name>/` (log: `engine.log`, PID: `pid`);
+- starts the container's command with the local `npuserve` (the virtual environment's) in the pod's folder
+  `.cluster/pods/<namespace>_<name>/` (PID: `pid`; log: `engine.log` for an engine, `container.log` for a bench);
+  an engine gets `--host <podIP>` and the pod's port, a bench its arguments as they are;
 - env: plain values, `fieldRef`s (metadata.name/namespace/uid/labels/annotations, spec.nodeName,
   spec.serviceAccountName, status.podIP/hostIP), `secretKeyRef`/`configMapKeyRef` from the real objects (optional
   ones that are missing are skipped; a missing required one keeps the container waiting with
@@ -15,10 +17,13 @@ KWOK fakes everything a kubelet does for ordinary pods. For engine pods (a conta
 - volumes: ConfigMaps (kept in sync, written atomically, so the engine's config-file watch sees changes) and
   emptyDirs are materialised under the pod folder at their mount paths; every argument or env value under a mount
   path is rewritten to the local folder;
-- readiness: `GET http://<podIP>:<port>/ready` (the container's readinessProbe path and failure threshold); the
-  pod's Ready and ContainersReady conditions and the container status follow it (strategic-merge patches of
-  `pods/status`); a process that exits is reported as terminated (exit code, reason) and restarted with a
-  back-off (CrashLoopBackOff), as `restartPolicy: Always` asks;
+- readiness: an engine's `GET http://<podIP>:<port>/ready` (the container's readinessProbe path and failure
+  threshold); a bench, which has no probe, is ready while it runs; the pod's Ready and ContainersReady conditions
+  and the container status follow it (strategic-merge patches of `pods/status`);
+- a process that exits is restarted with a back-off (CrashLoopBackOff, its exit reported in `lastState`) when the
+  pod's restartPolicy asks (Always; OnFailure after a failure); otherwise (Never; OnFailure after exit code 0) the
+  container's state becomes terminated (exit code, reason Completed or Error, the log's last lines) and the pod's
+  phase Succeeded (0) or Failed, so a Job controller completes or fails its Job;
 - a pod that is deleted or goes away: SIGTERM, then SIGKILL after the grace period (capped at 30 s). A new pod that
   gets a freed IP starts only when the previous process on that address has exited.
 
@@ -77,14 +82,22 @@ def parts(pod: client.V1Pod) -> tuple[client.V1ObjectMeta, client.V1PodSpec, cli
     return pod.metadata, pod.spec, pod.status or client.V1PodStatus()
 
 
-def is_engine_container(container: client.V1Container) -> bool:
+# The `npuserve` subcommands run as processes (kwok.PROCESS_COMMANDS): the engine and the load generator.
+SERVE, BENCH = "serve", "bench"
+
+
+def process_kind(container: client.V1Container) -> str | None:
+    """SERVE or BENCH for a container this kubelet runs (`npuserve serve|bench ...`), else None."""
     cmd = container.command or []
-    return len(cmd) >= 2 and os.path.basename(str(cmd[0])) == "npuserve" and cmd[1] == "serve"
+    if len(cmd) >= 2 and os.path.basename(str(cmd[0])) == "npuserve" and cmd[1] in (SERVE, BENCH):
+        return str(cmd[1])
+    return None
 
 
-def engine_container(pod: client.V1Pod) -> client.V1Container | None:
+def process_container(pod: client.V1Pod) -> client.V1Container | None:
+    """The pod's container this kubelet runs: its first engine or bench container."""
     for c in parts(pod)[1].containers:
-        if is_engine_container(c):
+        if process_kind(c) is not None:
             return c
     return None
 
@@ -211,8 +224,10 @@ class Container:
     name: str
     container: str
     ip: str
-    port: int
+    port: int  # the engine's; 0 for a bench, which listens on nothing
     folder: Path
+    kind: str = SERVE
+    restart_policy: str = "Always"
     ready_path: str = "/ready"
     failure_threshold: int = 3
     grace: float = MAX_GRACE_SECONDS
@@ -230,13 +245,22 @@ class Container:
     last_state: dict[str, Any] = field(default_factory=dict)
     container_id: str | None = None
     others: list[dict[str, Any]] = field(default_factory=list)  # the statuses of the pod's other containers
+    final: dict[str, Any] | None = None  # the terminal status patch of a container that is not restarted
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def log_path(self) -> Path:
+        return self.folder / ("engine.log" if self.kind == SERVE else "container.log")
+
+    def restarts_after(self, code: int) -> bool:
+        """Whether the pod's restartPolicy restarts a container that exited with `code`."""
+        return self.restart_policy == "Always" or (self.restart_policy == "OnFailure" and code != 0)
+
 
 class Mount(NamedTuple):
-    """A volume mount of the engine container, and where it is on this machine."""
+    """A volume mount of the process container, and where it is on this machine."""
 
     path: str
     local: Path
@@ -292,7 +316,7 @@ class Kubelet:
             meta, spec, status = parts(pod)
             if spec.node_name not in nodes or meta.deletion_timestamp:
                 continue
-            if engine_container(pod) is None or not status.pod_ip:
+            if process_container(pod) is None or not status.pod_ip:
                 continue
             wanted[str(meta.uid)] = pod
         for uid in [u for u in self.containers if u not in wanted]:
@@ -314,9 +338,10 @@ class Kubelet:
     # -- one pod -----------------------------------------------------------------------------------------------------
     def admit(self, pod: client.V1Pod) -> Container | None:
         meta, spec, status = parts(pod)
-        ctr = engine_container(pod)
+        ctr = process_container(pod)
         assert ctr is not None
-        probe = ctr.readiness_probe
+        kind = process_kind(ctr) or SERVE
+        probe = ctr.readiness_probe if kind == SERVE else None
         http_get = probe.http_get if probe is not None else None
         threshold = probe.failure_threshold if probe is not None else None
         grace = spec.termination_grace_period_seconds
@@ -326,8 +351,10 @@ class Kubelet:
             name=str(meta.name),
             container=ctr.name,
             ip=str(status.pod_ip),
-            port=container_port(ctr),
+            port=container_port(ctr) if kind == SERVE else 0,
             folder=self.pods_dir / f"{meta.namespace}_{meta.name}",
+            kind=kind,
+            restart_policy=str(spec.restart_policy or "Always"),
             ready_path=str((http_get.path if http_get is not None else None) or "/ready"),
             failure_threshold=int(3 if threshold is None else threshold),
             grace=min(float(30 if grace is None else grace), MAX_GRACE_SECONDS),
@@ -337,6 +364,8 @@ class Kubelet:
         return c
 
     def address_busy(self, c: Container) -> bool:
+        if c.kind != SERVE:
+            return False  # a bench binds no address
         return any(o.ip == c.ip and o.port == c.port for o in self.stopping) or any(
             o is not c and o.ip == c.ip and o.port == c.port and o.running() for o in self.containers.values()
         )
@@ -346,6 +375,11 @@ class Kubelet:
         c.others = [self.api.to_dict(s) for s in statuses if s.name != c.container]
         if c.proc is not None and c.proc.poll() is not None:
             self.exited(c)
+        if c.final is not None:
+            # Finished for good; the pod is still listed as live only until the API server has the terminal
+            # status (this repeats the patch if an earlier one failed).
+            self.api.patch_pod_status(c.namespace, c.name, c.final)
+            return
         if c.proc is None:
             if time.monotonic() >= c.next_start and not self.address_busy(c):
                 self.start(c, pod)
@@ -365,7 +399,7 @@ class Kubelet:
             self.report_waiting(c, "CreateContainerError", f"{self.npuserve} not found (make setup)")
             c.next_start = time.monotonic() + 10
             return
-        logf = (c.folder / "engine.log").open("ab")
+        logf = c.log_path.open("ab")
         logf.write(f"\n# {now()} {' '.join(argv)}\n".encode())
         logf.flush()
         c.proc = subprocess.Popen(
@@ -376,7 +410,11 @@ class Kubelet:
         start = proc_starttime(c.proc.pid)
         (c.folder / "pid").write_text(f"{c.proc.pid} {start or 0}\n")
         c.ready, c.failures, c.next_probe = False, 0, time.monotonic() + 0.5
-        log.info("%s/%s: started pid %d on %s:%d", c.namespace, c.name, c.proc.pid, c.ip, c.port)
+        if c.kind == SERVE:
+            log.info("%s/%s: started pid %d on %s:%d", c.namespace, c.name, c.proc.pid, c.ip, c.port)
+        else:  # no readiness probe: ready once started, as a kubelet does
+            c.ready, c.next_probe = True, math.inf
+            log.info("%s/%s: started %s pid %d", c.namespace, c.name, c.kind, c.proc.pid)
         self.waiting_reported.pop(c.uid, None)
         c.state = {"running": {"startedAt": now()}}
         c.container_id = f"process://{c.proc.pid}"
@@ -388,21 +426,31 @@ class Kubelet:
         (c.folder / "pid").unlink(missing_ok=True)
         c.proc = None
         c.ready = False
-        c.restarts += 1
-        c.next_start = time.monotonic() + c.backoff
-        log.warning("%s/%s: engine exited with %s; restarting in %.0fs (log: %s)",
-                    c.namespace, c.name, code, c.backoff, c.folder / "engine.log")  # fmt: skip
-        c.backoff = min(c.backoff * 2, BACKOFF_MAX)
-        reason = "Completed" if code == 0 else "Error"
-        terminated = {
+        started_at = (c.state.get("running") or {}).get("startedAt")
+        terminated: dict[str, Any] = {
             "exitCode": code if code >= 0 else 128 - code,
-            "reason": reason,
+            "reason": "Completed" if code == 0 else "Error",
             "finishedAt": now(),
-            "message": tail(c.folder / "engine.log", lines=5, missing="")[-1000:],
+            "message": tail(c.log_path, lines=5, missing="")[-1000:],
         }
+        if started_at:
+            terminated["startedAt"] = started_at
         if code < 0:
             terminated["signal"] = -code
-        c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting the engine"}}
+        if not c.restarts_after(code):
+            phase = "Succeeded" if code == 0 else "Failed"
+            log.info("%s/%s: %s exited with %s; pod %s (log: %s)", c.namespace, c.name, c.kind, code, phase,
+                     c.log_path)  # fmt: skip
+            c.state = {"terminated": terminated}
+            c.final = self.status_patch(c, phase=phase)
+            self.api.patch_pod_status(c.namespace, c.name, c.final)
+            return
+        c.restarts += 1
+        c.next_start = time.monotonic() + c.backoff
+        log.warning("%s/%s: %s exited with %s; restarting in %.0fs (log: %s)",
+                    c.namespace, c.name, c.kind, code, c.backoff, c.log_path)  # fmt: skip
+        c.backoff = min(c.backoff * 2, BACKOFF_MAX)
+        c.state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off restarting the {c.kind} process"}}
         c.last_state = {"terminated": terminated}
         self.api.patch_pod_status(c.namespace, c.name, self.status_patch(c))
 
@@ -428,12 +476,15 @@ class Kubelet:
             log.warning("%s/%s: not ready (%d failed probes of %s)", c.namespace, c.name, c.failures, c.ready_path)
             self.api.patch_pod_status(c.namespace, c.name, self.status_patch(c))
 
-    def status_patch(self, c: Container) -> dict[str, Any]:
+    def status_patch(self, c: Container, phase: str | None = None) -> dict[str, Any]:
         """Conditions merge by type; containerStatuses has no merge key in a strategic-merge patch, so the whole
-        list goes: this container's full status and the others' as last seen."""
+        list goes: this container's full status and the others' as last seen. `phase`: the pod's terminal phase
+        (Succeeded, Failed), with the conditions a kubelet gives a finished pod."""
         ready = "True" if c.ready and all(o.get("ready") for o in c.others) else "False"
         reason = None if ready == "True" else "ContainersNotReady"
         message = None if ready == "True" else f"containers with unready status: [{c.container}]"
+        if phase is not None:
+            reason, message = "PodCompleted", None
         t = now()
         conditions = [
             {"type": kind, "status": ready, "reason": reason, "message": message, "lastTransitionTime": t}
@@ -451,7 +502,10 @@ class Kubelet:
         }
         if c.container_id:
             cs["containerID"] = c.container_id
-        return {"status": {"conditions": conditions, "containerStatuses": [cs, *c.others]}}
+        status: dict[str, Any] = {"conditions": conditions, "containerStatuses": [cs, *c.others]}
+        if phase is not None:
+            status["phase"] = phase
+        return {"status": status}
 
     def report_waiting(self, c: Container, reason: str, message: str) -> None:
         if self.waiting_reported.get(c.uid) == message:
@@ -488,7 +542,7 @@ class Kubelet:
 
     # -- the container's files, argv and env --------------------------------------------------------------------------
     def mounts(self, c: Container, pod: client.V1Pod) -> list[Mount]:
-        ctr = engine_container(pod)
+        ctr = process_container(pod)
         volumes = {v.name: v for v in parts(pod)[1].volumes or []}
         out = [
             Mount(m.mount_path, c.folder / m.mount_path.lstrip("/"), volumes.get(m.name), m)
@@ -529,7 +583,7 @@ class Kubelet:
             c.configmaps[m.mount.name] = version
 
     def prepare(self, c: Container, pod: client.V1Pod) -> tuple[list[str], dict[str, str]]:
-        ctr = engine_container(pod)
+        ctr = process_container(pod)
         assert ctr is not None and ctr.command is not None
         c.folder.mkdir(parents=True, exist_ok=True)
         mounts = self.mounts(c, pod)
@@ -541,6 +595,8 @@ class Kubelet:
                 if not m.local.exists():
                     m.local.parent.mkdir(parents=True, exist_ok=True)
                     m.local.symlink_to(vol.host_path.path)
+            elif vol is not None and vol.projected is not None and m.mount.name.startswith("kube-api-access-"):
+                pass  # the service account token a Job's pod gets by default; nothing here talks to the API server
             elif vol is None or vol.config_map is None:
                 kinds = [k for k in self.api.to_dict(vol) if k != "name"] if vol is not None else []
                 log.warning("%s/%s: volume %s (%s) is not materialised", c.namespace, c.name, m.mount.name,
@@ -550,13 +606,14 @@ class Kubelet:
         paths = [(m.path, m.local) for m in mounts]
 
         argv = [self.npuserve] + [rewrite_path(str(a), paths) for a in [*ctr.command[1:], *(ctr.args or [])]]
-        for i, a in enumerate(argv):
-            if a == "--host" and i + 1 < len(argv):
-                argv[i + 1] = c.ip
-            elif a.startswith("--host="):
-                argv[i] = f"--host={c.ip}"
-        if "--host" not in argv and not any(a.startswith("--host=") for a in argv):
-            argv += ["--host", c.ip]
+        if c.kind == SERVE:  # the engine binds the pod's IP; a bench's arguments are its own business
+            for i, a in enumerate(argv):
+                if a == "--host" and i + 1 < len(argv):
+                    argv[i + 1] = c.ip
+                elif a.startswith("--host="):
+                    argv[i] = f"--host={c.ip}"
+            if "--host" not in argv and not any(a.startswith("--host=") for a in argv):
+                argv += ["--host", c.ip]
 
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
         env["HOSTNAME"] = c.name

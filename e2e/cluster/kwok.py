@@ -46,14 +46,18 @@ def fake_node(name: str, index: int) -> dict[str, object]:
     }
 
 
-# KWOK's pod stages (they replace its default "fast" ones; the node stages stay the defaults). Pods whose
-# container runs `npuserve serve` (render.engine_command) get Running and an IP but not Ready: the process kubelet
-# (kubelet.py) runs the engine and sets readiness from its /ready. Other pods behave as KWOK's defaults: Ready at
-# once. Each status stage matches only while the pod has no IP yet, so KWOK plays it once and never overwrites
-# the kubelet's patches afterwards.
+# KWOK's pod stages (they replace its default "fast" ones; the node stages stay the defaults). Process pods, whose
+# container runs `npuserve serve` (the engine, engine_contract.serve_command) or `npuserve bench` (the load
+# generator of the operator's benchmark Jobs), get Running and an IP but not Ready: the process kubelet (kubelet.py)
+# runs the command, sets readiness (the engine's /ready; a bench at once) and, for a container that ends and is not
+# restarted, the terminated state and the pod's phase. Other pods behave as KWOK's defaults: Ready at once, and a
+# Job's pods then Succeeded. Each status stage matches only while the pod has no IP yet, so KWOK plays it once and
+# never overwrites the kubelet's patches afterwards.
 ENGINE_POD_QUERY = (
     '.spec.containers[] | (.command // []) | select(length >= 2) | (.[0] | split("/") | last) + " " + .[1]'
 )
+PROCESS_COMMANDS = ("npuserve serve", "npuserve bench")
+_PROCESS_VALUES = "[" + ", ".join(f"'{c}'" for c in PROCESS_COMMANDS) + "]"
 _POD_STATUS_COMMON = """
       initContainerStatuses:
       {{ range .spec.initContainers }}
@@ -107,7 +111,7 @@ def _pod_stage(name: str, engine: bool) -> str:
       operator: 'DoesNotExist'
     - key: '{ENGINE_POD_QUERY}'
       operator: '{"In" if engine else "NotIn"}'
-      values: ['npuserve serve']
+      values: {_PROCESS_VALUES}
   next:
     statusTemplate: |
       {{{{ $now := Now }}}}
@@ -139,9 +143,17 @@ def _pod_stage(name: str, engine: bool) -> str:
     )
 
 
+def _not_process_pod() -> str:
+    """A match expression for pods the process kubelet does not run."""
+    return f"""    - key: '{ENGINE_POD_QUERY}'
+      operator: 'NotIn'
+      values: {_PROCESS_VALUES}
+"""
+
+
 def kwok_pod_stages() -> str:
-    """KWOK Stage documents for pods: engine pods Running but not Ready, others Ready; Job pods complete; deleted
-    pods go at once (KWOK's fast stages otherwise)."""
+    """KWOK Stage documents for pods: process pods Running but not Ready, others Ready; Job pods that are not
+    process pods complete; deleted pods go at once (KWOK's fast stages otherwise)."""
     complete = _stage_head("pod-complete") + """    - key: '.metadata.deletionTimestamp'
       operator: 'DoesNotExist'
     - key: '.status.phase'
@@ -150,7 +162,7 @@ def kwok_pod_stages() -> str:
     - key: '.metadata.ownerReferences.[].kind'
       operator: 'In'
       values: ['Job']
-  next:
+""" + _not_process_pod() + """  next:
     statusTemplate: |
       {{ $now := Now }}
       containerStatuses:
@@ -176,7 +188,7 @@ def kwok_pod_stages() -> str:
       empty: true
     delete: true
 """
-    return _pod_stage("pod-ready", engine=False) + _pod_stage("engine-pod-running", engine=True) + complete + delete
+    return _pod_stage("pod-ready", engine=False) + _pod_stage("process-pod-running", engine=True) + complete + delete
 
 
 def kwok_config() -> str:

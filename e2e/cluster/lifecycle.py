@@ -1,6 +1,7 @@
 """The local cluster's lifecycle: `Cluster`, `up`/`down`, `acquire`/`release` for test sessions, `status` and
 `current`, and starting the components (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK, the
-process kubelet) under the state folder `.cluster/`. Standard library only."""
+process kubelet, Prometheus) under the state folder `.cluster/`; `stop_prometheus`/`start_prometheus` take Prometheus
+alone down and back. Standard library only."""
 
 from __future__ import annotations
 
@@ -32,8 +33,20 @@ from processes import (
     sweep,
     wait_http,
 )
+from prometheus import ApiServer, dump, find_podmonitor, podmonitor_scrape_configs, prometheus_config
 
 KUBELET_PY = Path(__file__).resolve().with_name("kubelet.py")
+# Prometheus scrapes what the chart's PodMonitor selects, rendered as tests/e2e/test_operator.py installs the chart
+# (so its `job` label is npuserve-system/npuserve-engines), scraping every second for the tuner's short windows.
+CHART = REPO_ROOT / "deploy" / "helm" / "npuserve"
+CHART_RELEASE, CHART_NAMESPACE = "npuserve", "npuserve-system"
+CHART_MONITOR_VALUES = (
+    "serviceMonitor.enabled=true",
+    "serviceMonitor.kind=PodMonitor",
+    "serviceMonitor.interval=1s",
+    "serviceMonitor.scrapeTimeout=1s",
+)
+PROMETHEUS_RETENTION = "1d"  # a cluster lives for a test session; `up` starts with an empty TSDB
 
 
 # ---- cluster ---------------------------------------------------------------------------------------------------
@@ -46,9 +59,13 @@ PORT_DEFAULTS: dict[str, tuple[str, int]] = {
     "scheduler": ("NPUSERVE_SCHEDULER_PORT", 20259),
     "kwok": ("NPUSERVE_KWOK_PORT", 20247),
     "kubelet": ("NPUSERVE_KUBELET_PORT", 20250),
+    "prometheus": ("NPUSERVE_PROMETHEUS_PORT", 29090),
 }
 # Start order; stop runs it backwards.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubelet")
+COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubelet", "prometheus")
+# Components a running cluster may lack for a while: a test takes Prometheus down and back (stop_prometheus,
+# start_prometheus), and meanwhile the cluster is still up for everyone else (`current`, `acquire`).
+OPTIONAL_COMPONENTS = ("prometheus",)
 
 
 def state_dir() -> Path:
@@ -79,6 +96,11 @@ class Cluster:
     @property
     def pki(self) -> Path:
         return self.dir / "pki"
+
+    @property
+    def prometheus_url(self) -> str:
+        """Prometheus' HTTP API (also in `.cluster/prometheus-url`)."""
+        return f"http://127.0.0.1:{self.ports['prometheus']}"
 
     def env(self) -> dict[str, str]:
         """Environment for tools run against the cluster (kubectl, helm, kopf)."""
@@ -129,10 +151,12 @@ def _load_state(cdir: Path) -> dict[str, object] | None:
 
 
 def current(cdir: Path | None = None) -> Cluster | None:
-    """The cluster recorded in the state folder if all its processes run and the API server is ready."""
+    """The cluster recorded in the state folder if its processes run (Prometheus may be down for a while: a test
+    stops and restarts it) and the API server is ready."""
     cdir = cdir or state_dir()
     state = _load_state(cdir)
-    if state is None or not all(_running_components(cdir).values()):
+    running = _running_components(cdir)
+    if state is None or not all(up for name, up in running.items() if name not in OPTIONAL_COMPONENTS):
         return None
     ports = {k: int(v) for k, v in dict(state["ports"]).items()}  # type: ignore[call-overload]
     bins = Binaries(**{k: Path(str(v)) for k, v in dict(state["binaries"]).items()})  # type: ignore[call-overload]
@@ -194,6 +218,9 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
         state = _load_state(cdir)
         if owner == "cli" and state is not None and state.get("owner") != "cli":
             (cdir / "state.json").write_text(json.dumps({**state, "owner": "cli"}, indent=2) + "\n")  # keep it up
+        if owner == "cli" and not _running_components(cdir)["prometheus"]:
+            log("Prometheus is not running (stopped by stop_prometheus?); starting it")
+            _start_prometheus(running, _clean_env(), timeout)
         return running
     if any(_running_components(cdir).values()):
         log("a previous cluster is partly running; stopping it first")
@@ -202,7 +229,7 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
         raise RuntimeError(
             f"the process kubelet needs the `kubernetes` client, which {sys.executable} lacks (make setup)"
         )
-    bins = ensure_binaries(with_helm=False)
+    bins = ensure_binaries(with_helm=True)  # Helm renders the chart's PodMonitor for Prometheus
     started = time.monotonic()
     ports = ports_from_env()
     busy = [f"{n}={p} (set {PORT_DEFAULTS[n][0]})" for n, p in ports.items() if not port_free(p)]
@@ -211,9 +238,9 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
 
     cdir.mkdir(parents=True, exist_ok=True)
     sweep(cdir / "pods")  # engine processes of an earlier cluster whose kubelet was killed
-    for sub in ("pki", "etcd-data", "logs", "pids", "config", "users", "pods"):
+    for sub in ("pki", "etcd-data", "prometheus-data", "logs", "pids", "config", "users", "pods"):
         shutil.rmtree(cdir / sub, ignore_errors=True)
-    for f in ("kubeconfig", "state.json"):
+    for f in ("kubeconfig", "state.json", "prometheus-url"):
         (cdir / f).unlink(missing_ok=True)
     pki, conf = cdir / "pki", cdir / "config"
     conf.mkdir()
@@ -240,6 +267,7 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
         raise
     log(
         f"cluster up in {time.monotonic() - started:.1f}s: API server {cluster.server}; KUBECONFIG={cluster.kubeconfig}"
+        f"; Prometheus {cluster.prometheus_url}"
     )
     return cluster
 
@@ -363,6 +391,82 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
         env,
     )
     wait_http("kubelet", p["kubelet"], "/healthz", None, cdir, "kubelet", timeout)
+    _start_prometheus(c, env, timeout)
+
+
+# ---- Prometheus --------------------------------------------------------------------------------------------------
+def chart_podmonitor(helm: Path, python: str | None = None) -> dict[str, object]:
+    """The PodMonitor of the Helm chart, rendered by `helm template` with the monitor on (1 s interval and timeout).
+
+    Helm writes YAML and the standard library reads none: the virtual environment's Python (PyYAML is an npuserve
+    dependency) turns it into JSON."""
+    cmd = [str(helm), "template", CHART_RELEASE, str(CHART), "--namespace", CHART_NAMESPACE]
+    rendered = subprocess.run(
+        [*cmd, "--set", ",".join(CHART_MONITOR_VALUES)], text=True, capture_output=True, env=_clean_env(), timeout=60
+    )
+    if rendered.returncode != 0:
+        raise RuntimeError(f"helm template {CHART} failed: {rendered.stderr.strip()}")
+    to_json = "import json, sys, yaml; json.dump(list(yaml.safe_load_all(sys.stdin)), sys.stdout)"
+    converted = subprocess.run(
+        [python or kubelet_python(), "-c", to_json], input=rendered.stdout, text=True, capture_output=True, timeout=60
+    )
+    if converted.returncode != 0:
+        raise RuntimeError(f"reading helm's YAML needs PyYAML (make setup): {converted.stderr.strip()[-500:]}")
+    return find_podmonitor(json.loads(converted.stdout))
+
+
+def write_prometheus_config(c: Cluster) -> Path:
+    """`.cluster/config/prometheus.yml`: the chart's PodMonitor as the Prometheus Operator would configure it,
+    discovering pods through the API server with the admin's client certificate."""
+    api = ApiServer(
+        url=c.server,
+        ca_file=str(c.pki / "ca.crt"),
+        cert_file=str(c.pki / "admin.crt"),
+        key_file=str(c.pki / "admin.key"),
+    )
+    config = prometheus_config(podmonitor_scrape_configs(chart_podmonitor(c.binaries.helm), api))
+    path = c.dir / "config" / "prometheus.yml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump(config))
+    return path
+
+
+def _start_prometheus(c: Cluster, env: Mapping[str, str], timeout: float) -> None:
+    rec = read_pid(c.dir, "prometheus")
+    if rec is not None and alive(*rec):
+        return
+    port = c.ports["prometheus"]
+    if not port_free(port):
+        raise RuntimeError(f"port {port} for Prometheus is in use (set {PORT_DEFAULTS['prometheus'][0]})")
+    config = write_prometheus_config(c)
+    spawn(
+        c.dir,
+        "prometheus",
+        [
+            str(c.binaries.prometheus),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={c.dir / 'prometheus-data'}",
+            f"--storage.tsdb.retention.time={PROMETHEUS_RETENTION}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        env,
+    )
+    wait_http("prometheus", port, "/-/ready", None, c.dir, "prometheus", timeout)
+    (c.dir / "prometheus-url").write_text(c.prometheus_url + "\n")
+
+
+def start_prometheus(c: Cluster, timeout: float = 60) -> str:
+    """Start Prometheus again after `stop_prometheus` (a no-op while it runs): same port, configuration (rendered
+    afresh from the chart) and TSDB, so what it scraped before is still there. Returns its URL once it is ready."""
+    with file_lock(c.dir / ".lock"):
+        _start_prometheus(c, _clean_env(), timeout)
+    return c.prometheus_url
+
+
+def stop_prometheus(c: Cluster) -> bool:
+    """Stop only Prometheus (SIGTERM: it flushes its TSDB); the rest of the cluster keeps running. True if it ran."""
+    with file_lock(c.dir / ".lock"):
+        return stop_one(c.dir, "prometheus")
 
 
 def _create_nodes(c: Cluster, timeout: float) -> None:
@@ -392,6 +496,7 @@ def _down_locked(cdir: Path) -> list[str]:
     stopped += [f"engine {folder}" for folder in sweep(cdir / "pods")]
     shutil.rmtree(cdir / "users", ignore_errors=True)
     shutil.rmtree(cdir / "etcd-data", ignore_errors=True)
+    shutil.rmtree(cdir / "prometheus-data", ignore_errors=True)
     (cdir / "state.json").unlink(missing_ok=True)
     return stopped
 
@@ -404,4 +509,5 @@ def status(cdir: Path | None = None) -> dict[str, object]:
         "components": _running_components(cdir),
         "kubeconfig": str(cdir / "kubeconfig"),
         "server": cluster.server if cluster else None,
+        "prometheus_url": cluster.prometheus_url if cluster else None,
     }
