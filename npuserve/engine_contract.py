@@ -12,6 +12,7 @@ What lives here:
   (`hot`) or needs a restart. Every schema of ScheduleConfig (MindIE's `config.json`, the CRD's
   `spec.engine.schedule`, the plan, `PUT /admin/schedule`) takes its ranges from `schedule_field()`;
 - the `/info` response model the engine serves and the operator reads;
+- the Prometheus metric names the engine exports and the operator queries;
 - the queue-policy names, the dtype table and the KV bytes-per-block formula;
 - what the engine can serve today (devices, worldSize), which the operator checks before it deploys pods.
 """
@@ -158,6 +159,84 @@ def schedule_field(name: str, *, required: bool = False, optional: bool = False)
     if required:
         return Field(**kwargs)
     return Field(default=None if optional else spec.default, **kwargs)
+
+
+# --- Prometheus metric names ---------------------------------------------------------------------------------------
+# The engine registers these at `GET /metrics` (vLLM's names, prefix `npuserve:`, DESIGN.md 2.2); the operator's
+# Prometheus client queries them and the Helm chart's dashboard charts them. Keep them exactly as written: renaming
+# one breaks every Prometheus query and dashboard that users already have.
+
+MetricKind = Literal["counter", "gauge", "histogram"]
+
+
+@dataclass(frozen=True)
+class EngineMetric:
+    """One engine metric: the name the engine registers with prometheus_client, and the series Prometheus stores."""
+
+    name: str
+    kind: MetricKind
+
+    @property
+    def series(self) -> str:
+        """The exported series of a counter or a gauge: prometheus_client appends `_total` to a counter's name."""
+        if self.kind == "histogram":
+            raise ValueError(f"{self.name} is a histogram: use .bucket, .sum_series or .count_series")
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+    def _histogram(self, suffix: str) -> str:
+        if self.kind != "histogram":
+            raise ValueError(f"{self.name} is a {self.kind}, not a histogram")
+        return f"{self.name}_{suffix}"
+
+    @property
+    def bucket(self) -> str:
+        return self._histogram("bucket")
+
+    @property
+    def sum_series(self) -> str:
+        return self._histogram("sum")
+
+    @property
+    def count_series(self) -> str:
+        return self._histogram("count")
+
+
+METRIC_TIME_TO_FIRST_TOKEN = EngineMetric("npuserve:time_to_first_token_seconds", "histogram")
+METRIC_TIME_PER_OUTPUT_TOKEN = EngineMetric("npuserve:time_per_output_token_seconds", "histogram")
+METRIC_INTER_TOKEN_LATENCY = EngineMetric("npuserve:inter_token_latency_seconds", "histogram")
+METRIC_E2E_REQUEST_LATENCY = EngineMetric("npuserve:e2e_request_latency_seconds", "histogram")
+METRIC_REQUEST_QUEUE_TIME = EngineMetric("npuserve:request_queue_time_seconds", "histogram")
+METRIC_REQUEST_PREFILL_TIME = EngineMetric("npuserve:request_prefill_time_seconds", "histogram")
+METRIC_REQUEST_DECODE_TIME = EngineMetric("npuserve:request_decode_time_seconds", "histogram")
+METRIC_PREFILL_BATCH_SIZE = EngineMetric("npuserve:prefill_batch_size", "histogram")
+METRIC_DECODE_BATCH_SIZE = EngineMetric("npuserve:decode_batch_size", "histogram")
+METRIC_NUM_REQUESTS_RUNNING = EngineMetric("npuserve:num_requests_running", "gauge")
+METRIC_NUM_REQUESTS_WAITING = EngineMetric("npuserve:num_requests_waiting", "gauge")
+METRIC_NUM_REQUESTS_SWAPPED = EngineMetric("npuserve:num_requests_swapped", "gauge")
+METRIC_KV_CACHE_USAGE_PERC = EngineMetric("npuserve:kv_cache_usage_perc", "gauge")  # 0-1, despite the name
+METRIC_KV_CACHE_BLOCKS_TOTAL = EngineMetric("npuserve:kv_cache_blocks_total", "gauge")
+METRIC_PROMPT_TOKENS = EngineMetric("npuserve:prompt_tokens", "counter")
+METRIC_GENERATION_TOKENS = EngineMetric("npuserve:generation_tokens", "counter")
+METRIC_NUM_PREEMPTIONS = EngineMetric("npuserve:num_preemptions", "counter")
+METRIC_REQUEST_SUCCESS = EngineMetric("npuserve:request_success", "counter")  # every finished request, by reason
+ENGINE_METRICS: tuple[EngineMetric, ...] = (
+    METRIC_TIME_TO_FIRST_TOKEN, METRIC_TIME_PER_OUTPUT_TOKEN, METRIC_INTER_TOKEN_LATENCY, METRIC_E2E_REQUEST_LATENCY,
+    METRIC_REQUEST_QUEUE_TIME, METRIC_REQUEST_PREFILL_TIME, METRIC_REQUEST_DECODE_TIME, METRIC_PREFILL_BATCH_SIZE,
+    METRIC_DECODE_BATCH_SIZE, METRIC_NUM_REQUESTS_RUNNING, METRIC_NUM_REQUESTS_WAITING, METRIC_NUM_REQUESTS_SWAPPED,
+    METRIC_KV_CACHE_USAGE_PERC, METRIC_KV_CACHE_BLOCKS_TOTAL, METRIC_PROMPT_TOKENS, METRIC_GENERATION_TOKENS,
+    METRIC_NUM_PREEMPTIONS, METRIC_REQUEST_SUCCESS,
+)
+
+# The labels the engine puts on every series, and on request_success.
+METRIC_LABEL_MODEL = "model_name"
+METRIC_LABEL_FINISHED_REASON = "finished_reason"
+# A finished request's reason (the engine's FinishReason values). `abort` is a client that went away, not an error.
+FINISHED_REASON_STOP = "stop"
+FINISHED_REASON_LENGTH = "length"
+FINISHED_REASON_ABORT = "abort"
+FINISHED_REASON_ERROR = "error"
+FINISHED_REASONS: tuple[str, ...] = (FINISHED_REASON_STOP, FINISHED_REASON_LENGTH, FINISHED_REASON_ABORT,
+                                     FINISHED_REASON_ERROR)
 
 
 # --- /info ----------------------------------------------------------------------------------------------------------

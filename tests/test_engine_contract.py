@@ -109,6 +109,38 @@ def test_each_contract_name_is_spelled_once(literal: str) -> None:
     assert _literal_defined_in(literal) == ["npuserve/engine_contract.py"]
 
 
+@pytest.mark.parametrize("metric", contract.ENGINE_METRICS, ids=lambda m: m.name)
+def test_each_metric_name_is_spelled_once(metric: contract.EngineMetric) -> None:
+    assert _literal_defined_in(metric.name) == ["npuserve/engine_contract.py"]
+
+
+def test_no_metric_name_is_spelled_outside_the_contract() -> None:
+    # Catches a second definition built another way (a prefix constant plus a name, an exported `_total` series).
+    literal = re.compile(r"""["']npuserve:\w""")
+    spelled = sorted(str(p.relative_to(ROOT)) for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
+                     if literal.search(p.read_text()))
+    assert spelled == ["npuserve/engine_contract.py"]
+
+
+def test_the_engine_exports_every_contract_metric_and_finish_reason() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from npuserve.engine.sequence import FinishReason
+    from npuserve.engine.server.metrics import EngineMetrics
+
+    text = EngineMetrics("probe").render().decode()
+    series = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    for metric in contract.ENGINE_METRICS:
+        if metric.kind == "histogram":
+            assert {metric.bucket, metric.sum_series, metric.count_series} <= series, metric.name
+        else:
+            assert metric.series in series, metric.name
+    assert tuple(r.value for r in FinishReason) == contract.FINISHED_REASONS
+    reasons = {s.labels.get(contract.METRIC_LABEL_FINISHED_REASON) for f in text_string_to_metric_families(text)
+               for s in f.samples if s.name == contract.METRIC_REQUEST_SUCCESS.series}
+    assert reasons == set(contract.FINISHED_REASONS)
+
+
 def test_contracts_import_neither_the_engine_nor_the_operator() -> None:
     modules = sorted(f"npuserve.{p.stem}" for p in (ROOT / "npuserve").glob("*.py") if p.stem != "__init__")
     code = (f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\n"

@@ -1,7 +1,8 @@
 """Prometheus metrics of the engine (DESIGN.md 2.2): vLLM's names with the `npuserve:` prefix and vLLM's buckets.
 
-The operator's tuner and the Helm chart's dashboard read these names; keep them exactly as written.
-Each engine owns a registry, so several engines in one process (tests) do not collide.
+The names live in the engine contract (`npuserve.engine_contract`, "Prometheus metric names"), which the operator's
+Prometheus client and the Helm chart's dashboard read too. Each engine owns a registry, so several engines in one
+process (tests) do not collide.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from npuserve import engine_contract as contract
+from npuserve.engine_contract import EngineMetric
 
 # vLLM v1's bucket boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -18,8 +22,6 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                            240.0, 480.0, 960.0, 1920.0, 7680.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-PREFIX = "npuserve:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,46 +48,49 @@ class EngineMetrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        labels = [contract.METRIC_LABEL_MODEL]
         r = self.registry
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+        def hist(metric: EngineMetric, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(metric.name, doc, labels, buckets=buckets, registry=r)
 
-        self.time_to_first_token = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.time_per_output_token = hist("time_per_output_token_seconds",
+        def gauge(metric: EngineMetric, doc: str) -> Gauge:
+            return Gauge(metric.name, doc, labels, registry=r)
+
+        def counter(metric: EngineMetric, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+            # Registered under the base name; prometheus_client exports `<name>_total` (EngineMetric.series).
+            return Counter(metric.name, doc, [*labels, *extra_labels], registry=r)
+
+        self.time_to_first_token = hist(contract.METRIC_TIME_TO_FIRST_TOKEN, "Time to first token.", TTFT_BUCKETS)
+        self.time_per_output_token = hist(contract.METRIC_TIME_PER_OUTPUT_TOKEN,
                                           "Mean time per output token of a request, after the first.", TPOT_BUCKETS)
-        self.inter_token_latency = hist("inter_token_latency_seconds", "Gap between consecutive tokens.",
+        self.inter_token_latency = hist(contract.METRIC_INTER_TOKEN_LATENCY, "Gap between consecutive tokens.",
                                         TPOT_BUCKETS)
-        self.e2e_request_latency = hist("e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e_request_latency = hist(contract.METRIC_E2E_REQUEST_LATENCY, "End-to-end request latency.",
                                         REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = hist("request_queue_time_seconds", "Time waiting before the first schedule.",
+        self.request_queue_time = hist(contract.METRIC_REQUEST_QUEUE_TIME, "Time waiting before the first schedule.",
                                        REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = hist("request_prefill_time_seconds", "First schedule to first token.",
+        self.request_prefill_time = hist(contract.METRIC_REQUEST_PREFILL_TIME, "First schedule to first token.",
                                          REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = hist("request_decode_time_seconds", "First token to last token.",
+        self.request_decode_time = hist(contract.METRIC_REQUEST_DECODE_TIME, "First token to last token.",
                                         REQUEST_LATENCY_BUCKETS)
-        self.prefill_batch_size = hist("prefill_batch_size", "Requests per prefill step.", BATCH_SIZE_BUCKETS)
-        self.decode_batch_size = hist("decode_batch_size", "Requests per decode step.", BATCH_SIZE_BUCKETS)
+        self.prefill_batch_size = hist(contract.METRIC_PREFILL_BATCH_SIZE, "Requests per prefill step.",
+                                       BATCH_SIZE_BUCKETS)
+        self.decode_batch_size = hist(contract.METRIC_DECODE_BATCH_SIZE, "Requests per decode step.",
+                                      BATCH_SIZE_BUCKETS)
 
-        self.num_requests_running = Gauge(PREFIX + "num_requests_running", "Requests in the running batch.", labels,
-                                          registry=r)
-        self.num_requests_waiting = Gauge(PREFIX + "num_requests_waiting", "Requests waiting for prefill.", labels,
-                                          registry=r)
-        self.num_requests_swapped = Gauge(PREFIX + "num_requests_swapped", "Requests swapped to host memory.",
-                                          labels, registry=r)
-        self.kv_cache_usage_perc = Gauge(PREFIX + "kv_cache_usage_perc", "Fraction of device KV blocks in use (0-1).",
-                                         labels, registry=r)
-        self.kv_cache_blocks_total = Gauge(PREFIX + "kv_cache_blocks_total", "Device KV blocks allocated.", labels,
-                                           registry=r)
+        self.num_requests_running = gauge(contract.METRIC_NUM_REQUESTS_RUNNING, "Requests in the running batch.")
+        self.num_requests_waiting = gauge(contract.METRIC_NUM_REQUESTS_WAITING, "Requests waiting for prefill.")
+        self.num_requests_swapped = gauge(contract.METRIC_NUM_REQUESTS_SWAPPED, "Requests swapped to host memory.")
+        self.kv_cache_usage_perc = gauge(contract.METRIC_KV_CACHE_USAGE_PERC,
+                                         "Fraction of device KV blocks in use (0-1).")
+        self.kv_cache_blocks_total = gauge(contract.METRIC_KV_CACHE_BLOCKS_TOTAL, "Device KV blocks allocated.")
 
-        # prometheus_client appends `_total` to counters.
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", labels, registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", labels, registry=r)
-        self.num_preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted (swap or recompute).",
-                                       labels, registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "Requests finished, by reason.",
-                                       [*labels, "finished_reason"], registry=r)
+        self.prompt_tokens = counter(contract.METRIC_PROMPT_TOKENS, "Prompt tokens processed.")
+        self.generation_tokens = counter(contract.METRIC_GENERATION_TOKENS, "Tokens generated.")
+        self.num_preemptions = counter(contract.METRIC_NUM_PREEMPTIONS, "Requests preempted (swap or recompute).")
+        self.request_success = counter(contract.METRIC_REQUEST_SUCCESS, "Requests finished, by reason.",
+                                       (contract.METRIC_LABEL_FINISHED_REASON,))
         # Export zeros from the start, so rate() and histogram_quantile() work before the first request.
         for metric in (self.time_to_first_token, self.time_per_output_token, self.inter_token_latency,
                        self.e2e_request_latency, self.request_queue_time, self.request_prefill_time,
@@ -94,7 +99,7 @@ class EngineMetrics:
                        self.kv_cache_usage_perc, self.kv_cache_blocks_total, self.prompt_tokens,
                        self.generation_tokens, self.num_preemptions):
             metric.labels(model_name)
-        for reason in ("stop", "length", "abort", "error"):
+        for reason in contract.FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
 
     # --- recording ---------------------------------------------------------------------------------------------

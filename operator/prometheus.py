@@ -1,0 +1,375 @@
+"""PromQL over HTTP: the engine metrics of one InferenceService over one time window (DESIGN.md 4.3).
+
+The tuner judges a trial from what Prometheus scraped of the engines while the trial's schedule ran. This module
+reads that window and turns it into the tuner's `TrialMetrics`, or says why the window cannot be judged.
+
+- Series are selected by `namespace` and `npuserve_io_inferenceservice`: the pod label `npuserve.io/inferenceservice`
+  as the PodMonitors' `podTargetLabels` copy it (the chart's monitor and `render.render_podmonitor`), optionally
+  narrowed to some pods (benchmark mode measures one).
+- Every query runs at the window's end over the whole window (`[Ns]`, whole seconds) and aggregates to one series.
+- Nothing here raises on a bad Prometheus: a query answers a number, `Empty` (no series), `NotANumber` (NaN or Inf,
+  e.g. a mean over no requests) or `Unreachable`. A query that answers several series is a bug here, and raises.
+
+The metric names come from the engine contract (`npuserve.engine_contract`); the operator never imports the engine.
+The client is synchronous: the operator calls it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+import httpx
+
+from npuserve import engine_contract as contract
+from npuserve.engine_contract import EngineMetric
+from npuserve.operator.render import INSTANCE_LABEL
+from npuserve.operator.tuner import LatencyStats, TrialMetrics
+
+QUERY_PATH = "/api/v1/query"
+READY_PATH = "/-/ready"
+KV_EXHAUSTED_USAGE = 0.99  # KV usage at or above this, with preemptions, is an exhausted cache
+
+
+# --- outcomes ------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Unreachable:
+    """Prometheus did not answer a query: refused, timed out, a 5xx, a body that is not its JSON, or an error."""
+
+    url: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Empty:
+    """The query matched no series (nothing scraped there, or fewer than two samples for an `increase`)."""
+
+    query: str
+
+
+@dataclass(frozen=True, slots=True)
+class NotANumber:
+    """The query answered NaN or +-Inf: typically a ratio over no requests (0/0)."""
+
+    query: str
+    value: str = "NaN"
+
+
+Figure = float | Empty | NotANumber
+
+
+def describe(figure: Figure | Unreachable) -> str:
+    if isinstance(figure, Empty):
+        return "no series in Prometheus"
+    if isinstance(figure, NotANumber):
+        return f"{figure.value} (no samples)"
+    if isinstance(figure, Unreachable):
+        return f"Prometheus at {figure.url} unreachable: {figure.error}"
+    return f"{figure:g}"
+
+
+# --- selecting an InferenceService's series ------------------------------------------------------------------------
+
+
+def prometheus_label_name(k8s_label: str) -> str:
+    """A Kubernetes label key as a Prometheus label name, as the Prometheus Operator copies `podTargetLabels`:
+    every character outside [a-zA-Z0-9_] becomes `_` (`npuserve.io/inferenceservice` ->
+    `npuserve_io_inferenceservice`)."""
+    return re.sub(r"[^a-zA-Z0-9_]", "_", k8s_label)
+
+
+INSTANCE_PROM_LABEL = prometheus_label_name(INSTANCE_LABEL)
+
+
+def promql_string(value: str) -> str:
+    """A PromQL double-quoted string literal."""
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def regex_quote(value: str) -> str:
+    """`value` matched literally in a RE2 regex (Go's regexp.QuoteMeta: the same characters)."""
+    return re.sub(r"([\\.+*?()|\[\]{}^$])", r"\\\1", value)
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The series of one InferenceService; `pods` narrows them to those pods (benchmark mode measures one)."""
+
+    namespace: str
+    inference_service: str
+    pods: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.pods is not None:
+            if isinstance(self.pods, str) or not self.pods:
+                raise ValueError("pods: give a sequence of at least one pod name, or None for every pod")
+            object.__setattr__(self, "pods", tuple(self.pods))  # a list given stays hashable and unshared
+
+    def matchers(self, **extra: str) -> str:
+        """The label matchers, `{namespace="ns",npuserve_io_inferenceservice="name",...}`."""
+        parts = [f"namespace={promql_string(self.namespace)}",
+                 f"{INSTANCE_PROM_LABEL}={promql_string(self.inference_service)}"]
+        if self.pods is not None:
+            parts.append(f"pod=~{promql_string('|'.join(regex_quote(p) for p in self.pods))}")
+        parts.extend(f"{k}={promql_string(v)}" for k, v in extra.items())
+        return "{" + ",".join(parts) + "}"
+
+
+# --- the queries of one window -------------------------------------------------------------------------------------
+
+
+def window_queries(selection: Selection, window_s: int) -> dict[str, str]:
+    """The PromQL of every figure of a reading, by figure name; each runs at the window's end."""
+    sel = selection.matchers()
+    rng = f"[{window_s}s]"
+
+    def increase(series: str, matchers: str = sel) -> str:
+        return f"sum(increase({series}{matchers}{rng}))"
+
+    def mean_ms(m: EngineMetric) -> str:
+        return f"1000 * {increase(m.sum_series)} / {increase(m.count_series)}"
+
+    def quantile_ms(m: EngineMetric, q: float) -> str:
+        return f"1000 * histogram_quantile({q}, sum by (le) (increase({m.bucket}{sel}{rng})))"
+
+    queries: dict[str, str] = {}
+    for prefix, m in (("ttft_ms", contract.METRIC_TIME_TO_FIRST_TOKEN),
+                      ("tpot_ms", contract.METRIC_TIME_PER_OUTPUT_TOKEN)):
+        queries[f"{prefix}.mean"] = mean_ms(m)
+        queries[f"{prefix}.p90"] = quantile_ms(m, 0.9)
+        queries[f"{prefix}.p99"] = quantile_ms(m, 0.99)
+        queries[f"{prefix}.samples"] = increase(m.count_series)
+    success = contract.METRIC_REQUEST_SUCCESS.series
+    reason = contract.METRIC_LABEL_FINISHED_REASON
+    # Per pod, then summed: running + waiting match on every label (both gauges carry the same ones).
+    in_flight = (f"avg_over_time({contract.METRIC_NUM_REQUESTS_RUNNING.series}{sel}{rng})"
+                 f" + avg_over_time({contract.METRIC_NUM_REQUESTS_WAITING.series}{sel}{rng})")
+    queries |= {
+        "e2e_mean_ms": mean_ms(contract.METRIC_E2E_REQUEST_LATENCY),
+        "output_tokens_per_s": f"{increase(contract.METRIC_GENERATION_TOKENS.series)} / {window_s}",
+        "requests_finished": increase(success),
+        "errors": increase(success, selection.matchers(**{reason: contract.FINISHED_REASON_ERROR})),
+        "aborts": increase(success, selection.matchers(**{reason: contract.FINISHED_REASON_ABORT})),
+        "preemptions": increase(contract.METRIC_NUM_PREEMPTIONS.series),
+        "kv_usage_max": f"max(max_over_time({contract.METRIC_KV_CACHE_USAGE_PERC.series}{sel}{rng}))",
+        "in_flight_sum": f"sum({in_flight})",
+        "pods_reporting": f"count({in_flight})",
+    }
+    return queries
+
+
+# Request counts: `increase` extrapolates to the window's edges, so it answers 20.4 for 20 requests.
+_COUNTS = frozenset({"ttft_ms.samples", "tpot_ms.samples", "requests_finished", "errors", "aborts", "preemptions"})
+
+
+# --- a window's reading --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyReading:
+    """One latency histogram over the window, in milliseconds; `samples` is the requests it observed."""
+
+    mean: Figure
+    p90: Figure
+    p99: Figure
+    samples: Figure
+
+
+@dataclass(frozen=True, slots=True)
+class WindowReading:
+    """What Prometheus holds of one InferenceService over `[start, end]`; each figure is a value or why it is not."""
+
+    selection: Selection
+    start: float  # end - window_s
+    end: float
+    window_s: int
+    ttft_ms: LatencyReading
+    tpot_ms: LatencyReading
+    e2e_mean_ms: Figure
+    output_tokens_per_s: Figure
+    requests_finished: Figure  # every finished_reason
+    errors: Figure  # finished_reason="error"
+    aborts: Figure  # finished_reason="abort": clients that went away, not errors
+    preemptions: Figure
+    kv_usage_max: Figure  # 0-1, the highest any pod reached
+    in_flight_sum: Figure  # mean requests running + waiting per pod over the window, summed over pods
+    pods_reporting: Figure  # pods with in-flight gauges in the window
+
+    @classmethod
+    def from_figures(cls, selection: Selection, end: float, window_s: int, figures: dict[str, Figure]) -> WindowReading:
+        """A reading from the figures of `window_queries`, by name."""
+
+        def latency(prefix: str) -> LatencyReading:
+            return LatencyReading(mean=figures[f"{prefix}.mean"], p90=figures[f"{prefix}.p90"],
+                                  p99=figures[f"{prefix}.p99"], samples=figures[f"{prefix}.samples"])
+
+        f = figures
+        return cls(selection=selection, start=end - window_s, end=end, window_s=window_s,
+                   ttft_ms=latency("ttft_ms"), tpot_ms=latency("tpot_ms"), e2e_mean_ms=f["e2e_mean_ms"],
+                   output_tokens_per_s=f["output_tokens_per_s"], requests_finished=f["requests_finished"],
+                   errors=f["errors"], aborts=f["aborts"], preemptions=f["preemptions"],
+                   kv_usage_max=f["kv_usage_max"], in_flight_sum=f["in_flight_sum"],
+                   pods_reporting=f["pods_reporting"])
+
+    def figures(self) -> dict[str, Figure]:
+        """Every figure by name (`ttft_ms.p90`, `errors`, ...), the names of `window_queries`."""
+        out: dict[str, Figure] = {}
+        for f in fields(self):
+            value: Any = getattr(self, f.name)
+            if isinstance(value, LatencyReading):
+                out |= {f"{f.name}.{g.name}": getattr(value, g.name) for g in fields(LatencyReading)}
+            elif f.name not in ("selection", "start", "end", "window_s"):
+                out[f.name] = value
+        return out
+
+    @property
+    def missing(self) -> dict[str, Empty | NotANumber]:
+        """The figures without a value, and why."""
+        return {k: v for k, v in self.figures().items() if not isinstance(v, float)}
+
+    @property
+    def error_rate(self) -> Figure:
+        """errors / finished requests; 0 when none finished."""
+        if not isinstance(self.requests_finished, float):
+            return self.requests_finished
+        if not isinstance(self.errors, float):
+            return self.errors
+        return min(1.0, self.errors / self.requests_finished) if self.requests_finished > 0 else 0.0
+
+    @property
+    def in_flight_per_pod(self) -> Figure:
+        """Mean requests in flight per pod: the per-instance concurrency the window ran at."""
+        if not isinstance(self.in_flight_sum, float):
+            return self.in_flight_sum
+        if not isinstance(self.pods_reporting, float):
+            return self.pods_reporting
+        return self.in_flight_sum / self.pods_reporting if self.pods_reporting > 0 else 0.0
+
+    def trial_metrics(self, min_requests: int = 1) -> TrialMetrics | str:
+        """The tuner's measurement of this window, or why the window is inconclusive (too few requests finished, a
+        figure missing). `samples` is TTFT's sample count; TPOT is 0 when every output was one token."""
+        finished = self.requests_finished
+        if not isinstance(finished, float):
+            return f"requests finished: {describe(finished)}"
+        if finished < min_requests:
+            return ("no requests finished in the window" if finished == 0 else
+                    f"only {finished:.0f} requests finished in the window (fewer than {min_requests})")
+        ttft, tpot = self.ttft_ms, self.tpot_ms
+        needed = {"output_tokens_per_s": self.output_tokens_per_s, "errors": self.errors,
+                  "preemptions": self.preemptions, "kv_usage_max": self.kv_usage_max,
+                  "ttft_ms.samples": ttft.samples, "tpot_ms.samples": tpot.samples}
+        # A latency has statistics only when it has samples: TTFT when some request produced a token, TPOT when
+        # some produced two. Without them its mean and quantiles are NaN, and 0 below stands in.
+        for prefix, reading in (("ttft_ms", ttft), ("tpot_ms", tpot)):
+            if isinstance(reading.samples, float) and reading.samples > 0:
+                needed |= {f"{prefix}.mean": reading.mean, f"{prefix}.p90": reading.p90,
+                           f"{prefix}.p99": reading.p99}
+        gaps = [f"{k}: {describe(v)}" for k, v in needed.items() if not isinstance(v, float)]
+        if gaps:
+            return "figures missing: " + "; ".join(gaps)
+        v = {k: x for k, x in needed.items() if isinstance(x, float)}
+        if v["ttft_ms.samples"] == 0 and v["errors"] == 0:
+            # Every request was aborted before its first token: nothing measured, and nothing failed either.
+            return f"{finished:.0f} requests finished, none with a first token (clients went away)"
+
+        def stats(prefix: str) -> LatencyStats:
+            if v[f"{prefix}.samples"] == 0:
+                return LatencyStats(mean=0.0, p90=0.0, p99=0.0)
+            return LatencyStats(mean=v[f"{prefix}.mean"], p90=v[f"{prefix}.p90"], p99=v[f"{prefix}.p99"])
+
+        return TrialMetrics(
+            output_tokens_per_s=v["output_tokens_per_s"],
+            ttft_ms=stats("ttft_ms"),
+            tpot_ms=stats("tpot_ms"),
+            error_rate=min(1.0, v["errors"] / finished),
+            samples=round(v["ttft_ms.samples"]),
+            preemptions=round(v["preemptions"]),
+            kv_exhausted=v["kv_usage_max"] >= KV_EXHAUSTED_USAGE and v["preemptions"] > 0,
+        )
+
+
+# --- the client ----------------------------------------------------------------------------------------------------
+
+
+class PrometheusClient:
+    """Instant queries against Prometheus's HTTP API (`GET /api/v1/query`). Not async: called from a worker thread.
+
+    `transport` replaces the network (tests pass an `httpx.MockTransport`)."""
+
+    def __init__(self, url: str, timeout: float = 5.0, transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PrometheusClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ready(self) -> bool:
+        """Whether Prometheus answers and is ready to serve queries (`/-/ready`)."""
+        try:
+            return self._http.get(READY_PATH).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def query(self, promql: str, at: float) -> float | Empty | NotANumber | Unreachable:
+        """One instant query at unix time `at`. The query must aggregate to at most one series: more is a bug in the
+        query, and raises ValueError."""
+        try:
+            response = self._http.get(QUERY_PATH, params={"query": promql, "time": f"{at:.3f}"})
+        except httpx.HTTPError as e:
+            return Unreachable(self.url, f"{type(e).__name__}: {e}".rstrip(": "))
+        answered = f"HTTP {response.status_code}"
+        try:
+            body = response.json()
+        except ValueError:
+            return Unreachable(self.url, f"{answered}, not JSON: {response.text[:200]!r}")
+        if not isinstance(body, dict) or body.get("status") != "success":
+            # Prometheus answers its errors as JSON (400 bad_data, 422 execution, 503 timeout); a proxy may not.
+            if isinstance(body, dict) and "error" in body:
+                return Unreachable(self.url, f"{answered}, {body.get('errorType', 'error')}: {body['error']}")
+            return Unreachable(self.url, f"{answered}, not a Prometheus answer: {response.text[:200]!r}")
+        try:
+            result_type, result = body["data"]["resultType"], body["data"]["result"]
+            if result_type == "scalar":
+                text = str(result[1])
+            elif result_type == "vector":
+                if not result:
+                    return Empty(promql)
+                if len(result) > 1:
+                    labels = [r.get("metric", {}) for r in result[:3]]
+                    raise ValueError(f"query answered {len(result)} series, not one ({labels} ...): {promql}")
+                text = str(result[0]["value"][1])
+            else:
+                raise ValueError(f"query answered a {result_type}, not one number: {promql}")
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            return Unreachable(self.url, f"{answered}, malformed answer ({type(e).__name__}: {e})")
+        try:
+            value = float(text)  # Prometheus writes "NaN", "+Inf", "-Inf" for the non-finite
+        except ValueError:
+            return Unreachable(self.url, f"{answered}, a value that is not a number: {text!r}")
+        if not math.isfinite(value):
+            return NotANumber(promql, text)
+        return value
+
+    def read_window(self, selection: Selection, start: float, end: float) -> WindowReading | Unreachable:
+        """Every figure of `selection` over the window ending at `end`: each query runs at `end` over
+        `ceil(end - start)` seconds (at least 1). Stops at the first query Prometheus does not answer."""
+        # Rounded to Prometheus's milliseconds first: two scrape timestamps 30 s apart differ by 30.000000000x here.
+        window_s = max(1, math.ceil(round(end - start, 3)))
+        figures: dict[str, Figure] = {}
+        for name, promql in window_queries(selection, window_s).items():
+            answer = self.query(promql, end)
+            if isinstance(answer, Unreachable):
+                return answer
+            figures[name] = float(round(answer)) if name in _COUNTS and isinstance(answer, float) else answer
+        return WindowReading.from_figures(selection, end, window_s, figures)

@@ -1,0 +1,434 @@
+"""The operator's Prometheus client (operator/prometheus.py): each answer to its type, the PromQL it sends, the tuner's
+metrics from a window; and the whole path against a real Prometheus scraping a real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from npuserve import engine_contract as contract
+from npuserve.operator.prometheus import (
+    Empty,
+    NotANumber,
+    PrometheusClient,
+    Selection,
+    Unreachable,
+    WindowReading,
+    prometheus_label_name,
+    window_queries,
+)
+from npuserve.operator.render import INSTANCE_LABEL
+from npuserve.operator.tuner import LatencyStats, TrialMetrics
+
+URL = "http://prometheus.test:9090"
+SEL = Selection(namespace="ns1", inference_service="tiny")
+MATCHERS = '{namespace="ns1",npuserve_io_inferenceservice="tiny"}'
+
+
+def vector(*values: str) -> dict[str, object]:
+    return {"status": "success", "data": {"resultType": "vector",
+                                          "result": [{"metric": {"pod": f"p{i}"}, "value": [1.0, v]}
+                                                     for i, v in enumerate(values)]}}
+
+
+def client(handler: Callable[[httpx.Request], httpx.Response]) -> PrometheusClient:
+    return PrometheusClient(URL, transport=httpx.MockTransport(handler))
+
+
+def answering(body: object, status: int = 200) -> PrometheusClient:
+    return client(lambda request: httpx.Response(status, json=body))
+
+
+# --- (a) each answer to its type -----------------------------------------------------------------------------------
+
+
+def test_a_number() -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=vector("12.5"))
+
+    assert client(handler).query("sum(x)", at=1700000000.25) == 12.5
+    (request,) = seen
+    assert request.url.path == "/api/v1/query"
+    assert parse_qs(request.url.query.decode()) == {"query": ["sum(x)"], "time": ["1700000000.250"]}
+
+
+def test_a_scalar_answer_is_a_number_too() -> None:
+    body = {"status": "success", "data": {"resultType": "scalar", "result": [1.0, "3"]}}
+    assert answering(body).query("3", at=1.0) == 3.0
+
+
+def test_no_series_is_empty() -> None:
+    assert answering(vector()).query("sum(x)", at=1.0) == Empty("sum(x)")
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_nan_and_inf_are_not_a_number(value: str) -> None:
+    assert answering(vector(value)).query("a / b", at=1.0) == NotANumber("a / b", value)
+
+
+def test_a_refused_connection_is_unreachable() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    answer = client(refuse).query("sum(x)", at=1.0)
+    assert isinstance(answer, Unreachable) and answer.url == URL and "Connection refused" in answer.error
+    assert not client(refuse).ready()
+
+
+def test_a_timeout_is_unreachable() -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    answer = client(slow).query("sum(x)", at=1.0)
+    assert isinstance(answer, Unreachable) and "ReadTimeout" in answer.error
+
+
+def test_a_server_error_is_unreachable() -> None:
+    answer = client(lambda r: httpx.Response(500, text="internal error")).query("sum(x)", at=1.0)
+    assert isinstance(answer, Unreachable) and "HTTP 500" in answer.error and "not JSON" in answer.error
+    answer = client(lambda r: httpx.Response(502, json={"message": "bad gateway"})).query("sum(x)", at=1.0)
+    assert isinstance(answer, Unreachable) and "HTTP 502" in answer.error
+
+
+def test_an_api_error_is_unreachable() -> None:
+    body = {"status": "error", "errorType": "execution", "error": "query timed out in expression evaluation"}
+    answer = answering(body, status=503).query("sum(x)", at=1.0)
+    assert isinstance(answer, Unreachable)
+    assert answer.error == "HTTP 503, execution: query timed out in expression evaluation"
+
+
+def test_a_malformed_answer_is_unreachable() -> None:
+    assert isinstance(answering({"status": "success"}).query("x", at=1.0), Unreachable)
+    assert isinstance(answering(vector("twelve")).query("x", at=1.0), Unreachable)
+
+
+def test_more_than_one_series_is_a_bug_in_the_query() -> None:
+    with pytest.raises(ValueError, match="2 series"):
+        answering(vector("1", "2")).query("x", at=1.0)
+
+
+def test_ready() -> None:
+    assert client(lambda r: httpx.Response(200, text="Prometheus Server is Ready.")).ready()
+    assert not client(lambda r: httpx.Response(503, text="Service Unavailable")).ready()
+
+
+# --- the PromQL ----------------------------------------------------------------------------------------------------
+
+
+def test_label_names_as_prometheus_sanitizes_them() -> None:
+    assert prometheus_label_name(INSTANCE_LABEL) == "npuserve_io_inferenceservice"
+    assert prometheus_label_name("app.kubernetes.io/name") == "app_kubernetes_io_name"
+    assert prometheus_label_name("a-b_C9") == "a_b_C9"
+
+
+def test_selection_matchers() -> None:
+    assert SEL.matchers() == MATCHERS
+    one_pod = Selection(namespace="ns1", inference_service="tiny", pods=("tiny-7d9f-x2x",))
+    assert one_pod.matchers() == '{namespace="ns1",npuserve_io_inferenceservice="tiny",pod=~"tiny-7d9f-x2x"}'
+    # Regex metacharacters matched literally (Prometheus anchors the regex), backslashes escaped for the string.
+    two = Selection(namespace="ns1", inference_service="tiny", pods=("a.b", "c"))
+    assert two.matchers() == '{namespace="ns1",npuserve_io_inferenceservice="tiny",pod=~"a\\\\.b|c"}'
+    assert SEL.matchers(finished_reason="error") == MATCHERS[:-1] + ',finished_reason="error"}'
+    with pytest.raises(ValueError):
+        Selection(namespace="ns1", inference_service="tiny", pods=())
+
+
+def test_window_queries() -> None:
+    q = window_queries(SEL, 30)
+    ttft = "npuserve:time_to_first_token_seconds"
+    assert q["ttft_ms.samples"] == f"sum(increase({ttft}_count{MATCHERS}[30s]))"
+    assert q["ttft_ms.mean"] == (f"1000 * sum(increase({ttft}_sum{MATCHERS}[30s]))"
+                                 f" / sum(increase({ttft}_count{MATCHERS}[30s]))")
+    assert q["ttft_ms.p99"] == f"1000 * histogram_quantile(0.99, sum by (le) (increase({ttft}_bucket{MATCHERS}[30s])))"
+    assert q["tpot_ms.p90"].startswith("1000 * histogram_quantile(0.9, sum by (le) "
+                                       "(increase(npuserve:time_per_output_token_seconds_bucket{")
+    assert q["output_tokens_per_s"] == f"sum(increase(npuserve:generation_tokens_total{MATCHERS}[30s])) / 30"
+    assert q["requests_finished"] == f"sum(increase(npuserve:request_success_total{MATCHERS}[30s]))"
+    assert q["errors"] == ("sum(increase(npuserve:request_success_total"
+                           '{namespace="ns1",npuserve_io_inferenceservice="tiny",finished_reason="error"}[30s]))')
+    assert 'finished_reason="abort"' in q["aborts"]
+    assert q["preemptions"] == f"sum(increase(npuserve:num_preemptions_total{MATCHERS}[30s]))"
+    assert q["kv_usage_max"] == f"max(max_over_time(npuserve:kv_cache_usage_perc{MATCHERS}[30s]))"
+    per_pod = (f"avg_over_time(npuserve:num_requests_running{MATCHERS}[30s])"
+               f" + avg_over_time(npuserve:num_requests_waiting{MATCHERS}[30s])")
+    assert q["in_flight_sum"] == f"sum({per_pod})" and q["pods_reporting"] == f"count({per_pod})"
+
+
+# --- reading a window ----------------------------------------------------------------------------------------------
+
+
+class FakePrometheus:
+    """Answers each figure's query with the value given for its name (`window_queries`), or no series."""
+
+    def __init__(self, values: dict[str, str], window_s: int = 60, selection: Selection = SEL) -> None:
+        self.by_query = {q: values.get(name) for name, q in window_queries(selection, window_s).items()}
+        self.times: set[str] = set()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        params = parse_qs(request.url.query.decode())
+        self.times.add(params["time"][0])
+        value = self.by_query[params["query"][0]]  # a query outside window_queries: KeyError, the test fails
+        return httpx.Response(200, json=vector() if value is None else vector(value))
+
+
+BUSY = {"ttft_ms.mean": "120", "ttft_ms.p90": "200", "ttft_ms.p99": "300", "ttft_ms.samples": "100.4",
+        "tpot_ms.mean": "40", "tpot_ms.p90": "50", "tpot_ms.p99": "60", "tpot_ms.samples": "99.6",
+        "e2e_mean_ms": "5000", "output_tokens_per_s": "512.5", "requests_finished": "101.2", "errors": "1.01",
+        "aborts": "3", "preemptions": "0", "kv_usage_max": "0.7", "in_flight_sum": "30", "pods_reporting": "2"}
+
+
+def read(values: dict[str, str], start: float = 1000.0, end: float = 1060.0) -> WindowReading:
+    fake = FakePrometheus(values, window_s=max(1, math.ceil(end - start)))
+    reading = client(fake).read_window(SEL, start, end)
+    assert isinstance(reading, WindowReading)
+    assert fake.times == {f"{end:.3f}"}  # every query at the window's end
+    return reading
+
+
+def test_a_busy_window_gives_the_tuners_metrics() -> None:
+    reading = read(BUSY)
+    assert reading.missing == {}
+    assert reading.ttft_ms.samples == 100.0 and reading.requests_finished == 101.0  # counts rounded
+    assert reading.error_rate == 1 / 101 and reading.in_flight_per_pod == 15.0
+    assert reading.trial_metrics() == TrialMetrics(
+        output_tokens_per_s=512.5, ttft_ms=LatencyStats(mean=120, p90=200, p99=300),
+        tpot_ms=LatencyStats(mean=40, p90=50, p99=60), error_rate=1 / 101, samples=100, preemptions=0,
+        kv_exhausted=False)
+    assert reading.trial_metrics(min_requests=200) == "only 101 requests finished in the window (fewer than 200)"
+
+
+def test_the_window_is_whole_seconds_from_the_end() -> None:
+    reading = read(BUSY, start=1000.2, end=1029.9)
+    assert (reading.window_s, reading.start, reading.end) == (30, pytest.approx(999.9), 1029.9)
+    assert read(BUSY, start=1000.0, end=1000.0).window_s == 1
+    # Prometheus keeps milliseconds: a difference of scrape timestamps in float seconds is not rounded up past them.
+    assert read(BUSY, start=1700000000.123, end=1700000030.123).window_s == 30
+
+
+def test_kv_exhausted_needs_full_blocks_and_preemptions() -> None:
+    metrics = read(BUSY | {"kv_usage_max": "0.995", "preemptions": "7"}).trial_metrics()
+    assert isinstance(metrics, TrialMetrics) and metrics.kv_exhausted and metrics.preemptions == 7
+    metrics = read(BUSY | {"kv_usage_max": "1"}).trial_metrics()
+    assert isinstance(metrics, TrialMetrics) and not metrics.kv_exhausted
+
+
+def test_one_token_outputs_have_no_tpot() -> None:
+    reading = read(BUSY | {"tpot_ms.samples": "0", "tpot_ms.mean": "NaN", "tpot_ms.p90": "NaN",
+                           "tpot_ms.p99": "NaN"})
+    assert set(reading.missing) == {"tpot_ms.mean", "tpot_ms.p90", "tpot_ms.p99"}
+    metrics = reading.trial_metrics()
+    assert isinstance(metrics, TrialMetrics) and metrics.tpot_ms == LatencyStats(mean=0, p90=0, p99=0)
+
+
+def test_an_idle_window_is_inconclusive() -> None:
+    idle = {k: "0" for k in BUSY} | {k: "NaN" for k in BUSY if k.endswith(("mean", "p90", "p99", "mean_ms"))}
+    reading = read(idle)
+    assert reading.error_rate == 0.0
+    assert reading.trial_metrics() == "no requests finished in the window"
+
+
+def test_no_series_is_inconclusive_and_named() -> None:
+    reading = read({})
+    assert set(reading.missing) == set(window_queries(SEL, 60))
+    assert all(isinstance(v, Empty) for v in reading.missing.values())
+    assert reading.trial_metrics() == "requests finished: no series in Prometheus"
+    gap = read(BUSY | {"kv_usage_max": "NaN"}).trial_metrics()
+    assert gap == "figures missing: kv_usage_max: NaN (no samples)"
+
+
+def test_errors_before_any_token_fail_the_trial_not_stall_it() -> None:
+    all_errors = BUSY | {"requests_finished": "10", "errors": "10", "output_tokens_per_s": "0"} | {
+        f"{p}.{s}": "NaN" for p in ("ttft_ms", "tpot_ms") for s in ("mean", "p90", "p99")} | {
+        "ttft_ms.samples": "0", "tpot_ms.samples": "0"}
+    metrics = read(all_errors).trial_metrics()
+    assert isinstance(metrics, TrialMetrics) and metrics.error_rate == 1.0 and metrics.samples == 0
+    aborted = all_errors | {"errors": "0", "aborts": "10"}
+    assert read(aborted).trial_metrics() == "10 requests finished, none with a first token (clients went away)"
+
+
+def test_an_unreachable_prometheus_stops_the_reading() -> None:
+    calls = 0
+
+    def down_after_two(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls > 2:
+            raise httpx.ConnectError("Connection refused", request=request)
+        return httpx.Response(200, json=vector("1"))
+
+    reading = client(down_after_two).read_window(SEL, 0.0, 60.0)
+    assert isinstance(reading, Unreachable) and calls == 3
+
+
+# --- (b) a real Prometheus scraping a real engine ------------------------------------------------------------------
+
+N_REQUESTS, MAX_TOKENS = 20, 8
+ENGINE_LABELS = {"namespace": "ns1", "npuserve_io_inferenceservice": "tiny", "pod": "tiny-0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(what: str, ready: Callable[[], bool], timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"{what} exited with {proc.returncode}"
+        assert time.monotonic() < deadline, f"{what} not ready after {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+def _prometheus_binary() -> str:
+    """$NPUSERVE_PROMETHEUS, else a Prometheus on PATH (Debian's package serves a static scrape config), else the e2e
+    harness's `ensure_prometheus()`, which builds the cluster's pinned release on first use."""
+    explicit = os.environ.get("NPUSERVE_PROMETHEUS") or shutil.which("prometheus")
+    if explicit:
+        return explicit
+    harness = str(Path(__file__).resolve().parents[2] / "e2e" / "cluster")
+    sys.path.insert(0, harness)
+    try:
+        import localk8s
+    finally:
+        sys.path.remove(harness)
+    ensure = getattr(localk8s, "ensure_prometheus", None)
+    assert ensure is not None, "no prometheus: apt-get install prometheus, or set NPUSERVE_PROMETHEUS"
+    return str(ensure())
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Stack:
+    engine: str
+    prometheus: subprocess.Popen[bytes]
+    client: PrometheusClient
+
+
+@pytest.fixture
+def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
+    engine_port, prom_port = _free_port(), _free_port()
+    engine_url = f"http://127.0.0.1:{engine_port}"
+    engine = subprocess.Popen([str(Path(sys.executable).parent / "npuserve"), "serve", "--model", str(tiny_model_dir),
+                               "--host", "127.0.0.1", "--port", str(engine_port)],
+                              stdout=(tmp_path / "engine.log").open("wb"), stderr=subprocess.STDOUT)
+    config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+              "scrape_configs": [{"job_name": "npuserve-engine",
+                                  "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"],
+                                                      "labels": ENGINE_LABELS}]}]}
+    (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    prometheus = subprocess.Popen([_prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
+                                   f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                                   f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                  stdout=(tmp_path / "prometheus.log").open("wb"), stderr=subprocess.STDOUT)
+    prom = PrometheusClient(f"http://127.0.0.1:{prom_port}")
+    try:
+        def engine_ready() -> bool:
+            try:
+                return httpx.get(f"{engine_url}/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait("the engine", engine_ready, 90, engine)
+        _wait("prometheus", prom.ready, 30, prometheus)
+        yield Stack(engine_url, prometheus, prom)
+    finally:
+        prom.close()
+        _stop(prometheus)
+        _stop(engine)
+
+
+def _wait_for_scrapes(prom: PrometheusClient, after: float, count: int) -> float:
+    """Waits until Prometheus holds `count` scrapes of the engine taken after `after`; the last one's timestamp."""
+    series = contract.METRIC_TIME_TO_FIRST_TOKEN.count_series
+    deadline = time.monotonic() + 30
+    seen: set[float] = set()
+    while True:
+        at = prom.query(f"max(timestamp({series}{SEL.matchers()}))", at=time.time())
+        if isinstance(at, float) and at > after:
+            seen.add(at)
+            if len(seen) >= count:
+                return max(seen)
+        assert time.monotonic() < deadline, f"Prometheus is not scraping the engine ({at})"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(180)
+def test_a_real_prometheus_reads_a_real_engine(stack: Stack) -> None:
+    prom = stack.client
+    # `increase` extrapolates to a window's edges, unless a sample sits on the edge or the counter's first sample
+    # is 0. The window opens a second before a scrape taken before the load: the samples at the start are 0 (also
+    # when the range is open on the left, as from Prometheus 3).
+    start = _wait_for_scrapes(prom, after=0.0, count=1) - 1.0
+    with httpx.Client(base_url=stack.engine, timeout=60) as http:
+        for i in range(N_REQUESTS):
+            answer = http.post("/v1/completions", json={"prompt": f"request {i}", "max_tokens": MAX_TOKENS,
+                                                         "ignore_eos": True, "temperature": 0})
+            assert answer.status_code == 200, answer.text
+        own = {s.name: s.value for f in text_string_to_metric_families(http.get("/metrics").text)
+               for s in f.samples}
+    loaded = time.time()
+    # It closes on the second scrape after the load: it ends on a sample, so no extrapolation at the end either.
+    end = _wait_for_scrapes(prom, after=loaded, count=2)
+
+    reading = prom.read_window(SEL, start, end)
+    assert isinstance(reading, WindowReading), reading
+    assert reading.missing == {}, reading.missing
+    assert reading.ttft_ms.samples == N_REQUESTS and reading.tpot_ms.samples == N_REQUESTS
+    assert reading.requests_finished == N_REQUESTS and reading.errors == 0 and reading.aborts == 0
+    assert isinstance(reading.output_tokens_per_s, float)
+    assert reading.output_tokens_per_s * reading.window_s == pytest.approx(N_REQUESTS * MAX_TOKENS, rel=1e-6)
+    ttft = contract.METRIC_TIME_TO_FIRST_TOKEN
+    engine_mean_ms = 1000 * own[ttft.sum_series] / own[ttft.count_series]
+    assert reading.ttft_ms.mean == pytest.approx(engine_mean_ms, rel=0.01)
+    assert reading.pods_reporting == 1 and reading.error_rate == 0.0
+    assert isinstance(reading.kv_usage_max, float) and 0 <= reading.kv_usage_max < 0.99
+    metrics = reading.trial_metrics(min_requests=N_REQUESTS)
+    assert isinstance(metrics, TrialMetrics), metrics
+    assert metrics.samples == N_REQUESTS and metrics.error_rate == 0 and not metrics.kv_exhausted
+    assert metrics.ttft_ms.p90 <= metrics.ttft_ms.p99 and metrics.tpot_ms.mean > 0
+
+    # A window that ends between scrapes: `increase` extrapolates the slope it sampled to the window's edge, and
+    # counts more requests than came (the flat tail after the load does not stop it).
+    later = prom.read_window(SEL, start, end + 0.5)
+    assert isinstance(later, WindowReading) and isinstance(later.output_tokens_per_s, float)
+    assert later.output_tokens_per_s * later.window_s > N_REQUESTS * MAX_TOKENS
+
+    one_pod = prom.read_window(Selection(namespace="ns1", inference_service="tiny", pods=("tiny-0",)), start, end)
+    assert isinstance(one_pod, WindowReading) and one_pod.ttft_ms.samples == N_REQUESTS
+    for elsewhere in (Selection(namespace="ns2", inference_service="tiny"),
+                      Selection(namespace="ns1", inference_service="tiny", pods=("tiny-1",))):
+        empty = prom.read_window(elsewhere, start, end)
+        assert isinstance(empty, WindowReading) and set(empty.missing) == set(window_queries(elsewhere, 1))
+        assert empty.trial_metrics() == "requests finished: no series in Prometheus"
+
+    _stop(stack.prometheus)
+    gone = prom.read_window(SEL, start, end)
+    assert isinstance(gone, Unreachable) and gone.url == prom.url
+    assert not prom.ready()
