@@ -303,26 +303,54 @@ class SLOSpec(_Model):
         return self
 
 
+CAPACITY_RULES = (
+    cel(
+        "!has(self.maxReplicas) || self.minReplicas <= self.maxReplicas",
+        "spec.capacity.minReplicas must not exceed spec.capacity.maxReplicas",
+        field_path=".minReplicas",
+    ),
+)
+
+
 class CapacitySpec(_Model):
+    model_config = ConfigDict(json_schema_extra=_rules(*CAPACITY_RULES))
+
     targetConcurrentUsers: int = Field(ge=1, description="users in flight at once; replicas are planned to hold them")
     concurrencyPerReplica: int | None = Field(
         default=None, ge=1,
         description="requests one replica holds under the SLO; omitted: the plan's maxBatchSize.min "
-        "(every request at its maximum length, no preemption)",
+        "(every request at its maximum length, no preemption) until autotune measures it",
     )
+    minReplicas: int = Field(default=1, ge=1, le=10000, description="the fewest replicas the measured capacity sets")
+    maxReplicas: int | None = Field(
+        default=None, ge=1, le=10000,
+        description="the most replicas the measured capacity sets; omitted: as many as the nodes' cards hold",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> CapacitySpec:
+        if self.maxReplicas is not None and self.minReplicas > self.maxReplicas:
+            _fail(CAPACITY_RULES[0]["message"])
+        return self
 
 
 class AutotuneSpec(_Model):
     enabled: bool = Field(
         default=False,
-        description="closed-loop tuning of the ScheduleConfig (not built yet: true is reported on the Tuning "
-        "condition, reason AutotuneNotBuilt, and nothing tunes)",
+        description="closed-loop tuning of the ScheduleConfig from the engines' TTFT/TPOT in Prometheus "
+        "(the operator needs --prometheus-url)",
     )
     mode: Literal["online", "benchmark"] = Field(
-        default="online", description="online: live traffic; benchmark: a load-generator Job"
+        default="online",
+        description="online: measure live traffic; benchmark: a load-generator Job per trial at the guide's "
+        "client concurrency of maxBatchSize - 1",
     )
     maxTrials: int = Field(default=8, ge=1, le=100)
-    window: str = Field(default="2m", pattern=DURATION_PATTERN, description="settled window per trial (Go duration)")
+    window: str = Field(default="2m", pattern=DURATION_PATTERN,
+                        description="measured window per trial (Go duration), after a settling time of a quarter "
+                        "of it that is discarded")
+    minSamples: int = Field(default=50, ge=1, le=1_000_000,
+                            description="finished requests a window must hold to count; fewer: measured again")
 
 
 # --- spec.engine, host, monitoring -------------------------------------------------------------------------------
@@ -414,11 +442,11 @@ class MonitoringSpec(_Model):
 
 SPEC_RULES = (
     cel(
-        "!(has(self.replicas) && has(self.capacity))",
-        "spec.replicas and spec.capacity are exclusive: set replicas for a fixed count, or "
-        "capacity.targetConcurrentUsers to have the planner size it",
+        "!has(self.replicas) || !has(self.capacity) || (self.replicas >= self.capacity.minReplicas && "
+        "(!has(self.capacity.maxReplicas) || self.replicas <= self.capacity.maxReplicas))",
+        "spec.replicas must lie within spec.capacity.minReplicas and maxReplicas (with spec.capacity set, the "
+        "operator sets spec.replicas from the measured capacity through the scale subresource)",
         field_path=".replicas",
-        reason="FieldValueForbidden",
     ),
     cel(
         "!has(self.accelerator.cards) || !has(self.model.architecture) || "
@@ -453,7 +481,9 @@ class InferenceServiceSpec(_Model):
     model: ModelSource
     accelerator: AcceleratorSpec
     replicas: int | None = Field(
-        default=None, ge=0, le=10000, description="fixed replica count; exclusive with capacity; omitted: 1"
+        default=None, ge=0, le=10000,
+        description="replica count; with capacity set, written by the operator from the measured capacity; "
+        "omitted: 1, or the plan's estimate from capacity"
     )
     workload: WorkloadSpec
     slo: SLOSpec = Field(default_factory=SLOSpec, json_schema_extra={"default": {}})
@@ -465,7 +495,9 @@ class InferenceServiceSpec(_Model):
 
     @model_validator(mode="after")
     def _check(self) -> InferenceServiceSpec:
-        if self.replicas is not None and self.capacity is not None:
+        cap = self.capacity
+        if self.replicas is not None and cap is not None and not (
+                cap.minReplicas <= self.replicas <= (cap.maxReplicas or self.replicas)):
             _fail(SPEC_RULES[0]["message"])
         cards = self.accelerator.cards
         if cards is not None:
@@ -558,11 +590,13 @@ class Plan(_Model):
 
 
 class Observed(_Model):
-    ttftMs: float | None = None
-    tpotMs: float | None = None
+    ttftMs: float | None = Field(default=None, description="TTFT over the last window, at the SLO's statistic")
+    tpotMs: float | None = Field(default=None, description="TPOT over the last window, at the SLO's statistic")
     outputTokensPerSecond: float | None = None
     errorRate: float | None = None
-    window: str | None = None
+    window: str | None = Field(default=None, description="the window measured, as its length (Go duration)")
+    samples: int | None = Field(default=None, ge=0, description="requests that finished in the window")
+    measuredAt: str | None = Field(default=None, description="RFC 3339 time at the end of the window")
     kvBlocksAllocated: int | None = Field(default=None, description="blocks the engine allocated (its /info)")
 
 
@@ -571,6 +605,25 @@ class TuningTrial(_Model):
     schedule: ScheduleKnobs
     metrics: dict[str, float] = Field(default_factory=dict)
     verdict: str = ""
+    window: str | None = Field(default=None, description="RFC 3339 start/end of the measured window")
+
+
+class TrialInProgress(_Model):
+    """The trial (or capacity probe) whose window is open: what the operator applied and when it measures."""
+
+    kind: Literal["trial", "capacity"] = "trial"
+    trial: int = Field(ge=0, description="its number in status.tuning.history (trials) or status.capacity.probes")
+    schedule: ScheduleKnobs
+    concurrency: int | None = Field(default=None, ge=1, description="benchmark mode: the Job's client concurrency")
+    appliedAt: str
+    measureFrom: str = Field(description="RFC 3339: the window opens (what came before it settles and is dropped)")
+    measureUntil: str
+    pods: list[str] = Field(default_factory=list, max_length=10000,
+                            description="name/uid/restarts of each engine pod when the trial began")
+    target: str | None = Field(default=None, description="benchmark mode: the one pod the Job loads and is measured")
+    job: str | None = Field(default=None, description="benchmark mode: the load-generator Job")
+    inconclusive: str | None = Field(default=None, description="why the last reading of this window was unusable")
+    attempts: int = Field(default=0, ge=0, description="windows read without a usable measurement")
 
 
 class TuningStatus(_Model):
@@ -579,6 +632,38 @@ class TuningStatus(_Model):
     best: TuningTrial | None = None
     # At most spec.autotune.maxTrials (<= 100) trials; maxItems bounds the CEL cost of the rule on each schedule.
     history: list[TuningTrial] = Field(default_factory=list, max_length=100)
+    round: int = Field(default=0, ge=0, description="tuning rounds started (a new one when the SLO is missed again)")
+    problem: str | None = Field(default=None, description="hash of what is tuned (plan range, SLO, pinned knobs)")
+    current: TrialInProgress | None = None
+    applied: ScheduleKnobs | None = Field(default=None, description="the knobs the tuner has put on the engines")
+    message: str = ""
+    roundStartedAt: str | None = None
+    lastCheckAt: str | None = Field(default=None, description="after tuning: the last window checked against the SLO")
+    missedWindows: int = Field(default=0, ge=0, description="after tuning: consecutive windows that missed the SLO")
+
+
+class CapacityProbe(_Model):
+    concurrency: int = Field(ge=1)
+    passed: bool
+    verdict: str = ""
+
+
+class CapacityStatus(_Model):
+    """Replicas from what one instance was measured to hold (benchmark) or derived to hold (online), beside the
+    plan's static estimate."""
+
+    phase: Literal["Pending", "Measuring", "Measured", "Failed"] = "Pending"
+    problem: str | None = Field(default=None, description="the tuning problem the measurement belongs to")
+    targetConcurrentUsers: int = Field(ge=1)
+    staticConcurrencyPerReplica: int = Field(ge=1, description="the plan's estimate (status.plan)")
+    staticReplicas: int = Field(ge=0, description="ceil(targetConcurrentUsers / staticConcurrencyPerReplica)")
+    measuredConcurrencyPerReplica: int | None = Field(default=None, ge=1)
+    method: str = Field(default="", description="how the concurrency was measured or derived")
+    measuredAt: str | None = None
+    replicas: int | None = Field(default=None, ge=0, description="set through the scale subresource")
+    bound: str | None = Field(default=None, description="what bounded the replicas, when something did")
+    probes: list[CapacityProbe] = Field(default_factory=list, max_length=64)
+    message: str = ""
 
 
 class Condition(_Model):
@@ -603,6 +688,7 @@ class InferenceServiceStatus(_Model):
     selector: str | None = Field(default=None, description="label selector of the engine pods (scale subresource)")
     observed: Observed | None = None
     tuning: TuningStatus | None = None
+    capacity: CapacityStatus | None = None
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

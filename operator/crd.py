@@ -124,6 +124,11 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "TTFT", "type": "number", "jsonPath": ".status.observed.ttftMs", "description": "observed TTFT, ms"},
     {"name": "TPOT", "type": "number", "jsonPath": ".status.observed.tpotMs", "description": "observed TPOT, ms"},
     {"name": "SLO Met", "type": "string", "jsonPath": '.status.conditions[?(@.type=="SLOMet")].status'},
+    {"name": "Tuning", "type": "string", "jsonPath": ".status.tuning.phase",
+     "description": "the tuner: Running, Converged, Stopped or Failed"},
+    {"name": "Trials", "type": "integer", "jsonPath": ".status.tuning.trial", "description": "trials measured"},
+    {"name": "Tok/s", "type": "number", "jsonPath": ".status.observed.outputTokensPerSecond", "priority": 1,
+     "description": "observed output tokens/s"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

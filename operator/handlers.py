@@ -21,13 +21,17 @@ kopf settings, chosen on purpose:
 - no finalizer: the delete handler is optional, and readiness comes from watching the engine workloads rather
   than from a timer or daemon on the InferenceService (kopf puts a finalizer on objects with timers, which would
   block `kubectl delete` while the operator is down); children go with their owner by garbage collection;
-- events at info level: ours (Planned, Applied, Ready; warnings PlanFailed, EngineCannotServe, AutotuneNotBuilt,
-  <Kind>NotInstalled) and kopf's per-handler outcomes.
+- events at info level: ours (Planned, Applied, Ready; warnings PlanFailed, EngineCannotServe, <Kind>NotInstalled)
+  and kopf's per-handler outcomes; the autotune loop posts its own (TrialStarted, TrialMeasured, RolledBack, ...).
+- autotune: a thread (`autotune_loop.AutotuneLoop`) started at start-up; `track_autotune`, an event handler, tells
+  it which InferenceServices to tune. Its state is all in their status (module docstring of `autotune.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -38,13 +42,18 @@ from pydantic import ValidationError
 from . import kube as kube_module
 from . import status as st
 from .api import InferenceService, Plan
+from .autotune import applied_schedule
+from .autotune_loop import AutotuneLoop
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
+from .operator_cli import PROMETHEUS_URL_ENV
 from .planner import PlanError, plan, servability
-from .render import INSTANCE_LABEL, render, selector
+from .render import INSTANCE_LABEL, render, render_admin_secret, selector
 
-PROMETHEUS_URL: str | None = None  # set by `npuserve operator --prometheus-url`; read by the tuner
+# Set by `npuserve operator --prometheus-url` (default: the environment variable); read by the autotune loop.
+PROMETHEUS_URL: str | None = None
 
 _kube: kube_module.Kube | None = None
+_loop: AutotuneLoop | None = None
 
 
 def kube() -> kube_module.Kube:
@@ -64,7 +73,26 @@ def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
-    kube()
+    global _loop
+    _loop = AutotuneLoop(kube(), PROMETHEUS_URL or os.environ.get(PROMETHEUS_URL_ENV) or None)
+    _loop.start()
+
+
+@kopf.on.cleanup()
+def stop_autotune(**_: Any) -> None:
+    if _loop is not None:
+        _loop.stop()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def track_autotune(*, body: kopf.Body, type: str | None, **_: Any) -> None:
+    """Tell the autotune loop which InferenceServices to tune (an event handler: no finalizer, unlike a timer)."""
+    if _loop is None:
+        return
+    spec, status = body.get("spec") or {}, body.get("status") or {}
+    wanted = type != "DELETED" and (bool((spec.get("autotune") or {}).get("enabled"))
+                                    or bool((status.get("tuning") or {}).get("current")))
+    _loop.track(body.metadata.namespace or "default", body.metadata.name or "", wanted)
 
 
 def _parse(body: Mapping[str, Any]) -> InferenceService:
@@ -90,9 +118,6 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         kopf.warn(body, reason="PlanFailed", message=message[:1024])
         raise kopf.PermanentError(f"cannot plan: {message}") from e
     sel, autotune = selector(isvc), isvc.spec.autotune.enabled
-    tuning = st.autotune_message(autotune)
-    if tuning is not None:
-        kopf.warn(body, reason=st.AUTOTUNE_NOT_BUILT, message=tuning)
     client = kube()
     why = servability(result)
     if why is not None:
@@ -103,11 +128,17 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         logger.warning("not deployed: %s%s", why, f"; removed {', '.join(removed)}" if removed else "")
         return result
 
+    # The tuner's schedule, while its trials are of this plan: a re-apply must not put the plan's back.
+    obj = client.get_inference_service(namespace, name) or {}
+    schedule = applied_schedule(isvc, result, obj.get("status") or {})
     # The plan reaches the status before anything is applied: a failing apply still leaves it readable.
     _write(namespace, name, lambda o: st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(),
-                                                 autotune))
+                                                 autotune, schedule))
     kopf.info(body, reason="Planned", message=st.plan_summary(result))
-    objects = render(isvc, result)
+    # The engines' admin token: made once, kept (the pods read it from their environment).
+    if isvc.metadata.uid and client.create_if_absent(render_admin_secret(isvc, secrets.token_urlsafe(32))):
+        logger.info("created the admin Secret of %s/%s", namespace, name)
+    objects = render(isvc, result, schedule)
     applied, skipped = _apply(body, namespace, name, generation, objects)
     removed = client.prune(namespace, name, objects)
     _write(namespace, name, lambda o: st.deployed(o.get("status") or {}, applied, skipped, generation,

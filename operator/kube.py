@@ -15,12 +15,14 @@ The reconcile handlers and the readiness handler both write through it, so neith
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol, cast
 
 import httpx
@@ -29,8 +31,9 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from pydantic import ValidationError
 
-from npuserve.engine_contract import ENGINE_PORT, INFO_PATH, EngineInfo
+from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
 
+from .autotune import JobPhase, PodState
 from .render import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 from .status import EngineReport, Status, merge_patch
 
@@ -57,6 +60,7 @@ OPTIONAL_KINDS = frozenset({"PodMonitor"})
 STATUS_WRITE_ATTEMPTS = 5
 INFO_TIMEOUT_S = 2.0  # one engine's /info, connect to last byte
 MAX_CONCURRENT_INFO = 16  # /info reads in flight at once, per readiness update
+ADMIN_TIMEOUT_S = 35.0  # one PUT /admin/schedule (the engine waits up to 30 s for its step loop to take it)
 
 
 class StatusConflict(RuntimeError):
@@ -193,6 +197,19 @@ class Kube:
                         pass
         return removed
 
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        """Create the object unless one of its name exists (a Secret's token is made once and kept); True if made."""
+        resource = self._resource(manifest["apiVersion"], manifest["kind"])
+        if resource is None:
+            raise ResourceNotFoundError(f"the API server does not serve {manifest['apiVersion']} {manifest['kind']}")
+        try:
+            resource.create(body=manifest, namespace=manifest["metadata"].get("namespace"))
+        except client.ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return get_inference_service(self.custom, namespace, name)
 
@@ -244,3 +261,136 @@ async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, li
             return EngineReport(pod.name, True, kv_blocks=info.kv_blocks)
 
         return list(await asyncio.gather(*(one(p) for p in pods)))
+
+
+# --- autotune: the engines' admin API, Secrets, Jobs, scale, events -------------------------------------------------
+
+
+def pod_states(pods: Iterable[client.V1Pod]) -> list[PodState]:
+    """The engine pods (not being deleted) as the autotune loop compares them across a trial."""
+    out: list[PodState] = []
+    for pod in pods:
+        meta, status = pod.metadata, pod.status
+        if meta is None or status is None or meta.deletion_timestamp is not None:
+            continue
+        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+        restarts = sum(int(c.restart_count or 0) for c in (status.container_statuses or []))
+        out.append(PodState(str(meta.name), str(meta.uid), status.pod_ip, ready, restarts))
+    return sorted(out, key=lambda p: p.name)
+
+
+def put_schedule(pods: Sequence[PodState], token: str, knobs: Mapping[str, Any], *, port: int = ENGINE_PORT,
+                 timeout: float = ADMIN_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
+                 ) -> dict[str, str]:
+    """PUT /admin/schedule on every engine pod with an IP, at once; pod name -> error, for those that refused or did
+    not answer (empty: all applied). Runs its own event loop (call it from a worker thread)."""
+    return asyncio.run(_put_schedule(pods, token, dict(knobs), port, timeout, transport))
+
+
+async def _put_schedule(pods: Sequence[PodState], token: str, body: dict[str, Any], port: int, timeout: float,
+                        transport: httpx.AsyncBaseTransport | None) -> dict[str, str]:
+    headers = {"Authorization": f"Bearer {token}"}
+    async with httpx.AsyncClient(transport=transport, timeout=timeout) as http:
+
+        async def one(pod: PodState) -> tuple[str, str | None]:
+            try:
+                response = await http.put(f"http://{pod.ip}:{port}{ADMIN_SCHEDULE_PATH}", json=body,
+                                          headers=headers)
+            except httpx.HTTPError as e:
+                return pod.name, f"{ADMIN_SCHEDULE_PATH} unreachable: {e!r}"
+            if response.status_code != 200:
+                return pod.name, f"{ADMIN_SCHEDULE_PATH} answered {response.status_code}: {response.text[:300]}"
+            return pod.name, None
+
+        results = await asyncio.gather(*(one(p) for p in pods if p.ip))
+    return {name: error for name, error in results if error is not None}
+
+
+def job_phase(job: client.V1Job | None) -> JobPhase:
+    if job is None:
+        return "missing"
+    for cond in (job.status.conditions if job.status is not None else None) or []:
+        if cond.status == "True" and cond.type in ("Complete", "SuccessCriteriaMet"):
+            return "succeeded"
+        if cond.status == "True" and cond.type in ("Failed", "FailureTarget"):
+            return "failed"
+    return "active"
+
+
+def _quantity(value: str) -> float:
+    """A Kubernetes quantity of CPUs or devices (no binary suffixes on those)."""
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+
+class AutotuneKube:
+    """The autotune loop's calls, beside `Kube`'s: one API client shared."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.batch = client.BatchV1Api(kube.api_client)
+
+    def pods(self, namespace: str, selector: str) -> list[PodState]:
+        return pod_states(self.kube.core.list_namespaced_pod(namespace, label_selector=selector).items)
+
+    def admin_token(self, namespace: str, secret: str, key: str) -> str | None:
+        try:
+            found = self.kube.core.read_namespaced_secret(secret, namespace)
+        except client.ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raw = (found.data or {}).get(key)
+        return base64.b64decode(raw).decode() if raw else None
+
+    def job_phase(self, namespace: str, name: str) -> JobPhase:
+        try:
+            return job_phase(self.batch.read_namespaced_job(name, namespace))
+        except client.ApiException as e:
+            if e.status == 404:
+                return "missing"
+            raise
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def scale(self, namespace: str, name: str, replicas: int) -> None:
+        """Through the scale subresource, as `kubectl scale` and an HPA do."""
+        self.kube.custom.patch_namespaced_custom_object_scale(
+            GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}})
+
+    def replica_limit(self, resource: str | None, per_pod: float) -> int | None:
+        """How many pods asking `per_pod` of `resource` (an accelerator; None: CPUs) the schedulable nodes' allocatable
+        holds, over all nodes, ignoring what else runs there (the scheduler has the last word)."""
+        name = resource or "cpu"
+        total = 0
+        for node in self.kube.core.list_node().items:
+            spec, status = node.spec, node.status
+            if (spec is not None and spec.unschedulable) or status is None:
+                continue
+            value = (status.allocatable or {}).get(name)
+            if value:
+                total += int(_quantity(str(value)) // per_pod)
+        return total
+
+    def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the InferenceService (the autotune loop runs outside kopf's handlers, whose event
+        queue it cannot use)."""
+        meta = obj["metadata"]
+        now = datetime.now(UTC)
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}.", namespace=meta["namespace"]),
+            involved_object=client.V1ObjectReference(api_version=obj["apiVersion"], kind=obj["kind"],
+                                                     name=meta["name"], namespace=meta["namespace"],
+                                                     uid=meta.get("uid"), resource_version=meta.get("resourceVersion")),
+            reason=reason, message=message[:1024], type=type_, count=1, first_timestamp=now, last_timestamp=now,
+            source=client.V1EventSource(component=FIELD_MANAGER), reporting_component=FIELD_MANAGER,
+            reporting_instance=FIELD_MANAGER)
+        try:
+            self.kube.core.create_namespaced_event(meta["namespace"], event)
+        except client.ApiException as e:
+            log.warning("event %s on %s/%s not posted: %s %s", reason, meta["namespace"], meta["name"], e.status,
+                        e.reason)

@@ -36,6 +36,7 @@ DEFAULT_CPU_MEM_SIZE_GIB = 5
 MINDIE_MAX_BATCH_SIZE = 5000  # MindIE's documented upper bound of maxBatchSize
 PREFILL_TOKENS_CAP = DEFAULT_MAX_PREFILL_TOKENS  # 8192, the guide's cap on maxPrefillTokens
 MIN_BATCH = 1  # worldSize search: the pool must hold at least this many requests of maximum length
+MAX_REPLICAS = 10000  # spec.replicas' upper bound
 
 
 def planned_prefill_tokens(prefill_batch: int, mean_input_tokens: int, max_input_tokens: int) -> int:
@@ -408,12 +409,19 @@ class _Planner:
                      "(the guide's capacity planning)", maxBatchSize=schedule.maxBatchSize, maxBatchSizeMin=mbs.min)
         if spec.replicas is not None:
             replicas = spec.replicas
-            self.add(7, "replicas", replicas, "spec.replicas", "replicas", "set in the spec")
+            self.add(7, "replicas", replicas, "spec.replicas", "replicas",
+                     "set in the spec" if capacity is None else
+                     "set through the scale subresource (by the operator from the measured capacity: "
+                     "status.capacity)")
         elif capacity is not None:
-            replicas = math.ceil(capacity.targetConcurrentUsers / concurrency)
-            self.add(7, "replicas", replicas, "ceil(targetConcurrentUsers / concurrencyPerReplica)", "replicas",
-                     "rounded up, so every user is served", targetConcurrentUsers=capacity.targetConcurrentUsers,
-                     concurrencyPerReplica=concurrency)
+            replicas = min(max(math.ceil(capacity.targetConcurrentUsers / concurrency), capacity.minReplicas),
+                           capacity.maxReplicas or MAX_REPLICAS)
+            self.add(7, "replicas", replicas,
+                     "ceil(targetConcurrentUsers / concurrencyPerReplica), within [minReplicas, maxReplicas]",
+                     "replicas", "rounded up, so every user is served; autotune replaces it with the measured "
+                     "capacity", targetConcurrentUsers=capacity.targetConcurrentUsers,
+                     concurrencyPerReplica=concurrency, minReplicas=capacity.minReplicas,
+                     maxReplicas=capacity.maxReplicas or MAX_REPLICAS)
         else:
             replicas = 1
             self.add(7, "replicas", replicas, "1 (neither spec.replicas nor spec.capacity is set)", "replicas")

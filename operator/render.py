@@ -32,7 +32,7 @@ from npuserve.engine_contract import (
     serve_command,
 )
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
-from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan
+from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, PlanSchedule
 from npuserve.operator.planner import model_spec
 
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
@@ -50,6 +50,9 @@ JEMALLOC_PATH = "/usr/local/lib/libjemalloc.so.2"
 MALLOC_CONF = "background_thread:true,metadata_thp:auto,dirty_decay_ms:30000,muzzy_decay_ms:30000"
 ENGINE_UID = 1000  # HwHiAiUser on Ascend hosts, the owner of the driver's device files
 CONFIG_HASH_ANNOTATION = "npuserve.io/config-hash"
+ADMIN_TOKEN_KEY = "token"  # the key of the admin Secret (PUT /admin/schedule's bearer token)
+LOADGEN_COMPONENT = "loadgen"
+BENCH_GRACE_S = 120  # a benchmark Job's run past its load, before Kubernetes ends it
 INSTANCE_LABEL = "npuserve.io/inferenceservice"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
@@ -86,6 +89,10 @@ def config_map_name(isvc: InferenceService) -> str:
     return f"{isvc.metadata.name}-config"
 
 
+def admin_secret_name(isvc: InferenceService) -> str:
+    return f"{isvc.metadata.name}-admin"
+
+
 def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": isvc.metadata.namespace, "labels": labels(isvc)}
     if isvc.metadata.uid:
@@ -99,7 +106,8 @@ def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
 # --- config.json -------------------------------------------------------------------------------------------------
 
 
-def mindie_config(isvc: InferenceService, plan: Plan) -> MindIEConfig:
+def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> MindIEConfig:
+    """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's."""
     spec = isvc.spec
     acc = get_accelerator(spec.accelerator.type)
     data = {
@@ -123,7 +131,7 @@ def mindie_config(isvc: InferenceService, plan: Plan) -> MindIEConfig:
                     }
                 ],
             },
-            "ScheduleConfig": plan.schedule.model_dump(),
+            "ScheduleConfig": (schedule or plan.schedule).model_dump(),
         },
         "npuserve": NpuserveExtensions(
             device=acc.npu_device_type,
@@ -151,8 +159,8 @@ def _model_config_json(isvc: InferenceService) -> str | None:
     return json.dumps(model_spec(isvc.spec).to_hf_config(), indent=2, sort_keys=True) + "\n"
 
 
-def render_configmap(isvc: InferenceService, plan: Plan) -> Manifest:
-    data = {CONFIG_KEY: mindie_config(isvc, plan).dumps()}
+def render_configmap(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> Manifest:
+    data = {CONFIG_KEY: mindie_config(isvc, plan, schedule).dumps()}
     model_config = _model_config_json(isvc)
     if model_config is not None:
         data[MODEL_CONFIG_KEY] = model_config
@@ -192,7 +200,7 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
         {"name": CPU_BINDING_ENV, "value": spec.host.cpuPinning},
         {"name": NPU_MEMORY_FRACTION_ENV, "value": str(spec.accelerator.memoryFraction)},
         {"name": ADMIN_TOKEN_ENV,
-         "valueFrom": {"secretKeyRef": {"name": f"{isvc.metadata.name}-admin", "key": "token", "optional": True}}},
+         "valueFrom": {"secretKeyRef": {"name": admin_secret_name(isvc), "key": ADMIN_TOKEN_KEY, "optional": True}}},
     ]
     if acc.npu_device_type == "npu":
         env.append({"name": "ASCEND_PROCESS_LOG_PATH", "value": f"{TMP_DIR}/ascend/log"})
@@ -214,6 +222,26 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
             "failureThreshold": failures}
 
 
+def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The weights folder (a PVC or a hostPath) at MODEL_DIR; none for random weights."""
+    weights = isvc.spec.model.weights
+    if weights.pvc is None and weights.hostPath is None:
+        return []
+    mount: dict[str, Any] = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    if weights.pvc is not None and weights.pvc.subPath:
+        mount["subPath"] = weights.pvc.subPath
+    return [mount]
+
+
+def _model_volumes(isvc: InferenceService) -> list[dict[str, Any]]:
+    weights = isvc.spec.model.weights
+    if weights.pvc is not None:
+        return [{"name": "model", "persistentVolumeClaim": {"claimName": weights.pvc.claimName, "readOnly": True}}]
+    if weights.hostPath is not None:
+        return [{"name": "model", "hostPath": {"path": weights.hostPath.path, "type": "Directory"}}]
+    return []
+
+
 def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[str, Any]:
     spec = isvc.spec
     mounts: list[dict[str, Any]] = [
@@ -221,14 +249,7 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
         {"name": "tmp", "mountPath": TMP_DIR},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
-    weights = spec.model.weights
-    if weights.pvc is not None:
-        mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
-        if weights.pvc.subPath:
-            mount["subPath"] = weights.pvc.subPath
-        mounts.append(mount)
-    elif weights.hostPath is not None:
-        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    mounts += _model_mounts(isvc)
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine.image,
@@ -289,12 +310,7 @@ def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader
         {"name": "tmp", "emptyDir": {}},
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
     ]
-    weights = spec.model.weights
-    if weights.pvc is not None:
-        volumes.append({"name": "model",
-                        "persistentVolumeClaim": {"claimName": weights.pvc.claimName, "readOnly": True}})
-    elif weights.hostPath is not None:
-        volumes.append({"name": "model", "hostPath": {"path": weights.hostPath.path, "type": "Directory"}})
+    volumes += _model_volumes(isvc)
     annotations = {CONFIG_HASH_ANNOTATION: config_digest}
     if leader:
         annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_PORT),
@@ -381,6 +397,9 @@ def render_podmonitor(isvc: InferenceService, plan: Plan) -> Manifest:
         "metadata": _metadata(isvc, isvc.metadata.name),
         "spec": {
             "selector": {"matchLabels": _serving_selector(isvc, plan)},
+            # Series carry `npuserve_io_inferenceservice`, as from the chart's monitor: the operator's Prometheus
+            # client selects an InferenceService's series by it (operator/prometheus.py).
+            "podTargetLabels": [INSTANCE_LABEL],
             "podMetricsEndpoints": [
                 {"port": PORT_NAME, "path": METRICS_PATH, "interval": isvc.spec.monitoring.interval}
             ],
@@ -388,10 +407,11 @@ def render_podmonitor(isvc: InferenceService, plan: Plan) -> Manifest:
     }
 
 
-def render(isvc: InferenceService, plan: Plan) -> list[Manifest]:
-    """Every object of one InferenceService, in apply order."""
-    configmap = render_configmap(isvc, plan)
-    digest = config_hash(mindie_config(isvc, plan), configmap["data"].get(MODEL_CONFIG_KEY))
+def render(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> list[Manifest]:
+    """Every object of one InferenceService, in apply order. `schedule`: the tuner's, in the ConfigMap; the pod
+    template's config hash leaves the hot schedule fields out, so a tuned schedule never rolls the pods."""
+    configmap = render_configmap(isvc, plan, schedule)
+    digest = config_hash(mindie_config(isvc, plan, schedule), configmap["data"].get(MODEL_CONFIG_KEY))
     workload = (
         render_leaderworkerset(isvc, plan, digest) if plan.nodes > 1 else render_deployment(isvc, plan, digest)
     )
@@ -399,3 +419,81 @@ def render(isvc: InferenceService, plan: Plan) -> list[Manifest]:
     if isvc.spec.monitoring.podMonitor:
         objects.append(render_podmonitor(isvc, plan))
     return objects
+
+
+# --- the admin Secret and the benchmark Jobs (autotune) ----------------------------------------------------------
+
+
+def render_admin_secret(isvc: InferenceService, token: str) -> Manifest:
+    """The bearer token of the engines' PUT /admin/schedule: the operator creates it once (a random token) and
+    never rewrites it; the pods read it from their environment."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": _metadata(isvc, admin_secret_name(isvc)), "stringData": {ADMIN_TOKEN_KEY: token}}
+
+
+def bench_job_name(isvc: InferenceService, kind: str, round_: int, number: int) -> str:
+    """`<name>-bench-r<round>-t<trial>` (or `-c<probe>` for a capacity probe): at most 63 characters, as the Job
+    controller's job-name label requires (names are at most 45)."""
+    return f"{isvc.metadata.name}-bench-r{round_}-{'t' if kind == 'trial' else 'c'}{number}"
+
+
+def render_bench_job(isvc: InferenceService, *, name: str, target_ip: str, concurrency: int,
+                     duration_s: float) -> Manifest:
+    """The load-generator Job of one benchmark trial: `npuserve bench` in the engine image against one engine pod
+    (the instance whose window is measured), the workload's lengths, closed loop at `concurrency` users, for
+    `duration_s`; it measures nothing itself that the operator reads: the engine's metrics in Prometheus do."""
+    spec = isvc.spec
+    w = spec.workload
+    command = [
+        "npuserve", "bench", "--base-url", f"http://{target_ip}:{ENGINE_PORT}", "--model", spec.model.name,
+        "--dataset-name", "random", "--random-input-len", str(w.avgInputTokens),
+        "--random-output-len", str(w.avgOutputTokens), "--ignore-eos",
+        "--max-concurrency", str(concurrency), "--duration", f"{duration_s:g}",
+        "--num-prompts", str(max(100, concurrency * 4)), "--request-timeout", f"{duration_s + BENCH_GRACE_S:g}",
+    ]
+    # The model's own tokenizer, so the prompts have the workload's lengths in its tokens (random weights ship none:
+    # then the load generator's word-count estimate).
+    model_mounts = _model_mounts(isvc)
+    if model_mounts:
+        command += ["--tokenizer", MODEL_DIR]
+    meta = _metadata(isvc, name)
+    meta["labels"] = {**meta["labels"], COMPONENT_LABEL: LOADGEN_COMPONENT}
+    pod_labels = {INSTANCE_LABEL: isvc.metadata.name, COMPONENT_LABEL: LOADGEN_COMPONENT}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": math.ceil(duration_s) + BENCH_GRACE_S,
+            "ttlSecondsAfterFinished": 600,
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [{
+                        "name": "bench",
+                        "image": spec.engine.image,
+                        "imagePullPolicy": spec.engine.imagePullPolicy,
+                        "command": command,
+                        "env": [{"name": "HOME", "value": TMP_DIR}],
+                        "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
+                                      "limits": {"cpu": "2", "memory": "2Gi"}},
+                        "volumeMounts": [{"name": "tmp", "mountPath": TMP_DIR}, *model_mounts],
+                        "securityContext": {
+                            "runAsNonRoot": True, "runAsUser": ENGINE_UID, "runAsGroup": ENGINE_UID,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]},
+                        },
+                    }],
+                    "volumes": [{"name": "tmp", "emptyDir": {}}, *_model_volumes(isvc)],
+                    **({"nodeSelector": dict(spec.engine.nodeSelector)} if spec.engine.nodeSelector else {}),
+                    **({"tolerations": [t.model_dump(exclude_none=True) for t in spec.engine.tolerations]}
+                       if spec.engine.tolerations else {}),
+                },
+            },
+        },
+    }

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from .api import Plan, ScheduleKnobs
+from .api import Plan, PlanSchedule, ScheduleKnobs
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
 # Reasons a person acts on (docs/operator.md lists them).
 ENGINE_CANNOT_SERVE = "EngineCannotServe"
-AUTOTUNE_NOT_BUILT = "AutotuneNotBuilt"
 # Phases the first successful plan moves on from: nothing runs yet, or what ran was refused.
 _UNDEPLOYED_PHASES = (None, "Pending", "Failed", "Planned")
 
@@ -94,34 +93,21 @@ def plan_summary(plan: Plan) -> str:
             f"{plan.replicas} replica(s)")
 
 
-def autotune_message(enabled: bool) -> str | None:
-    """Why `spec.autotune.enabled: true` does nothing yet, or None when it is off."""
-    if not enabled:
-        return None
-    return ("spec.autotune.enabled is true, but the closed-loop tuner is not built yet: nothing tunes, the plan's "
-            "ScheduleConfig runs unchanged; set spec.autotune.enabled to false (the default), or pin knobs in "
-            "spec.engine.schedule")
-
-
 def planned(status: Mapping[str, Any], plan: Plan, generation: int | None, selector: str, now: str,
-            autotune: bool = False) -> Status:
-    """The plan is written: status.plan (exactly `npuserve plan --format json`), the schedule, the selector, the
-    Planned condition, and the Tuning condition while autotune is asked for and not built. Phase Deploying when
-    nothing was running; a running service keeps its phase until its pods say otherwise."""
+            autotune: bool = False, schedule: PlanSchedule | None = None) -> Status:
+    """The plan is written: status.plan (exactly `npuserve plan --format json`), the schedule now applied (the plan's,
+    or `schedule`, the tuner's), the selector and the Planned condition; without autotune, no Tuning condition.
+    Phase Deploying when nothing was running; a running service keeps its phase until its pods say otherwise."""
     new = _with_condition(status, "Planned", True, "Planned", plan_summary(plan), now, generation)
     new.update({
         "observedGeneration": generation,
         "plan": plan.model_dump(mode="json"),
         # status.schedule holds the tunable knobs only (maxIterTimes is not one: it comes from the workload)
-        "schedule": {k: v for k, v in plan.schedule.model_dump(mode="json", exclude_none=True).items()
+        "schedule": {k: v for k, v in (schedule or plan.schedule).model_dump(mode="json", exclude_none=True).items()
                      if k in ScheduleKnobs.model_fields},
         "selector": selector,
     })
-    tuning = autotune_message(autotune)
-    if tuning is not None:
-        new["conditions"] = set_condition(new["conditions"], "Tuning", False, AUTOTUNE_NOT_BUILT, tuning, now,
-                                          generation)
-    else:
+    if not autotune:
         new["conditions"] = [c for c in new["conditions"] if c.get("type") != "Tuning"]
     if new.get("phase") in _UNDEPLOYED_PHASES:
         new["phase"] = "Deploying"
@@ -220,6 +206,8 @@ def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[Engi
                 new["conditions"], "Planned", True, "FewerBlocksThanPlanned",
                 f"{plan_summary(plan)}; the engines allocated {blocks[0]} blocks, fewer than the {plan.totalBlocks} "
                 "planned (idle memory higher than the catalog's?)", now, generation)
-    new["phase"] = "Ready" if ready else "Deploying"
+    tuning = new.get("tuning") or {}
+    tuning_now = tuning.get("phase") == "Running" or tuning.get("current") is not None
+    new["phase"] = ("Tuning" if tuning_now else "Ready") if ready else "Deploying"
     new["replicas"] = ready_pods // max(plan.nodes, 1)
     return new

@@ -187,10 +187,14 @@ NAMESPACED_GRANTS = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("events.k8s.io", "events"): {"create", "patch"},
+    ("npuserve.io", "inferenceservices/scale"): {"get", "patch", "update"},
+    ("", "secrets"): {"get", "create"},
+    ("batch", "jobs"): {"get", "create", "delete"},
 }
 CLUSTER_GRANTS = {
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
+    ("", "nodes"): {"list"},
 }
 
 

@@ -15,6 +15,7 @@ import pytest
 
 # The harness lives outside the package; import it by its folder (never the repository root: `operator/`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # operator_harness, shared by the operator's e2e tests
 
 import localk8s
 

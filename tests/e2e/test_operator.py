@@ -22,14 +22,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import kubernetes
 import localk8s
 import pytest
 import yaml
-from kopf.testing import KopfRunner
+from operator_harness import RELEASE, RELEASE_NAMESPACE, Operator, helm_install, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -37,76 +37,13 @@ REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 TINY = EXAMPLES / "tiny-cpu.yaml"
 CHART = REPO / "deploy" / "helm" / "npuserve"
-RELEASE, RELEASE_NAMESPACE = "npuserve", "npuserve-system"
 INSTANCE_LABEL = "npuserve.io/inferenceservice"
 CONFIG_HASH = "npuserve.io/config-hash"
-KOPF_ARGS = ["run", "--standalone", "-A", "-m", "npuserve.operator.handlers"]
-
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 180, interval: float = 0.5) -> T:
-    """Poll `probe` until it returns something truthy; fail naming `what` (and the last value) after `timeout`."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = probe()
-        except (RuntimeError, httpx.HTTPError, OSError) as e:
-            last = e
-        if last:
-            return last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
-
-
-class Operator:
-    """The kopf operator in a thread of this process, KUBECONFIG pointing at the local cluster."""
-
-    def __init__(self, cluster: localk8s.Cluster) -> None:
-        self.cluster = cluster
-        self.runner: KopfRunner | None = None
-
-    def start(self) -> None:
-        os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
-        # kopf's own login calls load_kube_config() without a file: the client library took its default from
-        # KUBECONFIG when it was first imported, maybe before this test set it.
-        kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(self.cluster.kubeconfig)
-        self.runner = KopfRunner(KOPF_ARGS, timeout=60)
-        self.runner.__enter__()
-
-    def stop(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            runner.__exit__(None, None, None)
-            assert runner.exit_code == 0, runner.output[-3000:]
-
 
 @pytest.fixture(scope="module")
 def helm_release(k8s_cluster: localk8s.Cluster) -> str:
     """`helm install` of the chart: the CRD (from crds/), the operator's Deployment, ServiceAccount and RBAC."""
-    helm = localk8s.ensure_binaries(with_helm=True).helm
-    proc = subprocess.run(
-        [
-            str(helm),
-            "upgrade",
-            "--install",
-            RELEASE,
-            str(CHART),
-            "--namespace",
-            RELEASE_NAMESPACE,
-            "--create-namespace",
-            "--wait",
-            "--timeout",
-            "120s",
-            f"--kubeconfig={k8s_cluster.kubeconfig}",
-        ],
-        text=True,
-        capture_output=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return helm_install(k8s_cluster)
 
 
 @pytest.fixture(scope="module")
@@ -244,9 +181,13 @@ INVALID = {
         lambda s: s.update(slo={"objective": "decodeLatency"}),
         "spec.slo.tpotMs is required when spec.slo.objective is decodeLatency",
     ),
-    "replicas with capacity": (
-        lambda s: s.update(capacity={"targetConcurrentUsers": 100}),
-        "spec.replicas and spec.capacity are exclusive",
+    "replicas outside the capacity bounds": (
+        lambda s: s.update(capacity={"targetConcurrentUsers": 100, "maxReplicas": 0}),
+        "spec.capacity.maxReplicas",
+    ),
+    "replicas above capacity.maxReplicas": (
+        lambda s: s.update(replicas=3, capacity={"targetConcurrentUsers": 100, "maxReplicas": 2}),
+        "spec.replicas must lie within spec.capacity.minReplicas and maxReplicas",
     ),
     "average output above the maximum": (
         lambda s: s["workload"].update(avgOutputTokens=100),

@@ -92,6 +92,13 @@ class FakeResource:
         del self.kube.objects[(self.kind, namespace, name)]
         self.kube.deleted.append(f"{self.kind}/{name}")
 
+    def create(self, body: dict[str, Any], namespace: str | None) -> None:
+        key = (self.kind, namespace or "default", body["metadata"]["name"])
+        if key in self.kube.objects:
+            raise client.ApiException(status=409, reason="AlreadyExists")
+        self.kube.objects[key] = copy.deepcopy(body)
+        self.kube.created.append(f"{self.kind}/{body['metadata']['name']}")
+
     def server_side_apply(self, body: dict[str, Any], name: str, namespace: str | None, field_manager: str,
                           force_conflicts: bool) -> None:
         self.kube.objects[(self.kind, namespace or "default", name)] = copy.deepcopy(body)
@@ -106,13 +113,14 @@ class FakeKube(Kube):
         self._discovery_lock = threading.Lock()
         self._resources = {}
         self.custom = FakeStatusApi(obj)  # type: ignore[assignment]
-        self.served = served if served is not None else {"ConfigMap", "Service", "Deployment"}
+        self.served = served if served is not None else {"ConfigMap", "Service", "Deployment"}  # and Secret, always
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.applied: list[str] = []
         self.deleted: list[str] = []
+        self.created: list[str] = []
 
     def _resource(self, api_version: str, kind: str) -> Any | None:
-        return FakeResource(self, kind) if kind in self.served else None
+        return FakeResource(self, kind) if kind in self.served or kind == "Secret" else None
 
     @property
     def status(self) -> dict[str, Any]:
@@ -120,4 +128,5 @@ class FakeKube(Kube):
         return dict(obj.get("status") or {})
 
     def kinds(self) -> list[str]:
-        return sorted(f"{kind}/{name}" for kind, _, name in self.objects)
+        """The rendered objects (the admin Secret, created once and not rendered, is in `created`)."""
+        return sorted(f"{kind}/{name}" for kind, _, name in self.objects if kind != "Secret")

@@ -241,8 +241,9 @@ def test_an_object_without_optional_sections_gets_the_documented_defaults(root_s
     for key in ("slo", "engine", "host", "monitoring", "autotune"):
         obj["spec"].pop(key, None)
     spec = apply_defaults(root_schema, obj)["spec"]
-    # Autotuning is off unless asked for: nothing tunes yet (issue 9).
-    assert spec["autotune"] == {"enabled": False, "mode": "online", "maxTrials": 8, "window": "2m"}
+    # Autotuning is off unless asked for.
+    assert spec["autotune"] == {"enabled": False, "mode": "online", "maxTrials": 8, "window": "2m",
+                                "minSamples": 50}
     assert spec["slo"] == {"objective": "throughput", "statistic": "mean"}
     assert spec["host"] == {"cpuPinning": "numa", "transparentHugePages": False, "jemalloc": True,
                             "cpuPerformanceGovernor": False}
@@ -275,8 +276,13 @@ def test_crd_defaults_equal_the_model_defaults(root_schema: dict[str, Any]) -> N
 BASE = load_yaml(REPO / "examples" / "llama3-8b-throughput.yaml")
 
 
-def _mutated(path: str, value: Any) -> dict[str, Any]:
-    obj = copy.deepcopy(BASE)
+def _both(path: str, value: Any, path2: str, value2: Any) -> dict[str, Any]:
+    obj = _mutated(path, value)
+    return _mutated(path2, value2, obj)
+
+
+def _mutated(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE if base is None else base)
     *parents, last = path.split(".")
     node = obj["spec"]
     for part in parents:
@@ -310,7 +316,11 @@ CEL_CASES = {
     "firstTokenAndDecode without tpotMs": (_mutated("slo", {"objective": "firstTokenAndDecode", "ttftMs": 50}),
                                            "spec.slo.tpotMs is required when spec.slo.objective is "
                                            "firstTokenAndDecode"),
-    "replicas and capacity": (_mutated("replicas", 3), "spec.replicas and spec.capacity are exclusive"),
+    "replicas outside capacity's bounds": (_both("replicas", 3, "capacity.maxReplicas", 2),
+                                           "spec.replicas must lie within spec.capacity.minReplicas and maxReplicas"),
+    "capacity bounds crossed": (_mutated("capacity", {"targetConcurrentUsers": 100, "minReplicas": 3,
+                                                      "maxReplicas": 2}),
+                                "spec.capacity.minReplicas must not exceed spec.capacity.maxReplicas"),
     "cards not dividing the preset's heads": (_mutated("accelerator.cards", 3),
                                               "spec.accelerator.cards (3) must divide the 32 attention heads of "
                                               "spec.model.preset llama3-8b"),
@@ -399,5 +409,5 @@ def test_the_generated_schema_refuses_and_accepts_concrete_objects() -> None:
     assert _crd_errors(schema, copy.deepcopy(BASE)) == []
     for case in ("zero cards", "unknown accelerator", "batch above MindIE's range"):
         assert _schema_errors(schema, SCHEMA_CASES[case]), case
-    obj, message = CEL_CASES["replicas and capacity"]
+    obj, message = CEL_CASES["replicas outside capacity's bounds"]
     assert any(message in e for e in _crd_errors(schema, obj))

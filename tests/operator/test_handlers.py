@@ -6,6 +6,7 @@ the status."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from typing import Any
 
@@ -48,6 +49,7 @@ def test_a_cpu_service_is_planned_applied_and_deployed(monkeypatch: pytest.Monke
     fake = _cluster(monkeypatch, TINY)
     _reconcile(fake)
     assert fake.kinds() == ["ConfigMap/tiny-config", "Deployment/tiny", "Service/tiny"]
+    assert fake.created == ["Secret/tiny-admin"]
     assert fake.status["phase"] == "Deploying" and fake.status["plan"]["totalBlocks"] == 8192
     assert {t: c["status"] for t, c in _conditions(fake).items()} == {"Planned": "True", "Deployed": "True"}
     assert [e[1] for e in events] == ["Planned", "Applied"]
@@ -93,13 +95,31 @@ def test_a_missing_podmonitor_api_is_skipped_with_a_warning(monkeypatch: pytest.
     assert warning[1] == "PodMonitorNotInstalled" and "Prometheus Operator" in warning[2]
 
 
-def test_autotune_enabled_is_reported_not_silently_accepted(monkeypatch: pytest.MonkeyPatch,
-                                                            events: list[Any]) -> None:
+def test_the_admin_secret_is_made_once_and_a_tuned_schedule_survives_a_reconcile(
+        monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    """The engines' admin token is created with the objects and never rewritten; a re-apply renders the tuner's
+    schedule (status.tuning.applied), not the plan's, while the tuning problem is the plan's."""
     fake = _cluster(monkeypatch, TINY)
     _reconcile(fake, {"autotune": {"enabled": True}})
-    tuning = _conditions(fake)["Tuning"]
-    assert (tuning["status"], tuning["reason"]) == ("False", "AutotuneNotBuilt")
-    assert ("Warning", "AutotuneNotBuilt") in [(e[0], e[1]) for e in events]
+    assert fake.created == ["Secret/tiny-admin"]
+    token = fake.objects[("Secret", "team-a", "tiny-admin")]["stringData"]["token"]
+    assert len(token) >= 32
+    from npuserve.operator.api import InferenceService
+    from npuserve.operator.autotune import problem_for, problem_key
+    from npuserve.operator.status import plan_of
+    isvc = InferenceService.model_validate({**TINY, "spec": {**TINY["spec"], "autotune": {"enabled": True}}})
+    key = problem_key(problem_for(isvc, plan_of(fake.status)))  # type: ignore[arg-type]
+    fake.custom.write({"tuning": {"phase": "Running", "problem": key,  # type: ignore[attr-defined]
+                                  "applied": {"maxBatchSize": 7, "maxPrefillBatchSize": 3}}})
+    _reconcile(fake, {"autotune": {"enabled": True}})
+    assert fake.created == ["Secret/tiny-admin"]  # not made again
+    assert fake.objects[("Secret", "team-a", "tiny-admin")]["stringData"]["token"] == token
+    config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
+    assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 7
+    assert fake.status["schedule"]["maxBatchSize"] == 7
+    _reconcile(fake, {"autotune": {"enabled": False}})  # off: the plan's schedule again
+    config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
+    assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == plan_of(fake.status).schedule.maxBatchSize  # type: ignore[union-attr]
 
 
 def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:

@@ -86,7 +86,18 @@ def test_10000_users_at_90_per_instance_need_112_instances() -> None:
     p = plan(guide_spec(capacity={"targetConcurrentUsers": 10000}))
     assert p.concurrencyPerReplica == 90
     assert p.replicas == 112  # the guide rounds down to 111, leaving 10 users unserved
-    assert p.explained("replicas").inputs == {"targetConcurrentUsers": 10000, "concurrencyPerReplica": 90}
+    assert p.explained("replicas").inputs == {"targetConcurrentUsers": 10000, "concurrencyPerReplica": 90,
+                                              "minReplicas": 1, "maxReplicas": 10000}
+
+
+def test_capacity_bounds_the_estimate_and_a_scaled_count_is_kept() -> None:
+    """With capacity, minReplicas/maxReplicas bound the plan's estimate; spec.replicas (what the operator's scale
+    writes from the measured capacity) is taken as it is."""
+    assert plan(guide_spec(capacity={"targetConcurrentUsers": 10000, "maxReplicas": 50})).replicas == 50
+    assert plan(guide_spec(capacity={"targetConcurrentUsers": 10, "minReplicas": 3})).replicas == 3
+    scaled = plan(guide_spec(capacity={"targetConcurrentUsers": 10000}, replicas=40))
+    assert scaled.replicas == 40 and scaled.concurrencyPerReplica == 90  # the static estimate stays beside it
+    assert "scale subresource" in scaled.explained("replicas").note
 
 
 def test_replicas_from_the_spec_or_one() -> None:

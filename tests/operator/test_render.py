@@ -49,7 +49,7 @@ def validate(obj: dict[str, Any]) -> None:
                                     "networkConfig"}
     elif obj["kind"] == "PodMonitor":
         assert obj["apiVersion"] == "monitoring.coreos.com/v1"
-        assert set(obj["spec"]) == {"selector", "podMetricsEndpoints"}
+        assert set(obj["spec"]) == {"selector", "podMetricsEndpoints", "podTargetLabels"}
         kubernetes_validate.validate(
             {"apiVersion": "v1", "kind": "ConfigMap", "metadata": obj["metadata"]}, K8S_VERSION, strict=True
         )
@@ -159,6 +159,7 @@ def test_podmonitor_is_optional() -> None:
     isvc, p = load("llama3-8b-throughput.yaml")
     pm = by_kind(r.render(isvc, p))["PodMonitor"]
     assert pm["spec"]["podMetricsEndpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert pm["spec"]["podTargetLabels"] == ["npuserve.io/inferenceservice"]
 
 
 def _hash(isvc: InferenceService, p: Plan) -> str:

@@ -89,12 +89,11 @@ def test_deployed_names_what_was_applied_and_skipped() -> None:
         "message": "ConfigMap, Deployment, Service applied by server-side apply; skipped (API not served): PodMonitor"}
 
 
-def test_autotune_enabled_is_reported_on_the_tuning_condition_and_cleared_when_off() -> None:
-    status = planned({}, TINY_PLAN, 1, SELECTOR, "t", autotune=True)
-    tuning = _conditions(status)["Tuning"]
-    assert (tuning["status"], tuning["reason"]) == ("False", "AutotuneNotBuilt")
-    assert "not built yet" in tuning["message"] and "nothing tunes" in tuning["message"]
-    assert "Tuning" not in _conditions(planned(status, TINY_PLAN, 2, SELECTOR, "t2", autotune=False))
+def test_the_tuning_condition_is_the_loops_while_autotune_is_on_and_cleared_when_off() -> None:
+    running = {"conditions": [{"type": "Tuning", "status": "True", "reason": "Measuring", "message": "trial 0",
+                               "lastTransitionTime": "t0"}]}
+    assert _conditions(planned(running, TINY_PLAN, 1, SELECTOR, "t", autotune=True))["Tuning"]["reason"] == "Measuring"
+    assert "Tuning" not in _conditions(planned(running, TINY_PLAN, 2, SELECTOR, "t2", autotune=False))
 
 
 def test_plan_failure_is_a_failed_phase_with_the_reason() -> None:

@@ -93,6 +93,10 @@ or into a Role in each watched namespace.
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
   verbs: [get, list, watch]
+# autotune: the replicas the nodes' allocatable accelerators (or CPUs) hold, bounding the measured capacity's count
+- apiGroups: [""]
+  resources: [nodes]
+  verbs: [list]
 {{- end }}
 
 {{- define "npuserve.namespacedRules" -}}
@@ -116,6 +120,18 @@ or into a Role in each watched namespace.
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, list, watch, create, update, patch, delete]
+# autotune: the scale subresource (replicas from the measured capacity)
+- apiGroups: [npuserve.io]
+  resources: [inferenceservices/scale]
+  verbs: [get, patch, update]
+# autotune: the engines' admin token (made once), read to PUT /admin/schedule
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+# autotune, benchmark mode: a load-generator Job per trial
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [get, create, delete]
 # Engine pods: their IPs, to read each engine's /info
 - apiGroups: [""]
   resources: [pods]

@@ -1,0 +1,77 @@
+"""What the operator's e2e tests share: polling with a deadline, the operator in this process (kopf's KopfRunner,
+the local cluster's kubeconfig and Prometheus), and `helm install` of the chart."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import kubernetes
+import localk8s
+import pytest
+from kopf.testing import KopfRunner
+
+from npuserve.operator.operator_cli import PROMETHEUS_URL_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "npuserve"
+RELEASE, RELEASE_NAMESPACE = "npuserve", "npuserve-system"
+KOPF_ARGS = ["run", "--standalone", "-A", "-m", "npuserve.operator.handlers"]
+
+T = TypeVar("T")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 180, interval: float = 0.5) -> T:
+    """Poll `probe` until it returns something truthy; fail naming `what` (and the last value) after `timeout`."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = probe()
+        except (RuntimeError, httpx.HTTPError, OSError) as e:
+            last = e
+        if last:
+            return last
+        time.sleep(interval)
+    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+
+
+class Operator:
+    """The kopf operator in a thread of this process, KUBECONFIG pointing at the local cluster, its autotune loop
+    reading the cluster's Prometheus."""
+
+    def __init__(self, cluster: localk8s.Cluster) -> None:
+        self.cluster = cluster
+        self.runner: KopfRunner | None = None
+
+    def start(self) -> None:
+        os.environ["KUBECONFIG"] = str(self.cluster.kubeconfig)
+        os.environ[PROMETHEUS_URL_ENV] = self.cluster.prometheus_url
+        # kopf's own login calls load_kube_config() without a file: the client library took its default from
+        # KUBECONFIG when it was first imported, maybe before this test set it.
+        kubernetes.config.kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(self.cluster.kubeconfig)
+        self.runner = KopfRunner(KOPF_ARGS, timeout=60)
+        self.runner.__enter__()
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            runner.__exit__(None, None, None)
+            assert runner.exit_code == 0, runner.output[-3000:]
+
+
+def helm_install(cluster: localk8s.Cluster) -> str:
+    """`helm upgrade --install` of the chart (idempotent: each module that needs it calls it)."""
+    helm = localk8s.ensure_binaries(with_helm=True).helm
+    proc = subprocess.run(
+        [str(helm), "upgrade", "--install", RELEASE, str(CHART), "--namespace", RELEASE_NAMESPACE,
+         "--create-namespace", "--wait", "--timeout", "120s", f"--kubeconfig={cluster.kubeconfig}"],
+        text=True, capture_output=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
