@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npuserve-installed
 DEMO_DIR := .demo
 
-.PHONY: setup test lint typecheck unit demo demo-offline clean
+.PHONY: setup test lint typecheck unit demo demo-down demo-offline clean
 
 setup: $(STAMP)
 
@@ -34,9 +34,15 @@ unit: setup
 
 test: lint typecheck unit
 
-# The main job: a local cluster, helm install, the operator, an InferenceService served by real engine processes.
+# The main job: a local cluster with Prometheus, helm install, the operator, an InferenceService served by real
+# engine processes and tuned from their measured TTFT/TPOT.
 demo: setup
 	$(BIN)/python e2e/demo.py
+
+# Everything `make demo` left: the cluster's processes (engines, Jobs and Prometheus included) and the demo's model.
+demo-down:
+	$(CLUSTER_PY) down
+	rm -rf $(DEMO_DIR)
 
 # The engine alone, offline: a dummy model and one generation (seconds, no cluster).
 demo-offline: setup

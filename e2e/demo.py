@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""`make demo`: the main job on a local cluster, end to end.
+"""`make demo`: the mission on a local cluster, end to end: `kubectl apply` an InferenceService and watch the operator
+tune its engine's batch parameters from live TTFT/TPOT in Prometheus, then size the replicas from what one instance
+was measured to hold.
 
-1. the local Kubernetes cluster (real API server, KWOK nodes with 8 huawei.com/Ascend910 each, the process kubelet
-   that runs each engine pod as a real `npuserve serve` on the pod's IP), built on first use;
+1. the local Kubernetes cluster (real API server, KWOK nodes, the process kubelet that runs each engine pod as a real
+   `npuserve serve` on the pod's IP, Prometheus scraping the engines through the chart's PodMonitor), built on first
+   use;
 2. `helm install` of the chart (CRD, RBAC; the operator itself runs here, outside the cluster, with replicaCount 0);
-3. `npuserve operator`;
-4. `kubectl apply -f examples/tiny-cpu.yaml`: the operator plans, renders and applies; the pod comes up Ready;
-5. a completion and a streamed chat through the official `openai` client to the engine's pod IP, its metrics;
-6. the operator stops; the cluster keeps running for you to look around (`make cluster-down` stops it).
+3. the demo's model (random weights in the HF format, with its tokenizer) and `npuserve operator --prometheus-url`;
+4. `kubectl apply -f examples/demo.yaml`: planned, deployed, then tuned in benchmark mode (a load-generator Job per
+   trial): the `kubectl get nisvc -w` view and each trial as it lands;
+5. the final status (best schedule, SLOMet, capacity and replicas), a PNG of the trials (maxBatchSize, TPOT,
+   throughput), and a completion through the official `openai` client;
+6. the operator stops; the cluster keeps running for you to look around (`make demo-down` removes it all).
 
 Run by path (`.venv/bin/python e2e/demo.py`), never with `-m` from the repository root (its `operator/` folder).
 """
@@ -20,43 +25,116 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "cluster"))
 
 import localk8s
+import yaml
+from models import create_dummy_for
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "tiny-cpu.yaml"
-NAME = "tiny"
+EXAMPLE = REPO / "examples" / "demo.yaml"
 NAMESPACE = "default"
 CHART = REPO / "deploy" / "helm" / "npuserve"
+DEMO_DIR = REPO / ".demo"
+TIMEOUT_S = 1800
+TRIAL_COLUMNS = ("trial", "maxBatchSize", "TPOT ms", "TTFT ms", "tok/s", "requests", "verdict")
 
 
 def step(title: str) -> None:
     print(f"\n\033[1m== {title}\033[0m", flush=True)
 
 
-def wait_ready(cluster: localk8s.Cluster, timeout: float = 600) -> dict[str, object]:
-    deadline = time.monotonic() + timeout
-    last = ""
+def manifest(model: Path) -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    obj["metadata"]["namespace"] = NAMESPACE
+    obj["spec"]["model"]["weights"] = {"hostPath": {"path": str(model)}}  # the folder this script wrote
+    return obj
+
+
+def trial_row(entry: dict[str, Any]) -> str:
+    m = entry.get("metrics") or {}
+    cells = [str(entry["trial"]), str(entry["schedule"].get("maxBatchSize", "")),
+             f"{m['tpotMeanMs']:.1f}" if m else "-", f"{m['ttftMeanMs']:.0f}" if m else "-",
+             f"{m['outputTokensPerSecond']:.1f}" if m else "-", f"{m['samples']:.0f}" if m else "-",
+             entry.get("verdict", "")]
+    return "  ".join(c.ljust(w) for c, w in zip(cells, (5, 12, 8, 8, 7, 8, 0), strict=True))
+
+
+def watch(cluster: localk8s.Cluster, name: str) -> dict[str, Any]:
+    """The `kubectl get nisvc -w` view and each trial and capacity probe as it lands, until tuning and the capacity
+    measurement are done."""
+    deadline = time.monotonic() + TIMEOUT_S
+    last_row, trials_seen, probes_seen, message = "", 0, 0, ""
+    header_done = False
     while time.monotonic() < deadline:
-        table = cluster.kubectl("get", "nisvc", NAME, "-n", NAMESPACE, check=False)
-        if table != last:
-            print(table.rstrip(), flush=True)
-            last = table
-        obj = cluster.kubectl_json("get", "nisvc", NAME, "-n", NAMESPACE)
-        status = obj.get("status") or {}
-        assert isinstance(status, dict)
-        if status.get("phase") == "Ready":
-            return status
+        table = cluster.kubectl("get", "nisvc", name, "-n", NAMESPACE, check=False).rstrip().splitlines()
+        if len(table) == 2 and table[1] != last_row:
+            if not header_done:
+                print(table[0])
+                header_done = True
+            print(table[1], flush=True)
+            last_row = table[1]
+        obj = cluster.kubectl_json("get", "nisvc", name, "-n", NAMESPACE)
+        status: dict[str, Any] = obj.get("status") or {}  # type: ignore[assignment]
         if status.get("phase") == "Failed":
             raise SystemExit(f"the InferenceService failed: {json.dumps(status.get('conditions'), indent=2)}")
+        tuning = status.get("tuning") or {}
+        history = tuning.get("history") or []
+        for entry in history[trials_seen:]:
+            if trials_seen == 0:
+                print("   " + "  ".join(c.ljust(w) for c, w in zip(TRIAL_COLUMNS, (5, 12, 8, 8, 7, 8, 0),
+                                                                     strict=True)))
+            print(f"   {trial_row(entry)}", flush=True)
+        trials_seen = len(history)
+        probes = (status.get("capacity") or {}).get("probes") or []
+        for probe in probes[probes_seen:]:
+            print(f"   capacity: {probe['concurrency']} users: {probe['verdict']}", flush=True)
+        probes_seen = len(probes)
+        if tuning.get("message") and tuning["message"] != message:
+            message = tuning["message"]
+            print(f"   \033[2m{message}\033[0m", flush=True)
+        capacity = status.get("capacity") or {}
+        finished = tuning.get("phase") in ("Converged", "Stopped", "Failed") and not tuning.get("current")
+        wants_capacity = bool((obj.get("spec") or {}).get("capacity"))  # type: ignore[union-attr]
+        if finished and (not wants_capacity or capacity.get("phase") in ("Measured", "Failed")):
+            replicas = capacity.get("replicas")
+            if replicas is None or status.get("replicas") == replicas:
+                return status
         time.sleep(2)
-    raise SystemExit(f"not Ready after {timeout:.0f}s; see `kubectl describe nisvc {NAME}` and .cluster/ logs")
+    raise SystemExit(f"tuning did not finish in {TIMEOUT_S}s; see `kubectl describe nisvc {name}` and "
+                     ".cluster/ logs")
+
+
+def plot(history: list[dict[str, Any]], slo_tpot: float | None, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    measured = [e for e in history if e.get("metrics")]
+    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    tpot_ax, tput_ax = fig.subplots(1, 2)
+    order = sorted(measured, key=lambda e: e["schedule"]["maxBatchSize"])
+    batches = [e["schedule"]["maxBatchSize"] for e in order]
+    tpot_ax.plot(batches, [e["metrics"]["tpotMeanMs"] for e in order], "o-", color="tab:blue")
+    for e in measured:
+        tpot_ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], e["metrics"]["tpotMeanMs"]),
+                         textcoords="offset points", xytext=(4, 4), fontsize=8)
+    if slo_tpot is not None:
+        tpot_ax.axhline(slo_tpot, color="tab:red", linestyle="--", label=f"SLO TPOT {slo_tpot:g} ms")
+        tpot_ax.legend()
+    tpot_ax.set(xlabel="maxBatchSize", ylabel="mean TPOT (ms)", title="TPOT per trial (numbers: trial order)")
+    tput_ax.plot(batches, [e["metrics"]["outputTokensPerSecond"] for e in order], "s-", color="tab:green")
+    tput_ax.set(xlabel="maxBatchSize", ylabel="output tokens/s", title="throughput per trial")
+    for ax in (tpot_ax, tput_ax):
+        ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def talk_to_engine(pod_ip: str, model: str) -> None:
-    import httpx
     import openai
 
     client = openai.OpenAI(base_url=f"http://{pod_ip}:8000/v1", api_key="unused")
@@ -64,69 +142,75 @@ def talk_to_engine(pod_ip: str, model: str) -> None:
                                            temperature=0)
     print(f"completion: {completion.choices[0].text!r}")
     print(f"usage: {completion.usage}")
-    print(f"timings: {(completion.model_extra or {}).get('npuserve')}")
-    print("chat (streamed): ", end="", flush=True)
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
-                                            max_tokens=24, stream=True)
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            print(chunk.choices[0].delta.content, end="", flush=True)
-    print()
-    metrics = httpx.get(f"http://{pod_ip}:8000/metrics", timeout=10).text
-    wanted = ("npuserve:generation_tokens_total", "npuserve:time_to_first_token_seconds_count",
-              "npuserve:kv_cache_blocks_total", "npuserve:num_requests_running")
-    for line in metrics.splitlines():
-        if line.startswith(wanted):
-            print(f"  {line}")
 
 
 def main() -> int:
-    step("local cluster (the first run builds Kubernetes from the Go module proxy: 15-25 minutes)")
+    started = time.monotonic()
+    step("local cluster with Prometheus (the first run builds Kubernetes, KWOK, Helm and Prometheus from the Go "
+         "module proxy: 15-25 minutes)")
     localk8s.ensure_binaries(with_helm=True)
     cluster = localk8s.up()
     env = {**os.environ, **cluster.env()}
     print(cluster.kubectl("get", "nodes", "-o", "custom-columns=NODE:.metadata.name,"
                           "ASCEND910:.status.allocatable.huawei\\.com/Ascend910").rstrip())
+    print(f"Prometheus: {cluster.prometheus_url}")
 
     step("helm install npuserve (CRD, RBAC; the operator runs outside the cluster)")
     helm = str(localk8s.ensure_binaries(with_helm=True).helm)
     subprocess.run([helm, "upgrade", "--install", "npuserve", str(CHART), "--namespace", "npuserve-system",
-                    "--create-namespace", "--set", "replicaCount=0", "--wait"], env=env, check=True)
+                    "--create-namespace", "--set", "replicaCount=0", "--set",
+                    f"prometheus.url={cluster.prometheus_url}", "--wait"], env=env, check=True)
 
-    step("npuserve operator")
+    obj = manifest(DEMO_DIR / "models" / "demo")
+    name = obj["metadata"]["name"]
+    step("the model: random weights in the HF format, with its tokenizer (npuserve model create-dummy)")
+    model = create_dummy_for(obj["spec"], DEMO_DIR / "models" / "demo")
+    print(f"{model}: {json.loads((model / 'config.json').read_text())['num_hidden_layers']} layers")
+
+    step("npuserve operator --prometheus-url " + cluster.prometheus_url)
     log_path = cluster.kubeconfig.parent / "demo-operator.log"
     npuserve = str(Path(sys.executable).parent / "npuserve")
     with log_path.open("w") as log:
-        operator = subprocess.Popen([npuserve, "operator", "--all-namespaces"], env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
+        operator = subprocess.Popen([npuserve, "operator", "--all-namespaces", "--prometheus-url",
+                                     cluster.prometheus_url], env=env, stdout=log, stderr=subprocess.STDOUT)
     print(f"operator pid {operator.pid}, log {log_path}")
     try:
-        step(f"kubectl apply -f examples/{EXAMPLE.name}")
-        print(cluster.kubectl("apply", "-f", str(EXAMPLE)).rstrip())
-        status = wait_ready(cluster)
-        plan = status["plan"]
-        assert isinstance(plan, dict)
-        step("the plan (status.plan, = npuserve plan --from-file examples/tiny-cpu.yaml --format json)")
-        for key in ("worldSize", "npuMemSizeGiB", "blockBytesPerCard", "totalBlocks", "blocksPerRequest",
-                    "maxBatchSize", "replicas"):
-            print(f"  {key:18} {json.dumps(plan[key])}")
-        print(f"  {'schedule':18} {json.dumps(plan['schedule'])}")
-        print(f"  observed: {json.dumps(status.get('observed'))}")
-        step("what the operator made")
-        print(cluster.kubectl("get", "configmap,deployment,service,pods", "-n", NAMESPACE, "-o", "wide",
-                              "-l", f"npuserve.io/inferenceservice={NAME}").rstrip())
-        pods = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l", f"npuserve.io/inferenceservice={NAME}")
+        step(f"kubectl apply -f examples/{EXAMPLE.name}: plan, deploy, tune (a load-generator Job per trial)")
+        cluster.kubectl("delete", "nisvc", name, "-n", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=120)
+        print(cluster.kubectl("apply", "-f", "-", input=json.dumps(obj)).rstrip())
+        status = watch(cluster, name)
+
+        step("the result")
+        tuning, capacity = status.get("tuning") or {}, status.get("capacity") or {}
+        best = tuning.get("best") or {}
+        slo = next((c for c in status.get("conditions") or [] if c["type"] == "SLOMet"), {})
+        print(f"tuning: {tuning.get('phase')} after {tuning.get('trial')} trials: {tuning.get('message')}")
+        print(f"best: {json.dumps(best.get('schedule'))}")
+        print(f"SLOMet: {slo.get('status')} ({slo.get('message')})")
+        print(f"observed: {json.dumps(status.get('observed'))}")
+        if capacity:
+            print(f"capacity: {capacity.get('measuredConcurrencyPerReplica')} users per replica, measured "
+                  f"({capacity.get('method')}); the plan's static estimate: "
+                  f"{capacity.get('staticConcurrencyPerReplica')} per replica, {capacity.get('staticReplicas')} "
+                  f"replicas")
+            print(f"replicas: {capacity.get('replicas')} ({capacity.get('message')})")
+        DEMO_DIR.mkdir(exist_ok=True)
+        png = plot(tuning.get("history") or [], obj["spec"]["slo"].get("tpotMs"), DEMO_DIR / "trials.png")
+        print(f"trials plotted: {png}")
+        print(cluster.kubectl("get", "deployment,pods", "-n", NAMESPACE, "-o", "wide", "-l",
+                              f"npuserve.io/inferenceservice={name},app.kubernetes.io/component=engine").rstrip())
+        pods = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l",
+                                    f"npuserve.io/inferenceservice={name},app.kubernetes.io/component=engine")
         items = pods["items"]
         assert isinstance(items, list) and items
-        pod_ip = items[0]["status"]["podIP"]
-        step(f"the engine at http://{pod_ip}:8000 through the official openai client")
-        talk_to_engine(pod_ip, str(plan["model"]))
+        step(f"the engine at http://{items[0]['status']['podIP']}:8000 through the official openai client")
+        talk_to_engine(items[0]["status"]["podIP"], obj["spec"]["model"]["name"])
     finally:
         operator.terminate()
         operator.wait(30)
-    step("done")
-    print(f"The cluster keeps running: export KUBECONFIG={cluster.kubeconfig}; kubectl describe nisvc {NAME}")
-    print("Stop it with: make cluster-down")
+    step(f"done in {time.monotonic() - started:.0f}s")
+    print(f"The cluster keeps running: export KUBECONFIG={cluster.kubeconfig}; kubectl describe nisvc {name}")
+    print("Remove it all with: make demo-down")
     return 0
 
 

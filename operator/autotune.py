@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+from npuserve.engine_contract import HOT_SCHEDULE_FIELDS
+
 from .api import (
     CapacityProbe,
     CapacityStatus,
@@ -64,6 +66,7 @@ CAPACITY_LIMIT_FACTOR = 2  # the capacity search goes at most this many times th
 CAPACITY_TOLERANCE = 0.1  # the capacity search stops when the bracket is this narrow (relative)
 JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 INCONCLUSIVE = "inconclusive: "
+HISTORY_LIMIT = 100  # status.tuning.history's maxItems
 IN_FLIGHT_KEY = "inFlightPerPod"  # history metric: mean requests in flight per pod (capacity, online)
 # Condition reasons (docs/operator.md lists them).
 REASON_NO_PROMETHEUS = "NoPrometheus"
@@ -232,8 +235,9 @@ def best_known(problem: TuningProblem, history: Sequence[TuningTrial]) -> Schedu
         latency = {"ttft": m.ttft_ms.of(problem.statistic), "tpot": m.tpot_ms.of(problem.statistic)}
         if all(latency[k] <= b for k, b in bounds.items()):
             good.append((t, entry))
-    if not good:  # nothing measured well yet: the plan's own schedule, as before tuning
-        return ScheduleKnobs(**{k: v for k, v in problem.base.model_dump().items() if k in ScheduleKnobs.model_fields})
+    if not good:  # nothing measured well yet: the plan's own schedule (its hot knobs: what /admin/schedule takes)
+        return ScheduleKnobs(**{k: v for k, v in problem.base.model_dump().items()
+                                if k in ScheduleKnobs.model_fields and k in HOT_SCHEDULE_FIELDS})
     if problem.objective == "throughput":
         _, entry = max(good, key=lambda g: g[0].metrics.output_tokens_per_s if g[0].metrics else 0.0)
     else:
@@ -302,6 +306,7 @@ class _Step:
         self.generation = isvc.metadata.generation
         self.status: Status = {k: v for k, v in status.items()}
         self.actions = Actions(status=self.status)
+        self.capacity_message = ""
         old = tuning_of(status)
         base = problem_for(isvc, plan)
         self.key = problem_key(base)
@@ -327,6 +332,9 @@ class _Step:
         self.actions.events.append((kind, reason, message[:1024]))
 
     def finish(self) -> None:
+        while len(self.tuning.history) > HISTORY_LIMIT:  # the status keeps 100: inconclusive entries go first
+            drop = next((i for i, e in enumerate(self.tuning.history) if e.verdict.startswith(INCONCLUSIVE)), 0)
+            del self.tuning.history[drop]
         self.tuning.trial = len(conclusive(self.tuning.history))
         self.status["tuning"] = self.tuning.model_dump(mode="json", exclude_none=True)
         if self.tuning.applied is not None:
@@ -349,6 +357,8 @@ class _Step:
             self.tuning.message = ("the operator has no Prometheus to read TTFT/TPOT from: run it with "
                                    "--prometheus-url (Helm value prometheus.url)")
             self.condition("Tuning", False, REASON_NO_PROMETHEUS, self.tuning.message)
+            if self.tuning.phase == "Running" and self.tuning.current is None and not self.tuning.history:
+                self.tuning.phase = "Idle"  # nothing runs: the phase must not say Tuning
             self.finish()
             return
         current = self.tuning.current
@@ -390,7 +400,7 @@ class _Step:
             assert target is not None and target.ip is not None
             users = concurrency or max(1, knobs.maxBatchSize - 1 if knobs.maxBatchSize else 1)
             concurrency = users
-            job = f"{bench_job_name(self.isvc, kind, self.tuning.round, number)}-{attempts}"
+            job = bench_job_name(self.isvc, kind, self.tuning.round, number, now)
             self.actions.create_job = render_bench_job(self.isvc, name=job, target_ip=target.ip, concurrency=users,
                                                        duration_s=settle + window + JOB_SLACK_S)
         self.apply(knobs)
@@ -402,11 +412,14 @@ class _Step:
         what = (f"trial {number}: maxBatchSize {knobs.maxBatchSize}" if kind == "trial"
                 else f"capacity probe {number}: {concurrency} users at maxBatchSize {knobs.maxBatchSize}")
         load = f"; load: Job {job}, {concurrency} users on {target.name}" if target else "; load: live traffic"
-        self.tuning.message = (f"{what} ({reason}); settling until {rfc3339(now + settle)}, measuring until "
-                               f"{rfc3339(now + settle + window)}{load}")
-        self.condition("Tuning", True, REASON_MEASURING, self.tuning.message)
-        if kind == "trial":
-            self.event("Normal", "TrialStarted", self.tuning.message)
+        message = (f"{what} ({reason}); settling until {rfc3339(now + settle)}, measuring until "
+                   f"{rfc3339(now + settle + window)}{load}")
+        if kind == "capacity":  # tuning is over: its verdict stays on the Tuning condition and in its message
+            self.capacity_message = message
+            return
+        self.tuning.message = message
+        self.condition("Tuning", True, REASON_MEASURING, message)
+        self.event("Normal", "TrialStarted", message)
 
     def tend(self, current: TrialInProgress) -> None:
         now = self.obs.now
@@ -459,16 +472,17 @@ class _Step:
                 trial=len(self.tuning.history), schedule=current.schedule, verdict=f"{INCONCLUSIVE}{why}",
                 window=f"{current.measureFrom}/{current.measureUntil}"))
             current.trial = len(self.tuning.history)
+        what = f"trial {current.trial}" if current.kind == "trial" else f"capacity probe {current.trial}"
         if m.unreachable:
-            self.tuning.message = (f"trial {current.trial}: {why}; the trial is inconclusive and is measured again "
-                                   "once Prometheus answers")
-            self.condition("Tuning", True, REASON_PROMETHEUS_DOWN, self.tuning.message)
+            message = f"{what}: {why}; inconclusive, measured again once Prometheus answers"
             if first:
-                self.event("Warning", REASON_PROMETHEUS_DOWN, self.tuning.message)
-            return
-        self.reopen(current, why)
-        self.tuning.message = f"trial {current.trial}: {why}; measuring again (attempt {current.attempts + 1})"
-        self.condition("Tuning", True, REASON_NO_TRAFFIC, self.tuning.message)
+                self.event("Warning", REASON_PROMETHEUS_DOWN, message)
+        else:
+            self.reopen(current, why)
+            message = f"{what}: {why}; measuring again (attempt {current.attempts + 1})"
+        if current.kind == "trial":
+            self.tuning.message = message
+            self.condition("Tuning", True, REASON_PROMETHEUS_DOWN if m.unreachable else REASON_NO_TRAFFIC, message)
 
     def reopen(self, current: TrialInProgress, why: str) -> None:
         """Measure the open trial again from now: the schedule stays, a new window (and Job) starts."""
@@ -486,8 +500,8 @@ class _Step:
         if current.job:
             self.actions.delete_job = current.job
         if current.kind == "capacity":
-            self.tuning.message = f"capacity probe at {current.concurrency} users discarded: {why}"
-            self.event("Warning", "CapacityProbeDiscarded", self.tuning.message)
+            self.event("Warning", "CapacityProbeDiscarded",
+                       f"capacity probe at {current.concurrency} users discarded: {why}")
             return
         self.tuning.history.append(TuningTrial(
             trial=len(self.tuning.history), schedule=current.schedule, verdict=f"failed: {why}",
@@ -572,6 +586,11 @@ class _Step:
             self.tuning.missedWindows = 0
             self.condition("SLOMet", True, "SLOMet", "the last window met the SLO")
             return
+        if self.tuning.phase != "Converged":
+            # The last round found no schedule that meets the SLO (or stopped short): another round on the same
+            # problem would find the same; say it, and leave the search to a spec change.
+            self.condition("SLOMet", False, "SLOMissed", "the last window missed the SLO, as the tuning's verdict said")
+            return
         self.tuning.missedWindows += 1
         self.condition("SLOMet", False, "SLOMissed",
                        f"{self.tuning.missedWindows} consecutive window(s) missed the SLO (traffic changed?); "
@@ -582,6 +601,7 @@ class _Step:
             best = self.tuning.best
             self.tuning = TuningStatus(phase="Running", round=self.tuning.round + 1, problem=self.key,
                                        roundStartedAt=self.now, applied=self.tuning.applied, best=best)
+            self.status.pop("capacity", None)  # measured again for the new round's best
             self.problem = problem_for(self.isvc, self.plan, best.schedule.maxBatchSize if best else None)
             self.event("Normal", "TuningRestarted", f"the SLO was missed in {MISSED_WINDOWS} consecutive windows: "
                        f"round {self.tuning.round} starts")
@@ -632,6 +652,7 @@ class _Step:
                 return True
         if measured is not None:
             cap.phase, cap.measuredConcurrencyPerReplica, cap.measuredAt = "Measured", measured, self.now
+            self.tuning.lastCheckAt = self.now  # the next SLO window must not cover a probe's load
             self.scale(cap, cap_spec.targetConcurrentUsers, cap_spec.minReplicas, cap_spec.maxReplicas, measured)
         self.status["capacity"] = cap.model_dump(mode="json", exclude_none=True)
         return False
@@ -660,7 +681,7 @@ class _Step:
         cap.phase = "Measuring"
         assert self.tuning.applied is not None
         self.open_window("capacity", len(cap.probes), self.tuning.applied, "capacity search", concurrency=nxt)
-        cap.message = self.tuning.message
+        cap.message = self.capacity_message
         return None
 
     def close_probe(self, current: TrialInProgress, metrics: TrialMetrics) -> None:
@@ -686,8 +707,8 @@ class _Step:
         if high is not None and replicas > high:
             replicas, bound = high, f"spec.capacity.maxReplicas ({high})"
         if self.obs.replica_limit is not None and replicas > self.obs.replica_limit:
-            replicas, bound = self.obs.replica_limit, (f"the nodes' free accelerators hold {self.obs.replica_limit} "
-                                                       "replicas")
+            replicas, bound = self.obs.replica_limit, (f"the nodes' allocatable accelerators hold "
+                                                       f"{self.obs.replica_limit} replicas")
         cap.replicas, cap.bound = replicas, bound
         cap.message = (f"{target} users / {per_replica} per replica (measured) -> {want} replicas"
                        + (f", bounded by {bound}: {replicas}" if bound else "")

@@ -431,10 +431,11 @@ def render_admin_secret(isvc: InferenceService, token: str) -> Manifest:
             "metadata": _metadata(isvc, admin_secret_name(isvc)), "stringData": {ADMIN_TOKEN_KEY: token}}
 
 
-def bench_job_name(isvc: InferenceService, kind: str, round_: int, number: int) -> str:
-    """`<name>-bench-r<round>-t<trial>` (or `-c<probe>` for a capacity probe): at most 63 characters, as the Job
-    controller's job-name label requires (names are at most 45)."""
-    return f"{isvc.metadata.name}-bench-r{round_}-{'t' if kind == 'trial' else 'c'}{number}"
+def bench_job_name(isvc: InferenceService, kind: str, round_: int, number: int, at: float) -> str:
+    """`<name>-b<round>t<trial>-<5 digits of the start time>` (`c<probe>` for a capacity probe): a new name for each
+    window, so a Job still being deleted never blocks the next; at most 63 characters, as the Job controller's
+    job-name label requires (names are at most 45)."""
+    return f"{isvc.metadata.name}-b{round_}{'t' if kind == 'trial' else 'c'}{number}-{int(at) % 100000:05d}"
 
 
 def render_bench_job(isvc: InferenceService, *, name: str, target_ip: str, concurrency: int,

@@ -16,6 +16,7 @@ import pytest
 # The harness lives outside the package; import it by its folder (never the repository root: `operator/`).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "cluster"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # operator_harness, shared by the operator's e2e tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # models: the demo's model folders
 
 import localk8s
 

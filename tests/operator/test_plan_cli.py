@@ -83,6 +83,11 @@ EXAMPLE_PLANS: dict[str, dict[str, Any]] = {
     "tiny-cpu.yaml": {"worldSize": 1, "nodes": 1, "npuMemSizeGiB": 1, "totalBlocks": 8192,
                       "blocksPerRequest": {"min": 1, "avg": 2, "max": 2},
                       "maxBatchSize": {"min": 4096, "avg": 4096, "max": 8192}, "replicas": 1},
+    # make demo's model: 8 KV heads of 512 in float32 over 4 layers: 2 x 4 x 128 x 8 x 512 x 4 B = 16 MiB blocks, so
+    # 1 GiB holds 64; a 64-token prompt is one block, +1 on average, +2 at most (192 tokens). replicas: the spec's 1.
+    "demo.yaml": {"worldSize": 1, "nodes": 1, "npuMemSizeGiB": 1, "totalBlocks": 64,
+                  "blocksPerRequest": {"min": 1, "avg": 2, "max": 3},
+                  "maxBatchSize": {"min": 21, "avg": 32, "max": 64}, "replicas": 1},
 }
 
 
@@ -95,8 +100,8 @@ def test_from_file_prints_the_plan_of_the_example(name: str, capsys: pytest.Capt
     data = run_json(capsys, "plan", "--from-file", str(REPO / "examples" / name))
     assert {k: data[k] for k in EXAMPLE_PLANS[name]} == EXAMPLE_PLANS[name]
     assert data["schedule"]["maxBatchSize"] == EXAMPLE_PLANS[name]["maxBatchSize"]["avg"]
-    # Only the CPU example runs on the bundled engine today; the others say so in the plan.
-    servable = name == "tiny-cpu.yaml"
+    # Only the CPU examples run on the bundled engine today; the others say so in the plan.
+    servable = name in ("tiny-cpu.yaml", "demo.yaml")
     assert servable == (not any(w.startswith("engine: the bundled engine cannot serve") for w in data["warnings"]))
 
 
