@@ -670,7 +670,10 @@ class _Step:
         nxt = next_capacity_probe({p.concurrency: p.passed for p in cap.probes}, limit)
         if nxt is None:
             answer = max(p.concurrency for p in cap.probes if p.passed)
-            top = " (the search's limit: it may hold more)" if answer >= limit else ""
+            top = ""
+            if answer >= limit:
+                top = (" (the search's limit, 2 x maxBatchSize: it may hold more)" if "ttft" in self.problem.bounds()
+                       else " (at most maxBatchSize: without a TTFT bound, users beyond it only wait in the queue)")
             cap.method = (f"benchmark: the largest client concurrency whose TTFT/TPOT met the SLO against one "
                           f"instance at maxBatchSize {batch}, by doubling and bisection over {len(cap.probes)} "
                           f"probes{top}")

@@ -3,10 +3,12 @@ the local cluster's kubeconfig and Prometheus), and `helm install` of the chart.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -75,3 +77,28 @@ def helm_install(cluster: localk8s.Cluster) -> str:
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+@contextlib.contextmanager
+def running_operator(cluster: localk8s.Cluster) -> Iterator[Operator]:
+    op = Operator(cluster)
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+@contextlib.contextmanager
+def scratch_namespace(cluster: localk8s.Cluster, prefix: str) -> Iterator[str]:
+    """A new namespace; afterwards its InferenceServices and Deployments are deleted, their pods awaited (so no engine
+    process outlives the test) and the namespace deleted."""
+    ns = prefix + uuid.uuid4().hex[:6]
+    cluster.kubectl("create", "namespace", ns)
+    try:
+        yield ns
+    finally:
+        cluster.kubectl("delete", "inferenceservices", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
+        cluster.kubectl("delete", "deployments", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
+        cluster.kubectl("wait", "--for=delete", "pod", "--all", "-n", ns, "--timeout=90s", check=False, timeout=100)
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +25,7 @@ import localk8s
 import pytest
 import yaml
 from models import create_dummy_for
-from operator_harness import REPO, Operator, helm_install, wait_for
+from operator_harness import REPO, Operator, helm_install, running_operator, scratch_namespace, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -46,25 +45,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def operator(k8s_cluster: localk8s.Cluster) -> Iterator[Operator]:
     helm_install(k8s_cluster)
-    op = Operator(k8s_cluster)
-    op.start()
-    try:
+    with running_operator(k8s_cluster) as op:
         yield op
-    finally:
-        op.stop()
 
 
 @pytest.fixture(scope="module")
 def namespace(k8s_cluster: localk8s.Cluster) -> Iterator[str]:
-    ns = "e2e-tune-" + uuid.uuid4().hex[:6]
-    k8s_cluster.kubectl("create", "namespace", ns)
     try:
-        yield ns
+        with scratch_namespace(k8s_cluster, "e2e-tune-") as ns:
+            yield ns
     finally:
         localk8s.start_prometheus(k8s_cluster)  # a failed test may have left it down
-        k8s_cluster.kubectl("delete", "inferenceservices", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
-        k8s_cluster.kubectl("wait", "--for=delete", "pod", "--all", "-n", ns, "--timeout=90s", check=False, timeout=100)
-        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def manifest(namespace: str, model: Path) -> dict[str, Any]:

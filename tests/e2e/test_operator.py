@@ -29,7 +29,15 @@ import kubernetes
 import localk8s
 import pytest
 import yaml
-from operator_harness import RELEASE, RELEASE_NAMESPACE, Operator, helm_install, wait_for
+from operator_harness import (
+    RELEASE,
+    RELEASE_NAMESPACE,
+    Operator,
+    helm_install,
+    running_operator,
+    scratch_namespace,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -48,25 +56,14 @@ def helm_release(k8s_cluster: localk8s.Cluster) -> str:
 
 @pytest.fixture(scope="module")
 def operator(k8s_cluster: localk8s.Cluster, helm_release: str) -> Iterator[Operator]:
-    op = Operator(k8s_cluster)
-    op.start()
-    try:
+    with running_operator(k8s_cluster) as op:
         yield op
-    finally:
-        op.stop()
 
 
 @pytest.fixture(scope="module")
 def namespace(k8s_cluster: localk8s.Cluster) -> Iterator[str]:
-    ns = "e2e-op-" + uuid.uuid4().hex[:6]
-    k8s_cluster.kubectl("create", "namespace", ns)
-    try:
+    with scratch_namespace(k8s_cluster, "e2e-op-") as ns:
         yield ns
-    finally:
-        k8s_cluster.kubectl("delete", "inferenceservices", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
-        k8s_cluster.kubectl("delete", "deployments", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
-        k8s_cluster.kubectl("wait", "--for=delete", "pod", "--all", "-n", ns, "--timeout=60s", check=False, timeout=70)
-        k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
 def tiny_manifest(namespace: str) -> dict[str, Any]:
