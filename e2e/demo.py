@@ -70,12 +70,13 @@ def watch(cluster: localk8s.Cluster, name: str) -> dict[str, Any]:
     header_done = False
     while time.monotonic() < deadline:
         table = cluster.kubectl("get", "nisvc", name, "-n", NAMESPACE, check=False).rstrip().splitlines()
-        if len(table) == 2 and table[1] != last_row:
+        row = table[1].rsplit(None, 1)[0] if len(table) == 2 else ""  # AGE changes all the time: not a change
+        if row and row != last_row:
             if not header_done:
                 print(table[0])
                 header_done = True
             print(table[1], flush=True)
-            last_row = table[1]
+            last_row = row
         obj = cluster.kubectl_json("get", "nisvc", name, "-n", NAMESPACE)
         status: dict[str, Any] = obj.get("status") or {}  # type: ignore[assignment]
         if status.get("phase") == "Failed":
@@ -118,7 +119,8 @@ def plot(history: list[dict[str, Any]], slo_tpot: float | None, path: Path) -> P
     tpot_ax, tput_ax = fig.subplots(1, 2)
     order = sorted(measured, key=lambda e: e["schedule"]["maxBatchSize"])
     batches = [e["schedule"]["maxBatchSize"] for e in order]
-    tpot_ax.plot(batches, [e["metrics"]["tpotMeanMs"] for e in order], "o-", color="tab:blue")
+    # Points, not a line: a batch measured twice (a noisy window repeated) is two points at one x.
+    tpot_ax.plot(batches, [e["metrics"]["tpotMeanMs"] for e in order], "o", color="tab:blue")
     for e in measured:
         tpot_ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], e["metrics"]["tpotMeanMs"]),
                          textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -126,7 +128,10 @@ def plot(history: list[dict[str, Any]], slo_tpot: float | None, path: Path) -> P
         tpot_ax.axhline(slo_tpot, color="tab:red", linestyle="--", label=f"SLO TPOT {slo_tpot:g} ms")
         tpot_ax.legend()
     tpot_ax.set(xlabel="maxBatchSize", ylabel="mean TPOT (ms)", title="TPOT per trial (numbers: trial order)")
-    tput_ax.plot(batches, [e["metrics"]["outputTokensPerSecond"] for e in order], "s-", color="tab:green")
+    tput_ax.plot(batches, [e["metrics"]["outputTokensPerSecond"] for e in order], "s", color="tab:green")
+    for e in measured:
+        tput_ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], e["metrics"]["outputTokensPerSecond"]),
+                         textcoords="offset points", xytext=(4, 4), fontsize=8)
     tput_ax.set(xlabel="maxBatchSize", ylabel="output tokens/s", title="throughput per trial")
     for ax in (tpot_ax, tput_ax):
         ax.grid(alpha=0.3)

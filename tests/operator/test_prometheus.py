@@ -379,7 +379,7 @@ def _wait_for_scrapes(prom: PrometheusClient, after: float, count: int) -> float
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # a cold machine builds Prometheus first (about 4 minutes on 2 cores)
 def test_a_real_prometheus_reads_a_real_engine(stack: Stack) -> None:
     prom = stack.client
     # `increase` extrapolates to a window's edges, unless a sample sits on the edge or the counter's first sample
