@@ -66,6 +66,7 @@ CAPACITY_LIMIT_FACTOR = 2  # the capacity search goes at most this many times th
 CAPACITY_TOLERANCE = 0.1  # the capacity search stops when the bracket is this narrow (relative)
 JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 INCONCLUSIVE = "inconclusive: "
+MAX_STRETCH = 4  # a window measured again grows to at most this many times autotune.window
 HISTORY_LIMIT = 100  # status.tuning.history's maxItems
 IN_FLIGHT_KEY = "inFlightPerPod"  # history metric: mean requests in flight per pod (capacity, online)
 # Condition reasons (docs/operator.md lists them).
@@ -285,6 +286,11 @@ def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) ->
     return None
 
 
+def _cause(why: str) -> str:
+    """What kind of inconclusive window: the text before the first colon ("Prometheus unreachable", ...)."""
+    return why.split(":", 1)[0]
+
+
 def _waiting_for_prometheus(current: TrialInProgress) -> bool:
     return (current.inconclusive or "").startswith("Prometheus unreachable")
 
@@ -391,7 +397,10 @@ class _Step:
                     concurrency: int | None = None, attempts: int = 0) -> None:
         """Apply `knobs`, start the Job in benchmark mode, and open the window."""
         now = self.obs.now
-        settle, window = _settle_s(self.isvc), _window_s(self.isvc)
+        # A window measured again is longer (x2, x3, x4): requests longer than the window never finish inside it, and a
+        # new benchmark Job starts its load over.
+        stretch = 1 + min(attempts, MAX_STRETCH - 1)
+        settle, window = _settle_s(self.isvc) * stretch, _window_s(self.isvc) * stretch
         ready = sorted((p for p in self.obs.pods if p.ready and p.ip), key=lambda p: p.name)
         benchmark = self.isvc.spec.autotune.mode == "benchmark"
         target = ready[0] if benchmark else None
@@ -465,7 +474,10 @@ class _Step:
         why = m.inconclusive or "no measurement"
         if m.unreachable:
             why = f"Prometheus unreachable: {why}" if not why.startswith("Prometheus unreachable") else why
-        first = current.attempts == 0
+        # Recorded once per cause while the trial stays open (a window with no traffic, then Prometheus down, are two
+        # entries; ten empty windows are one).
+        last = self.tuning.history[-1].verdict if self.tuning.history and current.attempts else ""
+        first = _cause(last.removeprefix(INCONCLUSIVE)) != _cause(why) or not last.startswith(INCONCLUSIVE)
         current.inconclusive, current.attempts = why, current.attempts + 1
         if current.kind == "trial" and first:
             self.tuning.history.append(TuningTrial(
