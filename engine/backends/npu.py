@@ -1,0 +1,292 @@
+"""The `npu` backend: Ascend cards through torch_npu (DESIGN.md 3.3; the ops as ../shared/notes/torch-npu-ops.md has
+them, called the way vllm-ascend calls them).
+
+- Device: `local_device_index` picks the card from MindIE's `npuDeviceIds` (logical ids) and the rank, checked
+  against `ASCEND_RT_VISIBLE_DEVICES`; `torch.npu.set_device` makes it current.
+- Cache write: `torch_npu.npu_scatter_pa_kv_cache` (cache_mode "Norm"), slots int32, k and v contiguous
+  `(tokens, kv_heads, head_dim)`, into `kv_cache[0]` / `kv_cache[1]` shaped `(blocks, block_size, kv_heads, head_dim)`.
+- Prefill: `torch_npu._npu_flash_attention` over the new tokens' own K and V with an `[S, S]` causal mask; when a
+  sequence has a prefix-cache hit (context longer than its new tokens), `torch_npu._npu_flash_attention_qlens`
+  over the cache through the block tables, with the 128 x 128 compressed causal mask.
+- Decode: `torch_npu._npu_paged_attention` over the block tables (int32), context lengths int32 on the host.
+- Outputs are preallocated (`torch.empty_like`) and written by the ops (`out=`).
+
+torch_npu is imported only when an `NPUBackend` is built: it needs Ascend's CANN runtime, and importing this module
+must work anywhere. The per-step tensors the ops want in other dtypes or on the host (int32 block tables, host
+lengths, the mask) are made once per step and shared by every layer through `AttentionMetadata.cache`.
+
+Not here yet (issue 14, later work): registration in `get_backend`, HCCL, decode graphs (`torch.npu.NPUGraph`),
+fused RMSNorm/RoPE/SwiGLU, `npu_fused_infer_attention_score`, auto sizing after a warm-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+
+VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
+# The dtypes the Ascend attention kernels take (ATB flash/paged attention: float16 and bfloat16).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+# `_npu_flash_attention_qlens` takes a compressed causal mask of this size, whatever the lengths (as sglang's Ascend
+# backend builds it; to be confirmed on hardware).
+COMPRESSED_MASK_SIZE = 128
+
+
+def parse_visible_devices(value: str | None) -> list[int] | None:
+    """`ASCEND_RT_VISIBLE_DEVICES` ("0,1,4") as physical card ids; None when unset or empty."""
+    if value is None or not value.strip():
+        return None
+    cards: list[int] = []
+    for part in value.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r}: expected comma-separated card ids such as '0,1'")
+        cards.append(int(part))
+    if len(set(cards)) != len(cards):
+        raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r} names a card twice")
+    return cards
+
+
+def local_device_index(npu_device_ids: Seq[int] | None = None, rank: int = 0,
+                       environ: Mapping[str, str] | None = None) -> int:
+    """The index this rank passes to `torch.npu.set_device`.
+
+    `npu_device_ids` is one instance's list from MindIE's `BackendConfig.npuDeviceIds`: logical ids, i.e. the
+    runtime's numbering. With `ASCEND_RT_VISIBLE_DEVICES` set, the runtime numbers the cards it lists 0..n-1 in the
+    listed order (as CUDA_VISIBLE_DEVICES does), so the ids index into that list; unset, logical ids are the
+    physical ones. Rank r takes the list's r-th id; without a list, card r.
+    """
+    if rank < 0:
+        raise ValueError(f"rank {rank} is negative")
+    ids = list(npu_device_ids) if npu_device_ids is not None else None
+    if ids is not None:
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"npuDeviceIds {ids} names a card twice")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"npuDeviceIds {ids} has a negative id")
+        if rank >= len(ids):
+            raise ValueError(f"rank {rank} has no card: npuDeviceIds {ids} lists {len(ids)}")
+        index = ids[rank]
+    else:
+        index = rank
+    visible = parse_visible_devices((os.environ if environ is None else environ).get(VISIBLE_DEVICES_ENV))
+    if visible is not None and index >= len(visible):
+        hint = ""
+        if index in visible:
+            hint = (f"; physical card {index} is logical id {visible.index(index)} (npuDeviceIds are logical ids, "
+                    f"counted within {VISIBLE_DEVICES_ENV})")
+        listed = ",".join(map(str, visible))
+        raise ValueError(f"card {index} for rank {rank} is not visible: {VISIBLE_DEVICES_ENV}={listed} makes "
+                         f"{len(visible)} card(s) visible, ids 0..{len(visible) - 1}{hint}")
+    return index
+
+
+def _import_torch_npu() -> Any:
+    try:
+        return importlib.import_module("torch_npu")
+    except (ImportError, OSError) as e:  # OSError: torch_npu is installed but CANN's libraries are missing
+        raise RuntimeError(
+            f"the npu backend needs torch_npu and Ascend's CANN runtime, and importing torch_npu failed: {e}"
+        ) from e
+
+
+def _torch_npu_namespace() -> Any:
+    """`torch.npu`, which `import torch_npu` registers (absent from torch's own type stubs)."""
+    return torch.npu  # type: ignore[attr-defined]
+
+
+def causal_mask(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`[size, size]`, the masked positions (above the diagonal) as the Ascend kernels read them: float16 holds the
+    float32 minimum (-inf once in float16), bfloat16 holds 1 (vllm-ascend's mask builder)."""
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(f"the Ascend attention kernels take float16 or bfloat16, not {dtype}")
+    above = torch.ones(size, size, dtype=torch.bool).triu_(1)
+    fill = torch.finfo(torch.float32).min if dtype == torch.float16 else 1.0
+    mask = torch.zeros(size, size, dtype=torch.float32).masked_fill_(above, fill)
+    return mask.to(dtype=dtype).to(device).contiguous()
+
+
+class NPUBackend(Backend):
+    """One Ascend card. `device`: where tensors live, `npu:<index>` by default (tests against the fake torch_npu pass
+    the CPU, since only the real torch_npu can make an `npu` torch device)."""
+
+    name = "npu"
+
+    def __init__(self, npu_device_ids: Seq[int] | None = None, rank: int = 0, *,
+                 device: torch.device | None = None, environ: Mapping[str, str] | None = None) -> None:
+        self._ops = _import_torch_npu()
+        self._npu = _torch_npu_namespace()
+        index = local_device_index(npu_device_ids, rank, environ)
+        count = int(self._npu.device_count())
+        if index >= count:
+            raise RuntimeError(f"card {index} for rank {rank} does not exist: torch_npu sees {count} card(s)")
+        self._npu.set_device(index)
+        self.device_index = index
+        super().__init__(device if device is not None else torch.device("npu", index))
+        self._masks: dict[torch.dtype, torch.Tensor] = {}  # the largest [S, S] causal mask built so far, per dtype
+        self._compressed_masks: dict[torch.dtype, torch.Tensor] = {}
+
+    # --- device -------------------------------------------------------------------------------------------------
+
+    def memory_info(self) -> MemoryInfo:
+        free, total = self._npu.mem_get_info(self.device_index)
+        return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
+
+    def synchronize(self) -> None:
+        self._npu.synchronize()
+
+    def allocate_kv_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | None = None,
+    ) -> list[torch.Tensor]:
+        if dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the Ascend attention kernels take float16 or bfloat16, not {dtype}: set the model's "
+                             "dtype (npuserve.dtype) to float16 or bfloat16 on the npu backend")
+        return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    # --- per-step tensors (built once, shared by every layer) -----------------------------------------------------
+
+    @staticmethod
+    def _step_cache(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+        if meta.cache is None:
+            meta.cache = {}
+        return meta.cache
+
+    def _block_tables(self, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self._step_cache(meta)
+        tables = cache.get("npu_block_tables")
+        if tables is None:
+            tables = meta.block_tables.to(device=self.device, dtype=torch.int32).contiguous()
+            cache["npu_block_tables"] = tables
+        return tables
+
+    def _host_context_lens(self, meta: AttentionMetadata) -> torch.Tensor:
+        """int32 on the host, as the kernels take them (one device-to-host copy per step)."""
+        cache = self._step_cache(meta)
+        lens = cache.get("npu_context_lens")
+        if lens is None:
+            lens = meta.context_lens.to(device="cpu", dtype=torch.int32).contiguous()
+            cache["npu_context_lens"] = lens
+        return lens
+
+    def _host_query_lens(self, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self._step_cache(meta)
+        lens = cache.get("npu_query_lens")
+        if lens is None:
+            starts = meta.query_start
+            lens = torch.tensor([starts[b + 1] - starts[b] for b in range(meta.batch_size)], dtype=torch.int32)
+            cache["npu_query_lens"] = lens
+        return lens
+
+    def _has_prefix_hit(self, meta: AttentionMetadata) -> bool:
+        return bool((self._host_context_lens(meta) > self._host_query_lens(meta)).any())
+
+    def _prefill_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """The `[S, S]` causal mask of the step's longest sequence, contiguous."""
+        cache = self._step_cache(meta)
+        mask = cache.get("npu_prefill_mask")
+        if mask is None:
+            size = meta.max_context_len
+            full = self._masks.get(dtype)
+            if full is None or full.shape[0] < size:
+                full = causal_mask(size, dtype, self.device)
+                self._masks[dtype] = full
+            mask = full[:size, :size].contiguous()
+            cache["npu_prefill_mask"] = mask
+        return mask
+
+    def _compressed_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        mask = self._compressed_masks.get(dtype)
+        if mask is None:
+            mask = causal_mask(COMPRESSED_MASK_SIZE, dtype, self.device)
+            self._compressed_masks[dtype] = mask
+        return mask
+
+    def _slot_mapping(self, meta: AttentionMetadata) -> torch.Tensor:
+        cache = self._step_cache(meta)
+        slots = cache.get("npu_slot_mapping")
+        if slots is None:
+            slots = meta.slot_mapping.to(dtype=torch.int32).contiguous()
+            cache["npu_slot_mapping"] = slots
+        return slots
+
+    # --- attention ----------------------------------------------------------------------------------------------
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self._ops.npu_scatter_pa_kv_cache(
+            key=k.contiguous(), value=v.contiguous(), key_cache=kv_cache[0], value_cache=kv_cache[1],
+            slot_mapping=slot_mapping.to(dtype=torch.int32).contiguous(), cache_mode="Norm",
+        )
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """As the base class, but a prefill without prefix hits attends over the new K and V as they are (no read
+        back from the cache), and a mixed step's two parts write into one preallocated output."""
+        self.write_kv(kv_cache, k, v, self._slot_mapping(meta))  # int32 already: converted once per step
+        q = q.contiguous()
+        if meta.decode_part is not None and meta.prefill_part is not None:
+            num_decodes = meta.decode_part.batch_size
+            out = torch.empty_like(q)
+            self._decode(q[:num_decodes], kv_cache, meta.decode_part, out[:num_decodes])
+            self._prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], kv_cache, meta.prefill_part,
+                          out[num_decodes:])
+            return out
+        if meta.is_prefill:
+            return self._prefill(q, k, v, kv_cache, meta, torch.empty_like(q))
+        return self._decode(q, kv_cache, meta, torch.empty_like(q))
+
+    def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if self._has_prefix_hit(meta):
+            return self._prefill(q, None, None, kv_cache, meta, out)
+        # K and V are in the cache only: read the new tokens' rows back through their slots
+        _, num_blocks, block_size, heads, dim = kv_cache.shape
+        slots = meta.slot_mapping.to(dtype=torch.long)
+        k = kv_cache[0].view(num_blocks * block_size, heads, dim).index_select(0, slots)
+        v = kv_cache[1].view(num_blocks * block_size, heads, dim).index_select(0, slots)
+        return self._prefill(q, k, v, kv_cache, meta, out)
+
+    def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q = q.contiguous()
+        return self._decode(q, kv_cache, meta, torch.empty_like(q))
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                 meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
+        heads, dim = q.shape[1], q.shape[2]
+        kv_heads = kv_cache.shape[3]
+        scale = 1.0 / math.sqrt(dim)
+        if self._has_prefix_hit(meta):
+            self._ops._npu_flash_attention_qlens(
+                query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], block_table=self._block_tables(meta),
+                mask=self._compressed_mask(q.dtype), seq_len=self._host_query_lens(meta),
+                context_lens=self._host_context_lens(meta), num_kv_heads=kv_heads, num_heads=heads,
+                scale_value=scale, out=out,
+            )
+        else:
+            assert k is not None and v is not None, "a prefill without prefix hits attends over its own K and V"
+            self._ops._npu_flash_attention(
+                query=q, key=k.contiguous(), value=v.contiguous(), mask=self._prefill_mask(meta, q.dtype),
+                seq_len=self._host_query_lens(meta), scale_value=scale, num_heads=heads, num_kv_heads=kv_heads,
+                out=out,
+            )
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor) -> torch.Tensor:
+        heads, dim = q.shape[1], q.shape[2]
+        self._ops._npu_paged_attention(
+            query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], num_kv_heads=kv_cache.shape[3],
+            num_heads=heads, scale_value=1.0 / math.sqrt(dim), block_table=self._block_tables(meta),
+            context_lens=self._host_context_lens(meta), out=out,
+        )
+        return out
