@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import localk8s
 import pytest
 import yaml
+from operator_harness import wait_for
 
 from npuserve.operator.api import InferenceService
 from npuserve.operator.planner import plan
@@ -37,7 +37,6 @@ ENGINE_SELECTOR = {
 }
 API = localk8s.ApiServer("https://127.0.0.1:26443", "/pki/ca.crt", "/pki/admin.crt", "/pki/admin.key")
 
-T = TypeVar("T")
 
 
 def podmonitor(**spec: Any) -> dict[str, Any]:
@@ -182,20 +181,6 @@ def test_chart_podmonitor_selects_the_operators_engine_pods(tmp_path: Path) -> N
 
 
 # ---- on the cluster ---------------------------------------------------------------------------------------------
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 120, interval: float = 0.5) -> T:
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            value = probe()
-        except (RuntimeError, httpx.HTTPError, OSError) as e:
-            last = e
-            value = None
-        if value:
-            return value
-        last = value if value is not None else last
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
 def tiny(namespace: str) -> InferenceService:
