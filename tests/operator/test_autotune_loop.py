@@ -1,0 +1,73 @@
+"""The autotune driver's two pure pieces: how a Prometheus window becomes the step's measurement, and how the step's
+status is merged into the status as it is at write time (another writer, readiness, may have written meanwhile)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from npuserve.operator.autotune_loop import measurement_of, merge_status
+from npuserve.operator.prometheus import Empty, LatencyReading, Selection, Unreachable, WindowReading
+
+
+def reading(finished: float, in_flight: float = 12.0, pods: float | Empty = 2.0) -> WindowReading:
+    finished = float(finished)  # Prometheus answers floats; a figure is a float, Empty or NotANumber
+    lat = LatencyReading(mean=100.0, p90=150.0, p99=180.0, samples=finished)
+    return WindowReading(selection=Selection("ns", "tune"), start=0.0, end=20.0, window_s=20, ttft_ms=lat,
+                         tpot_ms=LatencyReading(mean=40.0, p90=50.0, p99=60.0, samples=finished),
+                         e2e_mean_ms=2000.0, output_tokens_per_s=300.0, requests_finished=finished, errors=0.0,
+                         aborts=0.0, preemptions=0.0, kv_usage_max=0.5, in_flight_sum=in_flight,
+                         pods_reporting=pods)
+
+
+def test_a_window_becomes_metrics_with_the_per_pod_concurrency() -> None:
+    m = measurement_of(reading(30))
+    assert m.metrics is not None and m.inconclusive is None and not m.unreachable
+    assert (m.metrics.tpot_ms.mean, m.metrics.samples, m.metrics.output_tokens_per_s) == (40.0, 30, 300.0)
+    assert m.in_flight_per_pod == 6.0
+
+
+def test_an_empty_window_is_inconclusive_and_an_unreachable_prometheus_says_so() -> None:
+    empty = measurement_of(reading(0))
+    assert empty.metrics is None and not empty.unreachable and "no requests finished" in (empty.inconclusive or "")
+    down = measurement_of(Unreachable("http://prom:9090", "ConnectError"))
+    assert down.unreachable and down.metrics is None
+    assert (down.inconclusive or "").startswith("Prometheus unreachable: ConnectError")
+    no_pods = measurement_of(reading(30, in_flight=12.0, pods=0.0))
+    assert no_pods.metrics is not None and no_pods.in_flight_per_pod == 0.0
+    missing = measurement_of(reading(30, in_flight=12.0, pods=Empty("count")))
+    assert missing.metrics is not None and missing.in_flight_per_pod is None
+
+
+def _cond(type_: str, status: str, reason: str, t: str = "t0") -> dict[str, Any]:
+    return {"type": type_, "status": status, "reason": reason, "message": reason, "lastTransitionTime": t}
+
+
+def test_merge_takes_what_autotune_owns_and_keeps_what_readiness_wrote() -> None:
+    now = {"phase": "Ready", "replicas": 2, "plan": {"p": 1},
+           "observed": {"kvBlocksAllocated": 64, "tpotMs": 1.0},
+           "capacity": {"phase": "Measured"},
+           "conditions": [_cond("Ready", "True", "EnginesReady"), _cond("Deployed", "True", "Applied"),
+                          _cond("Tuning", "False", "Converged")]}
+    computed = {"phase": "Tuning", "replicas": 1, "plan": {"p": 0},
+                "tuning": {"phase": "Running", "trial": 3}, "observed": {"tpotMs": 42.0},
+                "schedule": {"maxBatchSize": 30},
+                "conditions": [_cond("Ready", "False", "Stale"), _cond("Tuning", "True", "Measuring", "t1"),
+                               _cond("SLOMet", "True", "SLOMet", "t1")]}
+    merged = merge_status(now, computed)
+    assert merged["tuning"] == {"phase": "Running", "trial": 3} and merged["schedule"] == {"maxBatchSize": 30}
+    assert merged["observed"] == {"tpotMs": 42.0, "kvBlocksAllocated": 64}  # readiness's blocks survive
+    assert "capacity" not in merged  # the step dropped it (a new problem): so does the write
+    assert (merged["replicas"], merged["plan"]) == (2, {"p": 1})  # not autotune's to write
+    conditions = {c["type"]: c for c in merged["conditions"]}
+    assert conditions["Ready"]["reason"] == "EnginesReady"  # a stale copy of another's condition is not written
+    assert (conditions["Tuning"]["status"], conditions["Tuning"]["reason"]) == ("True", "Measuring")
+    assert conditions["SLOMet"]["status"] == "True" and conditions["Deployed"]["reason"] == "Applied"
+    assert merged["phase"] == "Tuning"
+
+
+def test_merge_moves_the_phase_only_between_ready_and_tuning() -> None:
+    computed = {"phase": "Tuning", "conditions": []}
+    assert merge_status({"phase": "Deploying"}, computed)["phase"] == "Deploying"  # a pod went: readiness's call
+    assert merge_status({"phase": "Ready"}, computed)["phase"] == "Tuning"
+    assert merge_status({"phase": "Tuning"}, {"phase": "Ready"})["phase"] == "Ready"
+    assert merge_status({"phase": "Failed"}, {"phase": "Ready"})["phase"] == "Failed"
