@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from npuserve.bench_contract import FLAG_BASE_URL, FLAG_IGNORE_EOS, FLAG_MODEL, FLAG_REQUEST_TIMEOUT, FLAG_TOKENIZER
 from npuserve.engine_contract import ENGINE_PORT, INFO_PATH
 from npuserve.loadgen import cli_args
 from npuserve.loadgen.config import BenchConfig
@@ -66,14 +67,14 @@ class ReportOptions:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--base-url", default=f"http://127.0.0.1:{ENGINE_PORT}", help="the server (default %(default)s)")
+    g.add_argument(FLAG_BASE_URL, default=f"http://127.0.0.1:{ENGINE_PORT}", help="the server (default %(default)s)")
     g.add_argument("--endpoint", choices=[e.value for e in Endpoint], default=Endpoint.COMPLETIONS.value,
                    help="the route to drive; /generate reads the perf scheme's timing headers")
-    g.add_argument("--model", help="served model name (default: the first /v1/models lists)")
-    g.add_argument("--tokenizer", help="an HF model folder to count tokens with (default: the folder the server's "
+    g.add_argument(FLAG_MODEL, help="served model name (default: the first /v1/models lists)")
+    g.add_argument(FLAG_TOKENIZER, help="an HF model folder to count tokens with (default: the folder the server's "
                                        "/v1/models names, when it is on this machine; else the server's counts)")
-    g.add_argument("--ignore-eos", action="store_true", help="generate every requested token (vLLM's extension)")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default 600)")
+    g.add_argument(FLAG_IGNORE_EOS, action="store_true", help="generate every requested token (vLLM's extension)")
+    g.add_argument(FLAG_REQUEST_TIMEOUT, type=float, default=600.0, help="seconds per request (default 600)")
     cli_args.add_dataset_args(parser)
     cli_args.add_load_args(parser)
     cli_args.add_slo_args(parser)

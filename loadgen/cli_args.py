@@ -12,6 +12,14 @@ import math
 
 from pydantic import ValidationError
 
+from npuserve.bench_contract import (
+    FLAG_DATASET_NAME,
+    FLAG_DURATION,
+    FLAG_MAX_CONCURRENCY,
+    FLAG_NUM_PROMPTS,
+    FLAG_RANDOM_INPUT_LEN,
+    FLAG_RANDOM_OUTPUT_LEN,
+)
 from npuserve.loadgen.config import SLO, DatasetConfig, DatasetName, LoadConfig
 
 
@@ -38,10 +46,10 @@ def parse_think_time(text: str) -> tuple[float, float]:
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=[d.value for d in DatasetName], default=DatasetName.RANDOM.value)
+    g.add_argument(FLAG_DATASET_NAME, choices=[d.value for d in DatasetName], default=DatasetName.RANDOM.value)
     g.add_argument("--dataset-path", help="the dataset file (gsm8k JSONL, ShareGPT JSON, or JSONL of prompts)")
-    g.add_argument("--random-input-len", type=int, default=1024, help="prompt tokens of the random dataset")
-    g.add_argument("--random-output-len", type=int, default=128, help="output tokens of the random dataset")
+    g.add_argument(FLAG_RANDOM_INPUT_LEN, type=int, default=1024, help="prompt tokens of the random dataset")
+    g.add_argument(FLAG_RANDOM_OUTPUT_LEN, type=int, default=128, help="output tokens of the random dataset")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="random lengths drawn uniformly from [L*(1-r), L*(1+r)]")
     g.add_argument("--max-output-len", type=int,
@@ -51,14 +59,14 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def add_load_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("load shape")
-    g.add_argument("--num-prompts", type=int, default=1000, help="requests to send (default 1000)")
-    g.add_argument("--duration", type=float, metavar="SECONDS",
+    g.add_argument(FLAG_NUM_PROMPTS, type=int, default=1000, help="requests to send (default 1000)")
+    g.add_argument(FLAG_DURATION, type=float, metavar="SECONDS",
                    help="send for this long, cycling the dataset, instead of stopping after --num-prompts")
     g.add_argument("--request-rate", type=_float_or_inf, default=math.inf,
                    help="requests per second (gamma arrivals, see --burstiness); inf: all at once (default)")
     g.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 steadier")
-    g.add_argument("--max-concurrency", "--concurrency", dest="max_concurrency", type=int,
+    g.add_argument(FLAG_MAX_CONCURRENCY, "--concurrency", dest="max_concurrency", type=int,
                    help="at most this many requests in flight: a closed loop of N users (MindIE's Concurrency)")
     g.add_argument("--think-time", type=parse_think_time, metavar="LOW:HIGH",
                    help="each user waits uniformly LOW..HIGH seconds between its requests (the perf scheme: 1:3)")

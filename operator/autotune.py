@@ -46,7 +46,7 @@ from .api import (
     TuningTrial,
 )
 from .render import bench_job_name, render_bench_job
-from .status import Status, set_condition
+from .status import Status, serving_phase, set_condition
 from .tuner import (
     NextTrial,
     Trial,
@@ -207,11 +207,6 @@ def _knobs(problem: TuningProblem, tuned: TunedSchedule) -> ScheduleKnobs:
     return ScheduleKnobs(**tuned.model_dump(), maxPreemptCount=full.maxPreemptCount)
 
 
-def _tuned(knobs: ScheduleKnobs) -> TunedSchedule:
-    return TunedSchedule(maxBatchSize=knobs.maxBatchSize, maxPrefillBatchSize=knobs.maxPrefillBatchSize,
-                         maxPrefillTokens=knobs.maxPrefillTokens, supportSelectBatch=knobs.supportSelectBatch)
-
-
 # --- the history ---------------------------------------------------------------------------------------------------
 
 
@@ -271,7 +266,7 @@ def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) ->
         return None
     current = tuning.current
     if current is not None:
-        if current.inconclusive is not None and current.attempts > 0 and _waiting_for_prometheus(current):
+        if _waiting_for_prometheus(current):
             return None
         end = parse_rfc3339(current.measureUntil)
         if now < end:
@@ -284,6 +279,22 @@ def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) ->
         if now - last >= window:
             return WindowRequest(now - window, now, None)
     return None
+
+
+def waits_for_prometheus(status: Mapping[str, Any]) -> bool:
+    """Whether the open trial waits for Prometheus to answer again (only then does the driver ask it)."""
+    tuning = tuning_of(status)
+    return tuning is not None and tuning.current is not None and _waiting_for_prometheus(tuning.current)
+
+
+def needs_replica_limit(isvc: InferenceService, plan: Plan, status: Mapping[str, Any]) -> bool:
+    """Whether this step may scale: capacity is asked for and not yet measured for this tuning problem (only then
+    does the driver list the nodes)."""
+    if isvc.spec.capacity is None:
+        return False
+    cap = status.get("capacity") or {}
+    return not (cap.get("problem") == problem_key(problem_for(isvc, plan)) and cap.get("phase") in ("Measured",
+                                                                                                  "Failed"))
 
 
 def _cause(why: str) -> str:
@@ -349,7 +360,7 @@ class _Step:
         ready = any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in self.status.get("conditions") or [])
         if ready and self.status.get("phase") in ("Ready", "Tuning"):
-            self.status["phase"] = "Tuning" if self.tuning.phase == "Running" or self.tuning.current else "Ready"
+            self.status["phase"] = serving_phase(self.status["tuning"])
 
     def apply(self, knobs: ScheduleKnobs) -> None:
         if self.tuning.applied != knobs:
@@ -532,7 +543,7 @@ class _Step:
         self.tuning.current = None
         if current.job:
             self.actions.delete_job = current.job
-        trial = Trial(schedule=_tuned(current.schedule), metrics=m.metrics)
+        trial = Trial(schedule=TunedSchedule.from_knobs(current.schedule, f"trial {current.trial}"), metrics=m.metrics)
         entry = trial_status(self.problem, len(self.tuning.history), trial)
         metrics = dict(entry.metrics)
         if m.in_flight_per_pod is not None:

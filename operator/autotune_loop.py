@@ -26,7 +26,7 @@ from . import autotune as at
 from . import kube as kube_module
 from .api import InferenceService, Plan, ScheduleKnobs
 from .prometheus import PrometheusClient, Selection, Unreachable, WindowReading
-from .render import ADMIN_TOKEN_KEY, admin_secret_name, render_configmap
+from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus, render_configmap
 from .status import Status, engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class AutotuneLoop:
         ns, name = isvc.metadata.namespace, isvc.metadata.name
         tuning = at.tuning_of(status)
         current = tuning.current if tuning is not None else None
-        up = self.prometheus.ready() if self.prometheus is not None else False
+        # Asked only when the open trial waits for it: a closed window's read says the rest.
+        up = self.prometheus is not None and (not at.waits_for_prometheus(status) or self.prometheus.ready())
         measurement = None
         due = at.window_due(isvc, status, now)
         if due is not None and self.prometheus is not None:
@@ -119,9 +120,9 @@ class AutotuneLoop:
             measurement = measurement_of(reading)
         job = self.calls.job_phase(ns, current.job) if current is not None and current.job else None
         limit = None
-        if isvc.spec.capacity is not None:
+        if at.needs_replica_limit(isvc, plan, status):
             acc = get_accelerator(isvc.spec.accelerator.type)
-            per_pod = plan.cardsPerPod if acc.resource_name else float(_engine_cpus(isvc, plan))
+            per_pod = plan.cardsPerPod if acc.resource_name else float(engine_cpus(isvc, plan))
             limit = self.calls.replica_limit(acc.resource_name, per_pod)
             limit = None if limit is None else limit // max(plan.nodes, 1)
         return at.Observation(now=now, pods=pods, measurement=measurement, prometheus=up,
@@ -175,12 +176,6 @@ class AutotuneLoop:
 
         self.kube.update_status(namespace, name, close)
         self.track(namespace, name, False)
-
-
-def _engine_cpus(isvc: InferenceService, plan: Plan) -> int:
-    from .render import CPUS_PER_CARD, MIN_CPUS
-
-    return isvc.spec.engine.cpu or max(MIN_CPUS, CPUS_PER_CARD * plan.cardsPerPod)
 
 
 def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:

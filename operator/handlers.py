@@ -41,7 +41,7 @@ from pydantic import ValidationError
 
 from . import kube as kube_module
 from . import status as st
-from .api import InferenceService, Plan
+from .api import InferenceService, Plan, PlanSchedule
 from .autotune import applied_schedule
 from .autotune_loop import AutotuneLoop
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
@@ -128,12 +128,17 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         logger.warning("not deployed: %s%s", why, f"; removed {', '.join(removed)}" if removed else "")
         return result
 
-    # The tuner's schedule, while its trials are of this plan: a re-apply must not put the plan's back.
-    obj = client.get_inference_service(namespace, name) or {}
-    schedule = applied_schedule(isvc, result, obj.get("status") or {})
-    # The plan reaches the status before anything is applied: a failing apply still leaves it readable.
-    _write(namespace, name, lambda o: st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(),
-                                                 autotune, schedule))
+    # The plan reaches the status before anything is applied: a failing apply still leaves it readable. The
+    # schedule is the tuner's while its trials are of this plan (a re-apply must not put the plan's back), read
+    # from the status the write reads anyway.
+    schedule: PlanSchedule | None = None
+
+    def write_plan(o: Mapping[str, Any]) -> st.Status:
+        nonlocal schedule
+        schedule = applied_schedule(isvc, result, o.get("status") or {})
+        return st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(), autotune, schedule)
+
+    _write(namespace, name, write_plan)
     kopf.info(body, reason="Planned", message=st.plan_summary(result))
     # The engines' admin token: made once, kept (the pods read it from their environment).
     if isvc.metadata.uid and client.create_if_absent(render_admin_secret(isvc, secrets.token_urlsafe(32))):

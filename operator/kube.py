@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol, cast
@@ -220,16 +220,20 @@ class Kube:
 
     def engine_pods(self, namespace: str, selector: str) -> list[EnginePod]:
         """The engine pods (not being deleted) and whether each is Ready."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=selector).items
         out: list[EnginePod] = []
-        for pod in pods:
-            meta, status = pod.metadata, pod.status
-            if meta is None or status is None or meta.deletion_timestamp is not None:
-                continue
-            ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+        for meta, status, ready in live_pods(self.core.list_namespaced_pod(namespace, label_selector=selector).items):
             worker_index = (meta.labels or {}).get(LWS_WORKER_INDEX_LABEL)
             out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=worker_index in (None, "0")))
         return out
+
+
+def live_pods(pods: Iterable[client.V1Pod]) -> Iterator[tuple[client.V1ObjectMeta, client.V1PodStatus, bool]]:
+    """Each pod not being deleted: its metadata, its status and whether it is Ready."""
+    for pod in pods:
+        meta, status = pod.metadata, pod.status
+        if meta is None or status is None or meta.deletion_timestamp is not None:
+            continue
+        yield meta, status, any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
 
 
 def read_engines(pods: Sequence[EnginePod], *, port: int = ENGINE_PORT, timeout: float = INFO_TIMEOUT_S,
@@ -269,11 +273,7 @@ async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, li
 def pod_states(pods: Iterable[client.V1Pod]) -> list[PodState]:
     """The engine pods (not being deleted) as the autotune loop compares them across a trial."""
     out: list[PodState] = []
-    for pod in pods:
-        meta, status = pod.metadata, pod.status
-        if meta is None or status is None or meta.deletion_timestamp is not None:
-            continue
-        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+    for meta, status, ready in live_pods(pods):
         restarts = sum(int(c.restart_count or 0) for c in (status.container_statuses or []))
         out.append(PodState(str(meta.name), str(meta.uid), status.pod_ip, ready, restarts))
     return sorted(out, key=lambda p: p.name)

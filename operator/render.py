@@ -17,6 +17,7 @@ import json
 import math
 from typing import Any
 
+from npuserve.bench_contract import bench_command
 from npuserve.catalog.accelerators import get_accelerator
 from npuserve.engine_contract import (
     ADMIN_TOKEN_ENV,
@@ -171,10 +172,15 @@ def render_configmap(isvc: InferenceService, plan: Plan, schedule: PlanSchedule 
 # --- pods --------------------------------------------------------------------------------------------------------
 
 
+def engine_cpus(isvc: InferenceService, plan: Plan) -> int:
+    """Whole CPUs per engine pod: spec.engine.cpu, else CPUS_PER_CARD per card, at least MIN_CPUS."""
+    return isvc.spec.engine.cpu or max(MIN_CPUS, CPUS_PER_CARD * plan.cardsPerPod)
+
+
 def _resources(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
     spec = isvc.spec
     acc = get_accelerator(spec.accelerator.type)
-    cpus = spec.engine.cpu or max(MIN_CPUS, CPUS_PER_CARD * plan.cardsPerPod)
+    cpus = engine_cpus(isvc, plan)
     if spec.engine.memoryGiB is not None:
         memory = spec.engine.memoryGiB
     else:
@@ -445,18 +451,14 @@ def render_bench_job(isvc: InferenceService, *, name: str, target_ip: str, concu
     `duration_s`; it measures nothing itself that the operator reads: the engine's metrics in Prometheus do."""
     spec = isvc.spec
     w = spec.workload
-    command = [
-        "npuserve", "bench", "--base-url", f"http://{target_ip}:{ENGINE_PORT}", "--model", spec.model.name,
-        "--dataset-name", "random", "--random-input-len", str(w.avgInputTokens),
-        "--random-output-len", str(w.avgOutputTokens), "--ignore-eos",
-        "--max-concurrency", str(concurrency), "--duration", f"{duration_s:g}",
-        "--num-prompts", str(max(100, concurrency * 4)), "--request-timeout", f"{duration_s + BENCH_GRACE_S:g}",
-    ]
     # The model's own tokenizer, so the prompts have the workload's lengths in its tokens (random weights ship none:
     # then the load generator's word-count estimate).
     model_mounts = _model_mounts(isvc)
-    if model_mounts:
-        command += ["--tokenizer", MODEL_DIR]
+    command = bench_command(
+        base_url=f"http://{target_ip}:{ENGINE_PORT}", model=spec.model.name, input_len=w.avgInputTokens,
+        output_len=w.avgOutputTokens, concurrency=concurrency, duration_s=duration_s,
+        num_prompts=max(100, concurrency * 4), request_timeout_s=duration_s + BENCH_GRACE_S,
+        tokenizer=MODEL_DIR if model_mounts else None)
     meta = _metadata(isvc, name)
     meta["labels"] = {**meta["labels"], COMPONENT_LABEL: LOADGEN_COMPONENT}
     pod_labels = {INSTANCE_LABEL: isvc.metadata.name, COMPONENT_LABEL: LOADGEN_COMPONENT}

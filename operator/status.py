@@ -161,6 +161,12 @@ def plan_failed(status: Mapping[str, Any], message: str, generation: int | None,
     return new
 
 
+def serving_phase(tuning: Mapping[str, Any]) -> str:
+    """The phase of a service whose engines are all ready: Tuning while trials run (or a window is open), else
+    Ready. `tuning` is `status.tuning` (empty without one)."""
+    return "Tuning" if tuning.get("phase") == "Running" or tuning.get("current") else "Ready"
+
+
 @dataclass(frozen=True)
 class EngineReport:
     """One engine pod as the operator sees it."""
@@ -206,8 +212,6 @@ def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[Engi
                 new["conditions"], "Planned", True, "FewerBlocksThanPlanned",
                 f"{plan_summary(plan)}; the engines allocated {blocks[0]} blocks, fewer than the {plan.totalBlocks} "
                 "planned (idle memory higher than the catalog's?)", now, generation)
-    tuning = new.get("tuning") or {}
-    tuning_now = tuning.get("phase") == "Running" or tuning.get("current") is not None
-    new["phase"] = ("Tuning" if tuning_now else "Ready") if ready else "Deploying"
+    new["phase"] = serving_phase(new.get("tuning") or {}) if ready else "Deploying"
     new["replicas"] = ready_pods // max(plan.nodes, 1)
     return new

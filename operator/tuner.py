@@ -93,6 +93,15 @@ class TunedSchedule(_Model):
     def knobs(self) -> ScheduleKnobs:
         return ScheduleKnobs(**self.model_dump())
 
+    @classmethod
+    def from_knobs(cls, knobs: ScheduleKnobs, what: str) -> TunedSchedule:
+        """The tuned knobs of a schedule the operator recorded (`what` names it in the error when one is missing)."""
+        values = {k: getattr(knobs, k) for k in cls.model_fields}
+        missing = [k for k, v in values.items() if v is None]
+        if missing:
+            raise ValueError(f"{what}: the schedule lacks {', '.join(missing)}, a knob the tuner sets")
+        return cls.model_validate(values)
+
 
 class TuningProblem(_Model):
     """What the tuner optimises and how it judges a measurement; `from_plan` builds it from a plan and the SLO.
@@ -759,12 +768,7 @@ def trial_status(problem: TuningProblem, index: int, trial: Trial) -> TuningTria
 
 def trial_from_status(entry: TuningTrial) -> Trial:
     """A trial back from `status.tuning.history`, so the tuner resumes where it was."""
-    s = entry.schedule
-    if s.maxBatchSize is None or s.maxPrefillBatchSize is None or s.maxPrefillTokens is None \
-            or s.supportSelectBatch is None:
-        raise ValueError(f"tuning trial {entry.trial}: the schedule lacks a knob the tuner sets")
-    schedule = TunedSchedule(maxBatchSize=s.maxBatchSize, maxPrefillBatchSize=s.maxPrefillBatchSize,
-                             maxPrefillTokens=s.maxPrefillTokens, supportSelectBatch=s.supportSelectBatch)
+    schedule = TunedSchedule.from_knobs(entry.schedule, f"tuning trial {entry.trial}")
     g = entry.metrics
     if not g:
         return Trial(schedule=schedule, failure=entry.verdict.removeprefix(FAILED_PREFIX) or "no metrics")

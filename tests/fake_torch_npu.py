@@ -193,6 +193,19 @@ def _npu_flash_attention(*, query: torch.Tensor, key: torch.Tensor, value: torch
         start += length
 
 
+def _paged_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int,
+                  num_kv_heads: int, scale_value: float, out: torch.Tensor,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor]:
+    """The checks the paged kernels make of their query, caches, head counts, scale and output alike."""
+    q = _tensor("query", query, ndim=3, dtypes=ACTIVATION_DTYPES)
+    kc = _cache("key_cache", key_cache, q.dtype)
+    vc = _cache("value_cache", value_cache, q.dtype)
+    _require(kc.shape == vc.shape and kc.shape[3] == q.shape[2],
+             f"key_cache {tuple(kc.shape)}, value_cache {tuple(vc.shape)}, query {tuple(q.shape)} do not fit")
+    _heads(q, num_heads, num_kv_heads, kc.shape[2])
+    return q, kc, vc, _scale(scale_value), _out(out, q)
+
+
 def _npu_flash_attention_qlens(*, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                                block_table: torch.Tensor, mask: torch.Tensor, seq_len: torch.Tensor,
                                context_lens: torch.Tensor, num_kv_heads: int, num_heads: int, scale_value: float,
@@ -200,14 +213,7 @@ def _npu_flash_attention_qlens(*, query: torch.Tensor, key_cache: torch.Tensor, 
     """Prefill with prefix-cache hits: sequence b's `seq_len[b]` new tokens (flat in `query`) are the last of its
     `context_lens[b]` cached tokens (read through `block_table[b]`); new token i sees cached tokens
     0..context-query+i. `mask` is the compressed causal mask (128 x 128), the causal rule being the kernel's."""
-    q = _tensor("query", query, ndim=3, dtypes=ACTIVATION_DTYPES)
-    kc = _cache("key_cache", key_cache, q.dtype)
-    vc = _cache("value_cache", value_cache, q.dtype)
-    _require(kc.shape == vc.shape and kc.shape[3] == q.shape[2],
-             f"key_cache {tuple(kc.shape)}, value_cache {tuple(vc.shape)}, query {tuple(q.shape)} do not fit")
-    _heads(q, num_heads, num_kv_heads, kc.shape[2])
-    scale = _scale(scale_value)
-    result = _out(out, q)
+    q, kc, vc, scale, result = _paged_inputs(query, key_cache, value_cache, num_heads, num_kv_heads, scale_value, out)
     tables = _tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
     qlens = _lens("seq_len", seq_len, tables.shape[0])
     ctx = _lens("context_lens", context_lens, tables.shape[0])
@@ -236,14 +242,7 @@ def _npu_paged_attention(*, query: torch.Tensor, key_cache: torch.Tensor, value_
                          num_kv_heads: int, num_heads: int, scale_value: float, block_table: torch.Tensor,
                          context_lens: torch.Tensor, out: torch.Tensor) -> None:
     """Decode: query row b (one token) attends to the `context_lens[b]` tokens of `block_table[b]`."""
-    q = _tensor("query", query, ndim=3, dtypes=ACTIVATION_DTYPES)
-    kc = _cache("key_cache", key_cache, q.dtype)
-    vc = _cache("value_cache", value_cache, q.dtype)
-    _require(kc.shape == vc.shape and kc.shape[3] == q.shape[2],
-             f"key_cache {tuple(kc.shape)}, value_cache {tuple(vc.shape)}, query {tuple(q.shape)} do not fit")
-    _heads(q, num_heads, num_kv_heads, kc.shape[2])
-    scale = _scale(scale_value)
-    result = _out(out, q)
+    q, kc, vc, scale, result = _paged_inputs(query, key_cache, value_cache, num_heads, num_kv_heads, scale_value, out)
     tables = _tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
     _require(tables.shape[0] == q.shape[0], f"block_table has {tables.shape[0]} rows for {q.shape[0]} queries")
     ctx = _lens("context_lens", context_lens, q.shape[0])

@@ -148,3 +148,22 @@ def test_contracts_import_neither_the_engine_nor_the_operator() -> None:
             "or m.split('.')[:2] in (['npuserve', 'engine'], ['npuserve', 'operator']))\nprint(bad)")
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_operators_bench_command_is_what_npuserve_bench_parses() -> None:
+    """The benchmark Job's command line (npuserve/bench_contract.py) against the load generator's real parser."""
+    import argparse
+
+    from npuserve.bench_contract import bench_command
+    from npuserve.loadgen import bench_cli
+
+    command = bench_command(base_url="http://10.0.0.1:8000", model="m", input_len=64, output_len=32, concurrency=7,
+                            duration_s=30.5, num_prompts=100, request_timeout_s=150, tokenizer="/models")
+    assert command[:2] == ["npuserve", "bench"]
+    parser = argparse.ArgumentParser()
+    bench_cli.configure(parser)
+    args = parser.parse_args(command[2:])
+    assert (args.base_url, args.model, args.tokenizer) == ("http://10.0.0.1:8000", "m", "/models")
+    assert args.ignore_eos is True
+    assert (args.dataset_name, args.random_input_len, args.random_output_len) == ("random", 64, 32)
+    assert (args.max_concurrency, args.duration, args.num_prompts, args.request_timeout) == (7, 30.5, 100, 150.0)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -155,53 +155,44 @@ class NPUBackend(Backend):
     # --- per-step tensors (built once, shared by every layer) -----------------------------------------------------
 
     @staticmethod
-    def _step_cache(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
+    def _per_step(meta: AttentionMetadata, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """`make()` once per step: the metadata's cache is shared by every layer of the step."""
         if meta.cache is None:
             meta.cache = {}
-        return meta.cache
+        found = meta.cache.get(key)
+        if found is None:
+            found = meta.cache[key] = make()
+        return found
 
     def _block_tables(self, meta: AttentionMetadata) -> torch.Tensor:
-        cache = self._step_cache(meta)
-        tables = cache.get("npu_block_tables")
-        if tables is None:
-            tables = meta.block_tables.to(device=self.device, dtype=torch.int32).contiguous()
-            cache["npu_block_tables"] = tables
-        return tables
+        return self._per_step(meta, "npu_block_tables",
+                              lambda: meta.block_tables.to(device=self.device, dtype=torch.int32).contiguous())
 
     def _host_context_lens(self, meta: AttentionMetadata) -> torch.Tensor:
         """int32 on the host, as the kernels take them (one device-to-host copy per step)."""
-        cache = self._step_cache(meta)
-        lens = cache.get("npu_context_lens")
-        if lens is None:
-            lens = meta.context_lens.to(device="cpu", dtype=torch.int32).contiguous()
-            cache["npu_context_lens"] = lens
-        return lens
+        return self._per_step(meta, "npu_context_lens",
+                              lambda: meta.context_lens.to(device="cpu", dtype=torch.int32).contiguous())
 
     def _host_query_lens(self, meta: AttentionMetadata) -> torch.Tensor:
-        cache = self._step_cache(meta)
-        lens = cache.get("npu_query_lens")
-        if lens is None:
-            starts = meta.query_start
-            lens = torch.tensor([starts[b + 1] - starts[b] for b in range(meta.batch_size)], dtype=torch.int32)
-            cache["npu_query_lens"] = lens
-        return lens
+        starts = meta.query_start
+        return self._per_step(meta, "npu_query_lens", lambda: torch.tensor(
+            [starts[b + 1] - starts[b] for b in range(meta.batch_size)], dtype=torch.int32))
 
     def _has_prefix_hit(self, meta: AttentionMetadata) -> bool:
         return bool((self._host_context_lens(meta) > self._host_query_lens(meta)).any())
 
     def _prefill_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
         """The `[S, S]` causal mask of the step's longest sequence, contiguous."""
-        cache = self._step_cache(meta)
-        mask = cache.get("npu_prefill_mask")
-        if mask is None:
+
+        def make() -> torch.Tensor:
             size = meta.max_context_len
             full = self._masks.get(dtype)
             if full is None or full.shape[0] < size:
                 full = causal_mask(size, dtype, self.device)
                 self._masks[dtype] = full
-            mask = full[:size, :size].contiguous()
-            cache["npu_prefill_mask"] = mask
-        return mask
+            return full[:size, :size].contiguous()
+
+        return self._per_step(meta, "npu_prefill_mask", make)
 
     def _compressed_mask(self, dtype: torch.dtype) -> torch.Tensor:
         mask = self._compressed_masks.get(dtype)
@@ -211,12 +202,8 @@ class NPUBackend(Backend):
         return mask
 
     def _slot_mapping(self, meta: AttentionMetadata) -> torch.Tensor:
-        cache = self._step_cache(meta)
-        slots = cache.get("npu_slot_mapping")
-        if slots is None:
-            slots = meta.slot_mapping.to(dtype=torch.int32).contiguous()
-            cache["npu_slot_mapping"] = slots
-        return slots
+        return self._per_step(meta, "npu_slot_mapping",
+                              lambda: meta.slot_mapping.to(dtype=torch.int32).contiguous())
 
     # --- attention ----------------------------------------------------------------------------------------------
 

@@ -122,6 +122,21 @@ def test_podmonitor_becomes_the_prometheus_operators_scrape_config() -> None:
     }
 
 
+def test_the_harness_copies_of_operator_names_agree() -> None:
+    """The harness is standard library only, so it cannot import these from npuserve; it keeps copies, pinned here:
+    the label name Prometheus gives the InferenceService label, and the operator's Prometheus URL variable."""
+    import cluster
+
+    from npuserve.operator.operator_cli import PROMETHEUS_URL_ENV
+    from npuserve.operator.prometheus import INSTANCE_PROM_LABEL, prometheus_label_name
+    from npuserve.operator.render import INSTANCE_LABEL
+
+    assert localk8s.sanitize_label_name(INSTANCE_LABEL) == INSTANCE_PROM_LABEL == "npuserve_io_inferenceservice"
+    for name in ("app.kubernetes.io/component", "a-b/c.d", "x_1"):
+        assert localk8s.sanitize_label_name(name) == prometheus_label_name(name)
+    assert cluster.PROMETHEUS_URL_ENV == PROMETHEUS_URL_ENV
+
+
 def test_podmonitor_namespaces_expressions_and_refusals() -> None:
     # matchNames (the chart's watchNamespaces) and the monitor's own namespace when there is no selector
     [cfg] = localk8s.podmonitor_scrape_configs(podmonitor(namespaceSelector={"matchNames": ["a", "b"]}), API)
