@@ -264,5 +264,12 @@ def test_deleting_it_mid_trial_leaves_no_engine_or_job(k8s_cluster: localk8s.Clu
         return {k: v for k, v in counts.items() if v and not (k == "configmaps" and v == 1)}  # kube-root-ca.crt
 
     wait_for("no engine, Job or Job pod left", lambda: not left() or None, timeout=180)
-    kubelet_pods = httpx.get(f"http://127.0.0.1:{k8s_cluster.ports['kubelet']}/healthz", timeout=5).json()["pods"]
-    assert not [p for p in kubelet_pods if p.startswith(f"{namespace}/")]
+
+    def processes() -> list[str]:
+        """The pods of this namespace the process kubelet still runs a process for."""
+        running = httpx.get(f"http://127.0.0.1:{k8s_cluster.ports['kubelet']}/healthz", timeout=5).json()["pods"]
+        return [p for p in running if p.startswith(f"{namespace}/")]
+
+    # The kubelet notices a deleted pod on its next sync (every 0.5 s) and then ends the process.
+    wait_for("the kubelet to end every process of the namespace", lambda: not processes() or None, timeout=60)
+    assert not processes()
