@@ -9,9 +9,12 @@ over its block table), copies blocks between device and host for swapping, synch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 
 @dataclass(slots=True)
@@ -51,9 +54,28 @@ class Backend(ABC):
     """One device kind. Instances are cheap; the runner holds one."""
 
     name: str = "base"
+    # The torch.distributed backend of the all-reduces among tensor-parallel ranks on this device kind.
+    dist_backend: str = "gloo"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+
+    # --- model preparation and decode graphs --------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Called once after the weights are loaded: swaps in the device's fused kernels (RMSNorm, RoPE, SwiGLU)
+        where it has them. None by default."""
+        return None
+
+    def new_decode_graph(self) -> Any | None:
+        """A fresh device graph (`torch.cuda.CUDAGraph`, `torch.npu.NPUGraph`) to capture a decode step in, or
+        None when this backend runs decode eagerly (the default; the CPU has no graphs)."""
+        return None
+
+    def graph_capture(self, graph: Any, pool: Any | None) -> AbstractContextManager[Any]:
+        """The context in which `graph` captures (`torch.cuda.graph(graph, pool=pool)` and its npu twin);
+        `pool` shares one memory pool across the captured batch sizes."""
+        raise NotImplementedError(f"the {self.name} backend has no decode graphs")
 
     # --- memory -------------------------------------------------------------------------------------------------
 

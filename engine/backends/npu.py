@@ -2,7 +2,7 @@
 them, called the way vllm-ascend calls them).
 
 - Device: `local_device_index` picks the card from MindIE's `npuDeviceIds` (logical ids) and the rank, checked
-  against `ASCEND_RT_VISIBLE_DEVICES`; `torch.npu.set_device` makes it current.
+  against `ASCEND_RT_VISIBLE_DEVICES`; `torch.npu.set_device` makes it current; memory from `torch.npu.mem_get_info`.
 - Cache write: `torch_npu.npu_scatter_pa_kv_cache` (cache_mode "Norm"), slots int32, k and v contiguous
   `(tokens, kv_heads, head_dim)`, into `kv_cache[0]` / `kv_cache[1]` shaped `(blocks, block_size, kv_heads, head_dim)`.
 - Prefill: `torch_npu._npu_flash_attention` over the new tokens' own K and V with an `[S, S]` causal mask; when a
@@ -10,18 +10,24 @@ them, called the way vllm-ascend calls them).
   over the cache through the block tables, with the 128 x 128 compressed causal mask.
 - Decode: `torch_npu._npu_paged_attention` over the block tables (int32), context lengths int32 on the host.
 - Outputs are preallocated (`torch.empty_like`) and written by the ops (`out=`).
+- Tensor parallel: HCCL (`dist_backend`).
+- Fused kernels (`prepare_model`): RMSNorm through `torch_npu.npu_rms_norm`, the MLP's SwiGLU through
+  `torch_npu.npu_swiglu`, neox RoPE through `torch_npu.npu_rotary_mul` (signatures from Ascend's torch_npu API
+  reference, op-plugin docs/context; the notes do not cover them).
+- Decode graphs: off (`new_decode_graph` says why).
 
 torch_npu is imported only when an `NPUBackend` is built: it needs Ascend's CANN runtime, and importing this module
 must work anywhere. The per-step tensors the ops want in other dtypes or on the host (int32 block tables, host
 lengths, the mask) are made once per step and shared by every layer through `AttentionMetadata.cache`.
 
-Not here yet (issue 14, later work): registration in `get_backend`, HCCL, decode graphs (`torch.npu.NPUGraph`),
-fused RMSNorm/RoPE/SwiGLU, `npu_fused_infer_attention_score`, auto sizing after a warm-up.
+Not here (later work): `npu_fused_infer_attention_score` (the notes give its call, not its return or the lengths'
+types), decode graphs, auto sizing after a warm-up.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -29,8 +35,13 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+from torch import nn
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from npuserve.engine.model.llama import MLP
+
+log = logging.getLogger(__name__)
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 # The dtypes the Ascend attention kernels take (ATB flash/paged attention: float16 and bfloat16).
@@ -114,11 +125,71 @@ def causal_mask(size: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return mask.to(dtype=dtype).to(device).contiguous()
 
 
+# --- fused kernels (swapped into the model by `NPUBackend.prepare_model`) ------------------------------------------
+
+
+class FusedRMSNorm:
+    """An `RMSNorm`'s forward through `torch_npu.npu_rms_norm(x, gamma, epsilon)`, which returns (y, 1/rms) and
+    wants gamma in x's dtype; any other input takes the module's own eager forward."""
+
+    def __init__(self, ops: Any, norm: RMSNorm) -> None:
+        self.ops, self.norm = ops, norm
+        self.eager = norm.forward  # the class's method, bound before the swap
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.norm.weight.dtype:
+            return self.eager(x)
+        y: torch.Tensor = self.ops.npu_rms_norm(x, self.norm.weight, epsilon=self.norm.eps)[0]
+        return y
+
+
+class FusedRotary:
+    """A `RotaryEmbedding`'s forward through `torch_npu.npu_rotary_mul(x, cos, sin)` in its "half" mode (the neox
+    rotate-half the model uses): `x * cos + cat(-x2, x1) * sin` over the full head, so the half-width tables are
+    doubled (once per dtype). q and k go in as `(1, tokens, heads, head_dim)` (layout BSND) with cos and sin
+    `(1, tokens, 1, head_dim)` (1S1D), one of the kernel's documented layout pairs."""
+
+    def __init__(self, ops: Any, rotary: RotaryEmbedding) -> None:
+        self.ops, self.rotary = ops, rotary
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        found = self._tables.get(dtype)
+        if found is None:
+            cos, sin = (torch.cat([t, t], dim=-1).to(dtype) for t in (self.rotary.cos, self.rotary.sin))
+            found = self._tables[dtype] = (cos, sin)
+        return found
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_table, sin_table = self._table(q.dtype)
+        tokens, dim = q.shape[0], q.shape[-1]
+        cos = cos_table.index_select(0, positions).view(1, tokens, 1, dim)
+        sin = sin_table.index_select(0, positions).view(1, tokens, 1, dim)
+        q_out = self.ops.npu_rotary_mul(q.contiguous().unsqueeze(0), cos, sin).squeeze(0)
+        k_out = self.ops.npu_rotary_mul(k.contiguous().unsqueeze(0), cos, sin).squeeze(0)
+        return q_out, k_out
+
+
+class FusedSwiGLU(nn.Module):
+    """The MLP's `silu_and_mul` as one kernel: `torch_npu.npu_swiglu(x, dim=-1)` is `silu(A) * B` with A the first
+    half of the last dimension, the gate in the fused gate-up projection. The kernel takes contiguous input only."""
+
+    def __init__(self, ops: Any) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.ops.npu_swiglu(x.contiguous(), dim=-1)
+        return y
+
+
 class NPUBackend(Backend):
     """One Ascend card. `device`: where tensors live, `npu:<index>` by default (tests against the fake torch_npu pass
     the CPU, since only the real torch_npu can make an `npu` torch device)."""
 
     name = "npu"
+    dist_backend = "hccl"  # `import torch_npu` registers it with torch.distributed
 
     def __init__(self, npu_device_ids: Seq[int] | None = None, rank: int = 0, *,
                  device: torch.device | None = None, environ: Mapping[str, str] | None = None) -> None:
@@ -151,6 +222,46 @@ class NPUBackend(Backend):
             raise ValueError(f"the Ascend attention kernels take float16 or bfloat16, not {dtype}: set the model's "
                              "dtype (npuserve.dtype) to float16 or bfloat16 on the npu backend")
         return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+
+    # --- the model: fused kernels, decode graphs ------------------------------------------------------------------
+
+    def prepare_model(self, model: nn.Module) -> None:
+        """Swaps torch_npu's fused kernels into the model's leaf pieces, leaving every parameter, module and the
+        collectives around them as they are: each `RMSNorm`'s and `RotaryEmbedding`'s forward (an instance
+        attribute over the class's method), and each `MLP`'s `act_fn` hook when it holds `silu_and_mul`. Idempotent;
+        a model without the hook keeps its eager SwiGLU."""
+        swapped = {"rms_norm": 0, "rotary": 0, "swiglu": 0}
+        for name, module in list(model.named_modules()):  # a list: swapping `act_fn` adds a submodule
+            if isinstance(module, RMSNorm | RotaryEmbedding):
+                if isinstance(module.__dict__.get("forward"), FusedRMSNorm | FusedRotary):
+                    continue
+                if isinstance(module, RMSNorm):
+                    module.forward = FusedRMSNorm(self._ops, module)  # type: ignore[method-assign]
+                    swapped["rms_norm"] += 1
+                else:
+                    module.forward = FusedRotary(self._ops, module)  # type: ignore[method-assign]
+                    swapped["rotary"] += 1
+            elif isinstance(module, MLP):
+                act = getattr(module, "act_fn", None)
+                if act is silu_and_mul:
+                    setattr(module, "act_fn", FusedSwiGLU(self._ops))  # noqa: B010 (a hook mypy may not know)
+                    swapped["swiglu"] += 1
+                elif not isinstance(act, FusedSwiGLU):
+                    log.debug("npu: %s keeps its eager SwiGLU: no `act_fn` hook holding silu_and_mul (found %r)",
+                              name or "MLP", act)
+        log.info("npu: fused kernels swapped in: %d RMSNorm, %d RoPE, %d SwiGLU", swapped["rms_norm"],
+                 swapped["rotary"], swapped["swiglu"])
+
+    def new_decode_graph(self) -> Any | None:
+        """None: decode runs eagerly. `_npu_paged_attention` takes the context lengths as a host tensor, read when
+        the kernel is launched; a captured `torch.npu.NPUGraph` would replay every step with the lengths of the
+        capture (and `npu_fused_infer_attention_score` takes its kv lengths from the host too). vllm-ascend makes
+        such graphs correct by capturing each layer's attention in its own task group
+        (`torch.npu.graph_task_group_begin/end`) and, before every replay, re-issuing it with the step's lengths
+        (`graph_task_update_begin/end` on a side stream, `_npu_paged_attention_get_workspace`, ordered by
+        `torch.npu.ExternalEvent`s): a per-replay hook the device-generic decode graphs do not have, over APIs the
+        notes do not record and no card here can check."""
+        return None
 
     # --- per-step tensors (built once, shared by every layer) -----------------------------------------------------
 

@@ -3,12 +3,14 @@
 What this proves: the backend calls the ops with the documented keywords, dtypes (int32 slots, lengths and block
 tables), shapes, layouts and contiguity, its slot mappings and block tables address the right cache rows, and its
 results equal the CPU backend's (the cache write exactly, attention within float16/bfloat16 rounding, greedy tokens
-of the tiny model exactly). What it cannot prove: the real kernels' numerics and speed, host-versus-device
-placement, HCCL, graphs, memory (docs/engine.md, "The npu backend and its fake").
+of the tiny model exactly, with and without the fused RMSNorm/RoPE/SwiGLU kernels swapped in). What it cannot
+prove: the real kernels' numerics and speed, host-versus-device placement, HCCL, graphs, memory (docs/engine.md,
+"The npu backend and its fake").
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import subprocess
@@ -21,20 +23,26 @@ import pytest
 pytest.importorskip("torch")
 
 import torch
+from torch import nn
 
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import (
+    FusedRMSNorm,
+    FusedRotary,
+    FusedSwiGLU,
     NPUBackend,
     causal_mask,
     local_device_index,
     parse_visible_devices,
 )
 from npuserve.engine.batch import build_decode, build_prefill
+from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from npuserve.engine.model.llama import MLP, LlamaForCausalLM
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 from npuserve.modelspec import ModelSpec
-from tests.fake_torch_npu import FakeNPUError, FakeTorchNPU, install_fake_torch_npu
+from tests.fake_torch_npu import ROTARY_MAX_HEAD_DIM, FakeNPUError, FakeTorchNPU, install_fake_torch_npu
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -297,6 +305,20 @@ def test_the_fake_ops_run_when_called_right(fake: FakeTorchNPU) -> None:
     assert fake.calls == {"npu_scatter_pa_kv_cache": 1, "_npu_paged_attention": 1, "_npu_flash_attention": 2}
 
 
+def _rms_args(dtype: torch.dtype = torch.float16) -> dict[str, object]:
+    return {"self": torch.randn(5, HEAD_DIM).to(dtype), "gamma": torch.rand(HEAD_DIM).to(dtype), "epsilon": 1e-5}
+
+
+def _swiglu_args() -> dict[str, object]:
+    return {"input": torch.randn(5, 2 * HEAD_DIM).half(), "dim": -1}
+
+
+def _rotary_args(shape: tuple[int, int, int, int] = (1, 6, HEADS, HEAD_DIM),
+                 table: tuple[int, int, int, int] = (1, 6, 1, HEAD_DIM)) -> dict[str, object]:
+    angles = torch.rand(table) * 6.0
+    return {"input": torch.randn(shape).half(), "r1": angles.cos().half(), "r2": angles.sin().half()}
+
+
 @pytest.mark.parametrize(("op", "make", "change", "error"), [
     # dtypes
     ("npu_scatter_pa_kv_cache", _scatter_args, {"slot_mapping": torch.tensor([5, 17, 40])}, "slot_mapping: dtype"),
@@ -322,6 +344,22 @@ def test_the_fake_ops_run_when_called_right(fake: FakeTorchNPU) -> None:
     ("_npu_flash_attention", _flash_args, {"mask": torch.zeros(3, 3).half()}, "S >= 4"),
     ("_npu_flash_attention", lambda: _flash_args(torch.bfloat16),
      {"mask": torch.full((4, 4), float("-inf")).triu(1).bfloat16()}, "bfloat16 mask holds 0 or 1"),
+    # the fused kernels
+    ("npu_rms_norm", _rms_args, {"gamma": torch.rand(HEAD_DIM)}, "gamma: dtype"),
+    ("npu_rms_norm", _rms_args, {"gamma": torch.rand(HEAD_DIM + 2).half()}, "trailing dimensions"),
+    ("npu_rms_norm", _rms_args, {"self": torch.randn(HEAD_DIM).half()}, "1 dimensions"),
+    ("npu_rms_norm", _rms_args, {"epsilon": 0}, "epsilon"),
+    ("npu_swiglu", _swiglu_args, {"input": torch.randn(2 * HEAD_DIM, 5).half().t()}, "contiguous"),
+    ("npu_swiglu", _swiglu_args, {"input": torch.randn(5, 7).half()}, "does not halve"),
+    ("npu_swiglu", _swiglu_args, {"input": torch.ones(5, 4, dtype=torch.int32)}, "dtype"),
+    ("npu_rotary_mul", _rotary_args, {"input": torch.randn(6, HEADS, HEAD_DIM).half()}, "3 dimensions"),
+    ("npu_rotary_mul", _rotary_args, {"r2": torch.zeros(1, 6, 1, HEAD_DIM)}, "r2: dtype"),
+    ("npu_rotary_mul", _rotary_args, {"r1": torch.full((1, 6, 1, HEAD_DIM), 1.5).half()}, r"\[-1, 1\]"),
+    ("npu_rotary_mul", lambda: _rotary_args((2, 6, HEADS, HEAD_DIM), (1, 1, 1, HEAD_DIM)), {},
+     "documented layouts"),
+    ("npu_rotary_mul", lambda: _rotary_args((1, 6, HEADS, 2 * ROTARY_MAX_HEAD_DIM), (1, 6, 1, 2 * ROTARY_MAX_HEAD_DIM)),
+     {}, "even D below 896"),
+    ("npu_rotary_mul", _rotary_args, {"rotary_mode": "interleave"}, "'half' only"),
 ])
 def test_the_fake_refuses_what_hardware_refuses(fake: FakeTorchNPU, op: str, make: Callable[[], dict[str, object]],
                                                 change: dict[str, object], error: str) -> None:
@@ -395,15 +433,164 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: i
     return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
 
 
-def test_greedy_generation_equals_the_cpu_backend(fake: FakeTorchNPU, npu: NPUBackend, tiny_model_dir: Path) -> None:
+def _ensure_act_fn_hook(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`MLP.act_fn` (engine/model/llama.py), the hook `prepare_model` swaps SwiGLU through: put in place here when
+    llama.py predates it (a no-op once it has it)."""
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    if all(hasattr(m, "act_fn") for m in mlps):
+        return
+
+    def forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(MLP, "forward", forward)
+    for mlp in mlps:
+        mlp.act_fn = silu_and_mul
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["eager-layers", "fused-kernels"])
+def test_greedy_generation_equals_the_cpu_backend(fake: FakeTorchNPU, npu: NPUBackend, tiny_model_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     dtype = torch.float16  # the Ascend kernels take float16 or bfloat16, not the preset's float32
     spec = ModelSpec.from_pretrained(tiny_model_dir)
-    model = load_model(spec, tiny_model_dir, dtype, CPU)
+    cpu_model, npu_model = (load_model(spec, tiny_model_dir, dtype, CPU) for _ in range(2))
+    if fused:
+        _ensure_act_fn_hook(npu_model, monkeypatch)
+        npu.prepare_model(npu_model)
+    else:
+        monkeypatch.setattr(npu, "prepare_model", lambda model: None)  # should the runner call it
     plan = KVPlan(num_blocks=48, num_host_blocks=0, block_size=BLOCK_SIZE, bytes_per_block=0, source="test")
     gen = torch.Generator().manual_seed(17)
     prompts = [torch.randint(5, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 21, 9, 30, 6)]
-    expected = _generate(ModelRunner(model, CPUBackend(), plan, dtype), prompts, steps=12, seed=18)
-    actual = _generate(ModelRunner(model, npu, plan, dtype), prompts, steps=12, seed=18)
+    expected = _generate(ModelRunner(cpu_model, CPUBackend(), plan, dtype), prompts, steps=12, seed=18)
+    actual = _generate(ModelRunner(npu_model, npu, plan, dtype), prompts, steps=12, seed=18)
     assert actual == expected
     assert fake.calls["_npu_flash_attention"] > 0 and fake.calls["_npu_flash_attention_qlens"] > 0
     assert fake.calls["_npu_paged_attention"] > 0
+    fused_calls = [fake.calls[op] for op in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu")]
+    assert all(fused_calls) if fused else not any(fused_calls)
+
+
+# --- tensor parallel and decode graphs ---------------------------------------------------------------------------
+
+
+def test_tensor_parallel_runs_over_hccl(npu: NPUBackend) -> None:
+    assert NPUBackend.dist_backend == "hccl" and npu.dist_backend == "hccl"
+
+
+def test_decode_graphs_are_off(npu: NPUBackend) -> None:
+    # `_npu_paged_attention` reads its host lengths at launch: a graph would replay the capture's (new_decode_graph)
+    assert npu.new_decode_graph() is None
+    with pytest.raises(NotImplementedError):
+        npu.graph_capture(object(), None)
+
+
+# --- fused kernels -------------------------------------------------------------------------------------------------
+
+
+def test_the_fake_fused_kernels_compute_their_documented_formulas(fake: FakeTorchNPU) -> None:
+    ops = fake.module
+    y, rstd = ops.npu_rms_norm(torch.tensor([[3.0, 4.0]]), torch.tensor([1.0, 2.0]), epsilon=0.0)
+    torch.testing.assert_close(y, torch.tensor([[3.0, 8.0]]) / math.sqrt(12.5))
+    torch.testing.assert_close(rstd, torch.tensor([[1 / math.sqrt(12.5)]]))
+    torch.testing.assert_close(ops.npu_swiglu(torch.tensor([[2.0, -1.0, 3.0, 5.0]])),
+                               torch.tensor([[2.0 * torch.sigmoid(torch.tensor(2.0)).item() * 3.0,
+                                              -1.0 * torch.sigmoid(torch.tensor(-1.0)).item() * 5.0]]))
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    one, zero = torch.ones(1, 1, 1, 4), torch.zeros(1, 1, 1, 4)
+    torch.testing.assert_close(ops.npu_rotary_mul(x, one, zero), x)  # cos 1: unchanged
+    torch.testing.assert_close(ops.npu_rotary_mul(x, zero, one), torch.tensor([-3.0, -4.0, 1.0, 2.0]).view(1, 1, 1, 4))
+    assert fake.calls == {"npu_rms_norm": 1, "npu_swiglu": 1, "npu_rotary_mul": 2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rms_norm_matches_the_eager_one(fake: FakeTorchNPU, npu: NPUBackend, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(20)
+    hidden = RMSNorm(HEADS * HEAD_DIM, 1e-5).to(dtype)
+    per_head = RMSNorm(HEAD_DIM, 1e-6).to(dtype)  # qwen3's q/k norm
+    mixed = RMSNorm(HEAD_DIM, 1e-6)  # float32 weights: the kernel wants gamma in the input's dtype
+    with torch.no_grad():
+        for norm in (hidden, per_head, mixed):
+            norm.weight.copy_(1 + 0.1 * torch.randn(norm.weight.shape, generator=gen))
+    x = (3 * torch.randn(7, HEADS * HEAD_DIM, generator=gen)).to(dtype)
+    q, _, _ = _qkv(7, dtype, seed=21)  # a view of the fused projection, not contiguous
+    expected = hidden(x), per_head(q), mixed(q)
+    npu.prepare_model(nn.ModuleList([hidden, per_head, mixed]))
+    assert all(isinstance(vars(m).get("forward"), FusedRMSNorm) for m in (hidden, per_head, mixed))
+    actual = hidden(x), per_head(q), mixed(q)
+    for a, e in zip(actual[:2], expected[:2], strict=True):
+        _assert_close(a, e, dtype)
+    assert torch.equal(actual[2], expected[2])  # left to the eager forward
+    assert fake.calls["npu_rms_norm"] == 2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaling", [None, {"rope_type": "llama3", "factor": 8.0,
+                                             "original_max_position_embeddings": 1024}])
+def test_fused_rope_matches_the_eager_one(fake: FakeTorchNPU, npu: NPUBackend, dtype: torch.dtype,
+                                          scaling: dict[str, object] | None) -> None:
+    rotary = RotaryEmbedding(HEAD_DIM, 4096, 10000.0, scaling)
+    positions = torch.tensor([0, 1, 2, 37, 1000, 4095, 5])
+    q, k, _ = _qkv(len(positions), dtype, seed=22)  # views of the fused projection, as the model makes them
+    expected = rotary(positions, q, k)
+    npu.prepare_model(rotary)
+    assert isinstance(rotary.forward, FusedRotary)
+    actual = rotary(positions, q, k)
+    for a, e in zip(actual, expected, strict=True):
+        _assert_close(a, e, dtype)
+    assert fake.calls["npu_rotary_mul"] == 2  # q and k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_swiglu_matches_silu_and_mul(fake: FakeTorchNPU, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(23)
+    x = (3 * torch.randn(7, 2 * 96, generator=gen)).to(dtype)
+    _assert_close(FusedSwiGLU(fake.module)(x), silu_and_mul(x), dtype)
+    assert fake.calls["npu_swiglu"] == 1
+
+
+def _model(tiny_model_dir: Path, dtype: torch.dtype, qk_norm: bool = False) -> LlamaForCausalLM:
+    spec = ModelSpec.from_pretrained(tiny_model_dir).model_copy(update={"qk_norm": qk_norm})
+    return load_model(spec, None, dtype, CPU)  # random weights
+
+
+def test_prepare_model_swaps_exactly_the_leaf_kernels(fake: FakeTorchNPU, npu: NPUBackend, tiny_model_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tiny_model_dir, torch.float16, qk_norm=True)
+    _ensure_act_fn_hook(model, monkeypatch)
+    layers = model.spec.num_layers
+    state = {name: t.clone() for name, t in model.state_dict().items()}
+    kinds = {name: type(m) for name, m in model.named_modules() if not name.endswith(".act_fn")}
+    npu.prepare_model(model)
+
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 4 * layers + 1  # input, post-attention, q and k norms per layer; the final norm
+    assert all(isinstance(vars(m).get("forward"), FusedRMSNorm) for m in norms)
+    rotaries = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(rotaries) == 1 and isinstance(vars(rotaries[0]).get("forward"), FusedRotary)  # shared by the layers
+    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    assert len(mlps) == layers and all(isinstance(m.act_fn, FusedSwiGLU) for m in mlps)
+    # nothing else: no other module's forward, no module replaced, every parameter and buffer as it was
+    assert [name for name, m in model.named_modules()
+            if "forward" in vars(m) and not isinstance(m, RMSNorm | RotaryEmbedding)] == []
+    assert {name: type(m) for name, m in model.named_modules() if not name.endswith(".act_fn")} == kinds
+    after = model.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[name], t) for name, t in state.items())
+
+    swapped = [vars(m)["forward"] for m in (*norms, *rotaries)] + [m.act_fn for m in mlps]
+    npu.prepare_model(model)  # idempotent (the runner may call it again)
+    assert [vars(m)["forward"] for m in (*norms, *rotaries)] + [m.act_fn for m in mlps] == swapped
+
+
+def test_prepare_model_without_the_act_fn_hook_keeps_swiglu_eager(fake: FakeTorchNPU, npu: NPUBackend,
+                                                                  tiny_model_dir: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    model = _model(tiny_model_dir, torch.float16)
+    for mlp in (m for m in model.modules() if isinstance(m, MLP)):
+        if hasattr(mlp, "act_fn"):
+            delattr(mlp, "act_fn")
+    caplog.set_level(logging.DEBUG, logger="npuserve.engine.backends.npu")
+    npu.prepare_model(model)
+    assert not any(isinstance(m, FusedSwiGLU) for m in model.modules())
+    assert "keeps its eager SwiGLU" in caplog.text
+    assert all(isinstance(vars(m).get("forward"), FusedRMSNorm) for m in model.modules() if isinstance(m, RMSNorm))
