@@ -76,20 +76,18 @@ Device = Literal["npu", "cuda", "cpu"]
 
 # What the bundled engine runs today. The operator refuses to deploy anything else (a condition says why) instead
 # of rendering pods that would crash; the engine refuses it at start-up with the same words.
-SERVABLE_DEVICES: frozenset[str] = frozenset({"cpu"})
-MAX_SERVABLE_WORLD_SIZE = 1
-UNSERVABLE_REASON = "the issue that builds tensor parallel and the npu/cuda backends"
+SERVABLE_DEVICES: frozenset[str] = frozenset({"cpu", "cuda", "npu"})
+UNSERVABLE_REASON = "multi-node inference (one replica's ranks in several pods), which is not built"
 
 
 def unservable(device: str, world_size: int, nodes: int = 1) -> str | None:
-    """Why the engine cannot serve this layout yet, or None when it can."""
+    """Why the engine cannot serve this layout yet, or None when it can. Tensor parallel runs within one pod (one
+    process per rank); a replica whose cards span nodes is rendered as a LeaderWorkerSet but not served."""
     problems = []
     if device not in SERVABLE_DEVICES:
         problems.append(f"device {device!r} (it runs on {', '.join(sorted(SERVABLE_DEVICES))} only)")
-    if world_size > MAX_SERVABLE_WORLD_SIZE:
-        problems.append(f"worldSize {world_size} (it runs one card per process: tensor parallel is not built)")
     if nodes > 1:
-        problems.append(f"a replica spanning {nodes} nodes")
+        problems.append(f"a replica spanning {nodes} nodes (worldSize {world_size})")
     if not problems:
         return None
     return f"the bundled engine cannot serve {' and '.join(problems)} yet; it arrives with {UNSERVABLE_REASON}"
@@ -306,3 +304,11 @@ class RequestTimings(BaseModel):
             mean_decode_batch_size=metrics.get("mean_decode_batch_size"),
             num_preemptions=int(metrics.get("num_preemptions", 0)),
         )
+
+
+# --- tensor parallel within one pod: the per-rank CPU binding --------------------------------------------------------
+# Read by the engine (`engine/affinity.py`) in each rank's process; the operator does not set it (it cannot see the
+# cards' topology). One NUMA node per rank, comma-separated, e.g. "0,0,1,1" for four ranks whose cards sit two on
+# node 0 and two on node 1. Unset: rank r is bound to the node of index r x nodes / worldSize among the NUMA nodes
+# holding the pod's cores. Ranks on one node share its cores among the pod's, split evenly.
+RANK_NUMA_NODES_ENV = "NPUSERVE_RANK_NUMA_NODES"

@@ -124,7 +124,7 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         _write(namespace, name, lambda o: st.cannot_serve(o.get("status") or {}, result, why, generation, sel,
                                                           st.now_rfc3339(), autotune))
         removed = client.prune(namespace, name, [])  # what an earlier spec deployed
-        kopf.warn(body, reason=st.ENGINE_CANNOT_SERVE, message=st.cannot_serve_message(why)[:1024])
+        kopf.warn(body, reason=st.ENGINE_CANNOT_SERVE, message=st.cannot_serve_message(why, result)[:1024])
         logger.warning("not deployed: %s%s", why, f"; removed {', '.join(removed)}" if removed else "")
         return result
 

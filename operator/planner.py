@@ -471,7 +471,7 @@ def accelerator_of(spec: InferenceServiceSpec) -> Accelerator:
 
 
 def servability(plan: Plan) -> str | None:
-    """Why the bundled engine cannot serve this plan yet (its device, worldSize or multi-node layout), or None."""
+    """Why the bundled engine cannot serve this plan yet (a replica spanning nodes, or a device it lacks), or None."""
     return unservable(get_accelerator(plan.accelerator).npu_device_type, plan.worldSize, plan.nodes)
 
 

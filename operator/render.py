@@ -8,6 +8,14 @@ exclusive ones, as the guide's `taskset` does); transparent huge pages and the C
 its own privileged init container and opt-in because each changes the whole node; jemalloc through `LD_PRELOAD`.
 The engine container itself runs as a non-root user, without privilege escalation or capabilities, on a read-only
 root filesystem. The engine's port, flags and environment names come from `npuserve.engine_contract`.
+
+Tensor parallel runs within one pod: one engine process (rank) per card of the pod, `npuserve serve` being rank 0.
+What the ranks need is rendered per pod (`ranks_per_pod`): the cards (the accelerator resource, which the device
+plugin makes visible as 0..n-1, and config.json's `npuDeviceIds` [[0..n-1]]; no visible-devices variable is forced),
+CPUS_PER_CARD exclusive cores per rank (each rank binds to its share, engine/affinity.py), host memory per further
+rank, a /dev/shm sized by the ranks and counted in the memory limit, and the HCCL settings of `rank_env`. A replica
+whose cards span nodes is rendered as a LeaderWorkerSet (with HCCL_IF_IP) but not applied: the engine does not run
+across pods yet (`engine_contract.unservable`; the handlers refuse it with a condition).
 """
 
 from __future__ import annotations
@@ -60,6 +68,28 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 CPUS_PER_CARD = 8
 MIN_CPUS = 4
 HOST_MEMORY_OVERHEAD_GIB = 16
+# Each rank beyond the first is a process of its own: Python, torch (0.5 GiB resident after `import torch` on the CPU,
+# measured), the host side of its device runtime (CUDA context, CANN's ACL) and its allocator's pinned staging.
+RANK_HOST_MEMORY_GIB = 2
+# /dev/shm (a memory-backed emptyDir). Docker's 64 MiB default is what breaks NCCL between processes of one
+# container; what the ranks put there: NCCL's SHM transport (when cards lack peer-to-peer access: per channel and
+# ring neighbour, NCCL_BUFFSIZE of 4 MiB per protocol, about 0.3 GiB per rank at 16 channels), the semaphores and
+# tensors torch.multiprocessing shares between the engine's processes. HCCL moves data card to card (HCCS), not
+# through the host, and the step messages go over gloo's TCP on the loopback, so 1 GiB per rank is ample; the base
+# is for the engine process's own use whatever the card count.
+SHM_BASE_GIB = 1
+SHM_PER_RANK_GIB = 1
+# The engine's startup probe: loading weights may take this long before /health answers.
+STARTUP_PROBE_PERIOD_S = 10
+STARTUP_PROBE_FAILURES = 180
+# HCCL (Ascend's collectives, CANN's environment variables). HCCL_CONNECT_TIMEOUT bounds how long a rank waits for
+# its peers while the communicator links up (CANN: 120 s by default, 120..7200): torch creates the communicator at
+# the first collective, which can come after each rank has loaded its slice of the weights, so a rank on slow storage
+# can trail the others by minutes. It is set to the time the startup probe gives the pod to load, within CANN's range.
+HCCL_CONNECT_TIMEOUT_ENV = "HCCL_CONNECT_TIMEOUT"
+HCCL_CONNECT_TIMEOUT_RANGE_S = (120, 7200)
+# The host address HCCL's control sockets use between pods (multi-node only): the pod's own IP.
+HCCL_IF_IP_ENV = "HCCL_IF_IP"
 Manifest = dict[str, Any]
 
 
@@ -172,30 +202,88 @@ def render_configmap(isvc: InferenceService, plan: Plan, schedule: PlanSchedule 
 # --- pods --------------------------------------------------------------------------------------------------------
 
 
+def ranks_per_pod(plan: Plan) -> int:
+    """Engine processes in one pod: one tensor-parallel rank per card of the pod (`npuserve serve` is rank 0 and starts
+    the others); rank r drives the pod's r-th card."""
+    return plan.cardsPerPod
+
+
 def engine_cpus(isvc: InferenceService, plan: Plan) -> int:
-    """Whole CPUs per engine pod: spec.engine.cpu, else CPUS_PER_CARD per card, at least MIN_CPUS."""
+    """Whole CPUs per engine pod: spec.engine.cpu, else CPUS_PER_CARD per card (per rank), at least MIN_CPUS."""
     return isvc.spec.engine.cpu or max(MIN_CPUS, CPUS_PER_CARD * plan.cardsPerPod)
+
+
+def shm_size_gib(plan: Plan) -> int:
+    """The size limit of the pod's /dev/shm: SHM_BASE_GIB + SHM_PER_RANK_GIB per rank."""
+    return SHM_BASE_GIB + SHM_PER_RANK_GIB * ranks_per_pod(plan)
+
+
+def engine_memory_gib(isvc: InferenceService, plan: Plan) -> int:
+    """Host memory per engine pod (requests = limits): spec.engine.memoryGiB, else the weights the pod loads, the swap
+    space of each card (cpuMemSize), the KV cache when it lives in host memory (the CPU backend), a base overhead, one
+    per further rank, and /dev/shm: a memory-backed emptyDir's files count against the pod's memory limit, so its
+    size limit is added rather than left to push the engine into the OOM killer."""
+    spec = isvc.spec
+    if spec.engine.memoryGiB is not None:
+        return spec.engine.memoryGiB
+    memory = math.ceil(plan.weightsGiB / plan.nodes + plan.cpuMemSizeGiB * plan.cardsPerPod + HOST_MEMORY_OVERHEAD_GIB)
+    if get_accelerator(spec.accelerator.type).resource_name is None:  # the CPU backend's KV cache is in host memory
+        memory += plan.npuMemSizeGiB * plan.cardsPerPod
+    return memory + RANK_HOST_MEMORY_GIB * (ranks_per_pod(plan) - 1) + shm_size_gib(plan)
 
 
 def _resources(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
     spec = isvc.spec
     acc = get_accelerator(spec.accelerator.type)
     cpus = engine_cpus(isvc, plan)
-    if spec.engine.memoryGiB is not None:
-        memory = spec.engine.memoryGiB
-    else:
-        memory = math.ceil(plan.weightsGiB / plan.nodes + plan.cpuMemSizeGiB * plan.cardsPerPod
-                           + HOST_MEMORY_OVERHEAD_GIB)
-        if acc.resource_name is None:  # the CPU backend keeps its KV cache in host memory
-            memory += plan.npuMemSizeGiB * plan.cardsPerPod
+    memory = engine_memory_gib(isvc, plan)
     requests: dict[str, str] = {"cpu": str(cpus), "memory": f"{memory}Gi"}
     limits: dict[str, str] = {"memory": f"{memory}Gi"}
     if spec.host.cpuPinning == "numa":
         limits["cpu"] = str(cpus)  # integer and equal to the request: exclusive cores from the static CPU manager
     if acc.resource_name is not None:
+        # The cards: the device plugin picks which physical ones and makes them visible to the container (Ascend:
+        # ASCEND_VISIBLE_DEVICES and the /dev/davinci nodes; NVIDIA: the container's GPUs), numbered 0..n-1 inside;
+        # config.json's npuDeviceIds [[0..n-1]] are those numbers, one per rank.
         requests[acc.resource_name] = str(plan.cardsPerPod)
         limits[acc.resource_name] = str(plan.cardsPerPod)
     return {"requests": requests, "limits": limits}
+
+
+def hccl_connect_timeout_s() -> int:
+    """HCCL_CONNECT_TIMEOUT: the startup probe's budget (the time the pod has to load), within CANN's range."""
+    lo, hi = HCCL_CONNECT_TIMEOUT_RANGE_S
+    return min(hi, max(lo, STARTUP_PROBE_PERIOD_S * STARTUP_PROBE_FAILURES))
+
+
+def rank_env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
+    """What the ranks of one pod need in their environment beyond one process's (none for worldSize 1).
+
+    Not set on purpose: ASCEND_RT_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES (the device plugin decides which physical
+    cards the pod gets and exposes only those; each rank selects its card by its rank among them, so forcing a list
+    here could name cards the pod does not have); the rendezvous address (127.0.0.1 inside the pod, the engine's
+    choice); NCCL variables (NCCL's defaults suit one node; it needs /dev/shm, which the pod has, see shm_size_gib);
+    HCCL_EXEC_TIMEOUT (CANN's default, about 30 min, bounds a collective a peer never joins; the step messages that
+    keep an idle server waiting go over gloo, not HCCL, so no HCCL collective stays open between steps);
+    HCCL_BUFFSIZE (200 MB by default; CANN advises tokens x hiddenSize x dtype bytes of the largest step: a prefill of
+    8192 tokens of hidden size 8192 in bf16 is 128 MiB, which fits, and a larger one only slows down; the 2 x 200 MB a
+    communicator holds on each card come out of the free memory the planner leaves beside npuMemSize, 20% of it,
+    memoryFraction 0.8); HCCL_OP_EXPANSION_MODE=AIV (faster
+    all-reduce on Atlas A2 for inference only, not on the 300I Duo, and not with several communicators at once).
+    """
+    spec = isvc.spec
+    device = get_accelerator(spec.accelerator.type).npu_device_type
+    ranks = ranks_per_pod(plan)
+    env: list[dict[str, Any]] = []
+    if plan.worldSize > 1 and device == "npu":
+        env.append({"name": HCCL_CONNECT_TIMEOUT_ENV, "value": str(hccl_connect_timeout_s())})
+        if plan.nodes > 1:
+            env.append({"name": HCCL_IF_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    if ranks > 1 and spec.host.cpuPinning == "none":
+        # Without binding, each rank's torch would start a thread per host core, all ranks on the pod's share;
+        # with binding, each rank's pool is sized by its own cores (engine/affinity.py).
+        env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, engine_cpus(isvc, plan) // ranks))})
+    return env
 
 
 def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
@@ -212,6 +300,7 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
         env.append({"name": "ASCEND_PROCESS_LOG_PATH", "value": f"{TMP_DIR}/ascend/log"})
     if spec.host.jemalloc:
         env += [{"name": "LD_PRELOAD", "value": JEMALLOC_PATH}, {"name": "MALLOC_CONF", "value": MALLOC_CONF}]
+    env += rank_env(isvc, plan)
     if plan.nodes > 1:
         # The layout a multi-node engine needs (with LWS_LEADER_ADDRESS, which the LeaderWorkerSet controller sets).
         # The bundled engine does not run across nodes yet, so the operator renders but does not apply these pods.
@@ -276,7 +365,7 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
     if leader:
         container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
         # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
-        container["startupProbe"] = _probe(HEALTH_PATH, 10, 180)
+        container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES)
         container["livenessProbe"] = _probe(HEALTH_PATH, 10, 3)
         container["readinessProbe"] = _probe(READY_PATH, 5, 3)
     return container
@@ -314,7 +403,8 @@ def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader
     volumes: list[dict[str, Any]] = [
         {"name": "config", "configMap": {"name": config_map_name(isvc), "items": items}},
         {"name": "tmp", "emptyDir": {}},
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+        # Counted in the engine's memory request and limit (engine_memory_gib).
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_size_gib(plan)}Gi"}},
     ]
     volumes += _model_volumes(isvc)
     annotations = {CONFIG_HASH_ANNOTATION: config_digest}

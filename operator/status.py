@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from npuserve.catalog.accelerators import get_accelerator
+
 from .api import Plan, PlanSchedule, ScheduleKnobs
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
@@ -128,9 +130,14 @@ def not_deployed(status: Mapping[str, Any], reason: str, message: str, generatio
     return _with_condition(status, "Deployed", False, reason, message, now, generation)
 
 
-def cannot_serve_message(why: str) -> str:
-    return (f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, use "
-            "spec.accelerator.type cpu with cards 1 and memoryGiB set (a model that fits in host memory)")
+def cannot_serve_message(why: str, plan: Plan | None = None) -> str:
+    """The Deployed condition's message: why, and what to do now. The engine runs tensor parallel within one pod, so
+    what it cannot serve is a replica whose cards span nodes: the advice is one node's cards at most."""
+    per_node = get_accelerator(plan.accelerator).cards_per_node if plan is not None else None
+    cards = f"at most {per_node} (one node of {plan.accelerator})" if per_node and plan is not None else (
+        "no more than one node holds")
+    return (f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, set "
+            f"spec.accelerator.cards to {cards}, with a model whose weights fit on those cards")
 
 
 def cannot_serve(status: Mapping[str, Any], plan: Plan, why: str, generation: int | None, selector: str,
@@ -139,7 +146,7 @@ def cannot_serve(status: Mapping[str, Any], plan: Plan, why: str, generation: in
     nothing runs. Phase Planned (planned, not deployed), Deployed=False and Ready=False with reason
     EngineCannotServe, no replicas, and no blocks observed from engines that are gone."""
     new = planned(status, plan, generation, selector, now, autotune)
-    message = cannot_serve_message(why)
+    message = cannot_serve_message(why, plan)
     new["conditions"] = set_condition(new["conditions"], "Deployed", False, ENGINE_CANNOT_SERVE, message, now,
                                       generation)
     new["conditions"] = set_condition(new["conditions"], "Ready", False, ENGINE_CANNOT_SERVE,

@@ -88,7 +88,8 @@ def test_kv_bytes_per_block() -> None:
 
 def test_unservable_names_what_is_missing() -> None:
     assert contract.unservable("cpu", 1) is None
-    assert "device 'npu'" in (contract.unservable("npu", 1) or "")
+    assert contract.unservable("npu", 8) is None and contract.unservable("cuda", 4) is None  # one pod, many cards
+    assert "device 'tpu'" in (contract.unservable("tpu", 1) or "")
     message = contract.unservable("cpu", 4, nodes=2) or ""
     assert "worldSize 4" in message and "2 nodes" in message
 
@@ -100,7 +101,8 @@ def _literal_defined_in(literal: str) -> list[str]:
 
 
 @pytest.mark.parametrize("literal", [
-    contract.ADMIN_TOKEN_ENV, contract.CPU_BINDING_ENV, contract.NUMA_NODE_ENV, contract.NNODES_ENV,
+    contract.ADMIN_TOKEN_ENV, contract.CPU_BINDING_ENV, contract.NUMA_NODE_ENV, contract.RANK_NUMA_NODES_ENV,
+    contract.NNODES_ENV,
     contract.NODE_RANK_ENV, contract.LEADER_ADDRESS_ENV, contract.USE_MB_SWAPPER_ENV,
     contract.NPU_MEMORY_FRACTION_ENV, *contract.RECOMPUTE_THRESHOLD_ENVS, contract.FLAG_CONFIG,
     contract.ADMIN_SCHEDULE_PATH, contract.INFO_PATH,

@@ -472,7 +472,8 @@ def _answers(ip: str) -> bool:
 
 # ---- what the engine cannot serve yet; pruning; the one status writer -------------------------------------------
 IGNORE_LABEL = "npuserve.io/process-kubelet"  # the process kubelet starts no engines in such a namespace
-ASCEND = {"type": "ascend-910b4", "cards": 2}
+ASCEND = {"type": "ascend-910b4", "cards": 16}  # two 8-card nodes: a replica spanning nodes, not served yet
+MULTI_NODE_MODEL = {"name": "tiny", "preset": "llama3-8b", "weights": {"loadFormat": "dummy"}}  # 32 heads split 16 ways
 
 
 @pytest.fixture(scope="module")
@@ -493,6 +494,7 @@ def _service(namespace: str, name: str, accelerator: dict[str, Any] | None = Non
     obj["metadata"]["name"] = name
     if accelerator is not None:
         obj["spec"]["accelerator"] = accelerator
+        obj["spec"]["model"] = MULTI_NODE_MODEL
     return obj
 
 
@@ -528,9 +530,9 @@ def test_an_ascend_service_is_planned_and_not_deployed(
     status = wait_for("phase Planned, Deployed=False EngineCannotServe",
                       lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))["status"]
     assert status["plan"] == npuserve_plan_of(obj)  # the plan is written, with the engine's warning in it
-    assert any("cannot serve device 'npu'" in w for w in status["plan"]["warnings"])
+    assert any("cannot serve a replica spanning 2 nodes" in w for w in status["plan"]["warnings"])
     deployed = _condition({"status": status}, "Deployed")
-    assert deployed["status"] == "False" and "spec.accelerator.type cpu" in deployed["message"]
+    assert deployed["status"] == "False" and "spec.accelerator.cards to at most 8" in deployed["message"]
     assert _condition({"status": status}, "Ready")["status"] == "False" and status["replicas"] == 0
     time.sleep(2)  # anything (wrongly) applied would be there by now
     assert _children(k8s_cluster, quiet_namespace, "big") == []
@@ -547,6 +549,7 @@ def test_editing_a_cpu_service_to_ascend_prunes_its_engines(
     wait_for("Deployed=True", lambda: _condition(_get(k8s_cluster, quiet_namespace, "edited"), "Deployed").get(
         "status") == "True")
     obj["spec"]["accelerator"] = ASCEND
+    obj["spec"]["model"] = MULTI_NODE_MODEL
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
     wait_for("the CPU service's objects to be pruned",
              lambda: _children(k8s_cluster, quiet_namespace, "edited") == [], timeout=60)

@@ -1,7 +1,7 @@
-"""The reconcile and readiness handlers over an in-memory API server: what the engine cannot serve is planned and not
-deployed (and what an earlier spec deployed is removed), the plan reaches the status before anything is applied, an
-optional kind whose API is missing is skipped with a warning, autotune is reported, readiness reads the plan from
-the status."""
+"""The reconcile and readiness handlers over an in-memory API server: several cards on one node are deployed; what the
+engine cannot serve (a replica spanning nodes) is planned and not deployed (and what an earlier spec deployed is
+removed), the plan reaches the status before anything is applied, an optional kind whose API is missing is skipped
+with a warning, autotune is reported, readiness reads the plan from the status."""
 
 from __future__ import annotations
 
@@ -55,23 +55,51 @@ def test_a_cpu_service_is_planned_applied_and_deployed(monkeypatch: pytest.Monke
     assert [e[1] for e in events] == ["Planned", "Applied"]
 
 
-def test_an_ascend_service_is_planned_not_deployed_and_earlier_engines_removed(
+def test_an_ascend_service_on_one_node_is_deployed_with_its_cards(
     monkeypatch: pytest.MonkeyPatch, events: list[Any]
 ) -> None:
+    """Tensor parallel runs within one pod: two Ascend cards on one node are served (one rank per card)."""
     fake = _cluster(monkeypatch, TINY)
     _reconcile(fake)  # served on the CPU first
     events.clear()
     _reconcile(fake, {"accelerator": {"type": "ascend-910b4", "cards": 2, "memoryGiB": 32, "reservedGiB": 3}})
-    assert fake.kinds() == []  # the CPU Deployment, its ConfigMap and Service are gone; nothing new is applied
-    assert fake.deleted == ["ConfigMap/tiny-config", "Service/tiny", "Deployment/tiny"]
+    assert fake.kinds() == ["ConfigMap/tiny-config", "Deployment/tiny", "Service/tiny"]
+    assert fake.deleted == []
     status = fake.status
-    assert status["phase"] == "Planned" and status["replicas"] == 0
+    assert status["phase"] == "Deploying" and status["plan"]["warnings"] == []
     assert (status["plan"]["accelerator"], status["plan"]["worldSize"], status["plan"]["npuMemSizeGiB"]) == (
         "ascend-910b4", 2, 23)  # floor((32 - 3 - 0.002 / 2) x 0.8)
+    assert {t: c["status"] for t, c in _conditions(fake).items()} == {"Planned": "True", "Deployed": "True"}
+    deployment = fake.objects[("Deployment", "team-a", "tiny")]
+    (engine,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert engine["resources"]["limits"]["huawei.com/Ascend910"] == "2"
+    config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
+    assert config["BackendConfig"]["npuDeviceIds"] == [[0, 1]]
+    assert [e[1] for e in events] == ["Planned", "Applied"]
+
+
+def test_a_replica_spanning_nodes_is_planned_not_deployed_and_earlier_engines_removed(
+    monkeypatch: pytest.MonkeyPatch, events: list[Any]
+) -> None:
+    """16 cards of 8-card nodes: the LeaderWorkerSet is rendered but never applied, even where its API is served."""
+    fake = _cluster(monkeypatch, TINY, served={"ConfigMap", "Service", "Deployment", "LeaderWorkerSet"})
+    _reconcile(fake)  # served on the CPU first
+    events.clear()
+    _reconcile(fake, {"model": {"name": "tiny", "preset": "llama3-8b", "weights": {"loadFormat": "dummy"}},
+                      "accelerator": {"type": "ascend-910b4", "cards": 16}})
+    assert fake.kinds() == []  # the CPU Deployment, its ConfigMap and Service are gone; nothing new is applied
+    assert fake.deleted == ["ConfigMap/tiny-config", "Service/tiny", "Deployment/tiny"]
+    assert not [a for a in fake.applied if a.startswith("LeaderWorkerSet/")]
+    status = fake.status
+    assert status["phase"] == "Planned" and status["replicas"] == 0
+    assert (status["plan"]["worldSize"], status["plan"]["nodes"], status["plan"]["cardsPerPod"]) == (16, 2, 8)
     deployed = _conditions(fake)["Deployed"]
     assert (deployed["status"], deployed["reason"]) == ("False", "EngineCannotServe")
-    assert "cannot serve device 'npu'" in deployed["message"] and "worldSize 2" in deployed["message"]
+    assert "cannot serve a replica spanning 2 nodes (worldSize 16)" in deployed["message"]
+    assert "spec.accelerator.cards to at most 8 (one node of ascend-910b4)" in deployed["message"]
+    assert _conditions(fake)["Ready"]["reason"] == "EngineCannotServe"
     assert [(e[0], e[1]) for e in events] == [("Warning", "EngineCannotServe")]
+    assert "spanning 2 nodes" in events[0][2]
 
 
 def test_the_plan_is_written_before_a_required_kind_fails(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:

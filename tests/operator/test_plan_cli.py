@@ -100,16 +100,18 @@ def test_from_file_prints_the_plan_of_the_example(name: str, capsys: pytest.Capt
     data = run_json(capsys, "plan", "--from-file", str(REPO / "examples" / name))
     assert {k: data[k] for k in EXAMPLE_PLANS[name]} == EXAMPLE_PLANS[name]
     assert data["schedule"]["maxBatchSize"] == EXAMPLE_PLANS[name]["maxBatchSize"]["avg"]
-    # Only the CPU examples run on the bundled engine today; the others say so in the plan.
-    servable = name in ("tiny-cpu.yaml", "demo.yaml")
+    # The bundled engine serves every example but the one whose replica spans nodes; that plan says so.
+    servable = name != "llama3-70b-multinode.yaml"
     assert servable == (not any(w.startswith("engine: the bundled engine cannot serve") for w in data["warnings"]))
 
 
-def test_the_table_warns_that_the_engine_cannot_serve_an_ascend_plan(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_table_warns_that_the_engine_cannot_serve_a_replica_spanning_nodes(
+        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(GOLDEN) == 0
+    assert "cannot serve" not in capsys.readouterr().out  # two cards on one node: served
+    assert main([*GOLDEN[:4], "16", *GOLDEN[5:]]) == 0  # 16 cards of 8-card nodes
     out = " ".join(capsys.readouterr().out.split())
-    assert ("warning: engine: the bundled engine cannot serve device 'npu' (it runs on cpu only) and worldSize 2"
-            in out), out
+    assert "warning: engine: the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16)" in out, out
     assert "deploys nothing (condition Deployed=False, reason EngineCannotServe)" in out
 
 

@@ -1,4 +1,5 @@
-"""Rendered objects: valid against the Kubernetes API schemas, and carrying the plan and the guide's host tuning."""
+"""Rendered objects: valid against the Kubernetes API schemas, carrying the plan, the guide's host tuning and what each
+tensor-parallel rank needs (cards, cores, memory, /dev/shm, HCCL settings)."""
 
 from __future__ import annotations
 
@@ -210,3 +211,108 @@ def test_selector_matches_the_pod_labels() -> None:
         key, value = pair.split("=")
         assert pod_labels[key] == value
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+# --- what each tensor-parallel rank needs ---------------------------------------------------------------------------
+
+
+def _engine(isvc: InferenceService, p: Plan, template: str = "template") -> tuple[dict[str, Any], dict[str, Any]]:
+    objects = by_kind(r.render(isvc, p))
+    pod = pod_spec(objects.get("Deployment") or objects["LeaderWorkerSet"], template)
+    (engine,) = pod["containers"]
+    return engine, pod
+
+
+def _env(engine: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in engine["env"]}
+
+
+def _shm(pod: dict[str, Any]) -> dict[str, Any]:
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "shm"]
+    return dict(shm["emptyDir"])
+
+
+VISIBLE_DEVICE_VARIABLES = ("ASCEND_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES",
+                            "NVIDIA_VISIBLE_DEVICES")
+
+
+def test_two_ascend_ranks_get_their_cards_hccl_settings_cores_and_shared_memory() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")  # worldSize 2 on one node: two ranks in one pod
+    engine, pod = _engine(isvc, p)
+    res = engine["resources"]
+    # the cards: the device plugin picks them; the ranks number them 0..1 (config.json), nothing is forced
+    assert res["limits"]["huawei.com/Ascend910"] == "2"
+    config = MindIEConfig.from_dict(json.loads(by_kind(r.render(isvc, p))["ConfigMap"]["data"]["config.json"]))
+    assert config.BackendConfig.npuDeviceIds == [[0, 1]] and config.model.worldSize == 2
+    env = _env(engine)
+    assert not set(VISIBLE_DEVICE_VARIABLES) & set(env)
+    # HCCL: the link-up waits as long as the startup probe lets the pod load (10 s x 180), within CANN's 120..7200
+    assert env["HCCL_CONNECT_TIMEOUT"] == "1800"
+    assert engine["startupProbe"]["periodSeconds"] * engine["startupProbe"]["failureThreshold"] == 1800
+    assert not {"HCCL_IF_IP", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_OP_EXPANSION_MODE"} & set(env)
+    # cores: 8 per rank, exclusive, and each rank binds itself to its share (engine/affinity.py)
+    assert res["requests"]["cpu"] == res["limits"]["cpu"] == "16" and env["NPUSERVE_CPU_BINDING"] == "numa"
+    assert "OMP_NUM_THREADS" not in env
+    # /dev/shm: 1 GiB + 1 GiB per rank, memory-backed, so counted in the memory limit: by hand, weights 14.958 GiB
+    # + swap 5 GiB x 2 cards + 16 GiB overhead = 40.958 -> 41, + 2 GiB for the second rank, + 3 GiB of shm = 46
+    assert _shm(pod) == {"medium": "Memory", "sizeLimit": "3Gi"}
+    assert res["requests"]["memory"] == res["limits"]["memory"] == "46Gi"
+    assert r.engine_memory_gib(isvc, p) == 46 and r.shm_size_gib(p) == 3 and r.ranks_per_pod(p) == 2
+
+
+def test_one_rank_needs_no_collective_settings() -> None:
+    isvc, p = load("qwen2.5-7b-decode-latency.yaml")  # one card
+    engine, pod = _engine(isvc, p)
+    env = _env(engine)
+    assert not [name for name in env if name.startswith(("HCCL_", "NCCL_"))] and "OMP_NUM_THREADS" not in env
+    assert _shm(pod)["sizeLimit"] == "2Gi"
+    # weights 14.185 + swap 5 + overhead 16 = 35.185 -> 36, no further rank, + 2 GiB of shm
+    assert engine["resources"]["limits"]["memory"] == "38Gi"
+
+
+def test_cuda_ranks_get_their_gpus_and_no_hccl() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml", accelerator={"type": "nvidia-h100-80gb", "cards": 4})
+    engine, pod = _engine(isvc, p)
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert engine["resources"]["requests"]["cpu"] == "32"
+    env = _env(engine)
+    assert not [name for name in env if name.startswith(("HCCL_", "NCCL_", "ASCEND_"))]
+    assert not set(VISIBLE_DEVICE_VARIABLES) & set(env)
+    assert _shm(pod)["sizeLimit"] == "5Gi"
+    validate(by_kind(r.render(isvc, p))["Deployment"])
+
+
+def test_unpinned_ranks_share_the_pods_cpus_by_thread_count() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml", host={"cpuPinning": "none"})
+    engine, _ = _engine(isvc, p)
+    assert _env(engine)["OMP_NUM_THREADS"] == "8"  # 16 CPUs / 2 ranks
+    assert "cpu" not in engine["resources"]["limits"]
+
+
+def test_a_memory_set_in_the_spec_is_the_pods_whole_memory() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml", engine={"memoryGiB": 64})
+    engine, pod = _engine(isvc, p)
+    assert engine["resources"]["requests"]["memory"] == engine["resources"]["limits"]["memory"] == "64Gi"
+    assert _shm(pod)["sizeLimit"] == "3Gi"  # within it
+
+
+def test_multi_node_pods_carry_the_rank_settings_in_leader_and_worker() -> None:
+    isvc, p = load("llama3-70b-multinode.yaml")  # 16 cards: two pods of 8 ranks
+    assert (p.nodes, p.cardsPerPod) == (2, 8)
+    for template in ("leaderTemplate", "workerTemplate"):
+        engine, pod = _engine(isvc, p, template)
+        env = _env(engine)
+        assert env["HCCL_CONNECT_TIMEOUT"] == "1800"
+        assert env["HCCL_IF_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["NPUSERVE_NNODES"] == "2"
+        assert not set(VISIBLE_DEVICE_VARIABLES) & set(env)
+        assert engine["resources"]["limits"]["huawei.com/Ascend910"] == "8"
+        assert engine["resources"]["limits"]["cpu"] == "64"
+        assert _shm(pod)["sizeLimit"] == "9Gi"
+        # weights 131.417 / 2 + swap 5 x 8 + 16 = 121.7 -> 122, + 2 x 7 further ranks, + 9 GiB of shm
+        assert engine["resources"]["limits"]["memory"] == "145Gi"
+
+
+def test_hccl_connect_timeout_stays_within_canns_range() -> None:
+    assert r.HCCL_CONNECT_TIMEOUT_RANGE_S == (120, 7200)
+    assert 120 <= r.hccl_connect_timeout_s() <= 7200

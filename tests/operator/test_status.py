@@ -38,6 +38,8 @@ GUIDE = InferenceServiceSpec.model_validate({
     "workload": {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512},
 })
 GUIDE_PLAN = plan(GUIDE)
+# The same model on 16 cards of 8-card nodes: one replica spans two pods (a LeaderWorkerSet), not served yet.
+SPANNING_PLAN = plan(GUIDE.model_copy(update={"accelerator": GUIDE.accelerator.model_copy(update={"cards": 16})}))
 GUIDE_SUMMARY = ("worldSize 2, npuMemSize 17 GiB, 2176 KV blocks per card, maxBatchSize 435 (range 362..1088), "
                  "1 replica(s)")
 SELECTOR = "npuserve.io/inferenceservice=tiny,app.kubernetes.io/component=engine"
@@ -105,24 +107,29 @@ def test_plan_failure_is_a_failed_phase_with_the_reason() -> None:
 # --- what the engine cannot serve yet ------------------------------------------------------------------------------
 
 
-def test_the_guides_ascend_plan_is_planned_not_deployed() -> None:
-    assert GUIDE_PLAN.warnings == [
-        "engine: the bundled engine cannot serve device 'npu' (it runs on cpu only) and worldSize 2 (it runs one card "
-        "per process: tensor parallel is not built) yet; it arrives with the issue that builds tensor parallel and "
-        "the npu/cuda backends; the operator writes this plan to the status and deploys nothing (condition "
-        "Deployed=False, reason EngineCannotServe)"]
-    # Was Ready on the CPU, then edited to ascend: the old engines' readiness and blocks must not linger.
+def test_the_guides_two_card_plan_is_servable() -> None:
+    assert GUIDE_PLAN.warnings == []  # tensor parallel within one pod
+
+
+def test_a_replica_spanning_nodes_is_planned_not_deployed() -> None:
+    assert SPANNING_PLAN.warnings == [
+        "engine: the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16) yet; it arrives with "
+        "multi-node inference (one replica's ranks in several pods), which is not built; the operator writes this "
+        "plan to the status and deploys nothing (condition Deployed=False, reason EngineCannotServe)"]
+    # Was Ready on one node, then edited to 16 cards: the old engines' readiness and blocks must not linger.
     before = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192},
               "conditions": set_condition([], "Ready", True, "EnginesReady", "1/1", "t0", 1)}
-    status = cannot_serve(before, GUIDE_PLAN, "the bundled engine cannot serve device 'npu' yet", 2, SELECTOR, "t")
+    why = "the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16) yet"
+    status = cannot_serve(before, SPANNING_PLAN, why, 2, SELECTOR, "t")
     assert status["phase"] == "Planned" and status["replicas"] == 0 and "observed" not in status
-    assert status["plan"]["totalBlocks"] == 2176
+    assert status["plan"]["nodes"] == 2 and status["plan"]["cardsPerPod"] == 8
     conds = _conditions(status)
-    assert (conds["Planned"]["status"], conds["Planned"]["message"]) == ("True", GUIDE_SUMMARY)
+    assert conds["Planned"]["status"] == "True"
     assert (conds["Deployed"]["status"], conds["Deployed"]["reason"]) == ("False", "EngineCannotServe")
-    assert conds["Deployed"]["message"].startswith("the bundled engine cannot serve device 'npu' yet. Nothing is "
-                                                   "deployed")
-    assert "spec.accelerator.type cpu" in conds["Deployed"]["message"]  # what the user can do
+    assert conds["Deployed"]["message"] == (
+        f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, set "
+        "spec.accelerator.cards to at most 8 (one node of ascend-910b4), with a model whose weights fit on those "
+        "cards")  # what the user can do
     assert (conds["Ready"]["status"], conds["Ready"]["reason"], conds["Ready"]["lastTransitionTime"]) == (
         "False", "EngineCannotServe", "t")
     # A Deployment event while the old one is being deleted does not judge readiness.
