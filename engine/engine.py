@@ -8,7 +8,6 @@ runs on the step-loop thread only; other threads read `snapshot` (replaced, neve
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import threading
@@ -22,12 +21,14 @@ from typing import Any
 import torch
 
 from npuserve.engine import guided
-from npuserve.engine.backends import get_backend, resolve_device
+from npuserve.engine.backends import resolve_device
 from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
-from npuserve.engine.model.loader import TORCH_DTYPES, load_model
 from npuserve.engine.output_processor import OutputProcessor, RequestOutput
-from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
+from npuserve.engine.parallel.ranks import WorkerArgs, WorkerRanks
+from npuserve.engine.parallel.step_message import Op, StepMessage
+from npuserve.engine.rank_runner import build_rank_runner
+from npuserve.engine.runner import KVPlan
 from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
@@ -107,33 +108,37 @@ class LLMEngine:
         self.model_name = ext.servedModelName or config.model.modelName
         self.spec = ModelSpec.from_pretrained(folder)
         self.clock = clock
-        check_servable(config, resolve_device(ext.device))  # before loading: refused settings fail fast
-        self.backend = get_backend(ext.device)
-        dtype = TORCH_DTYPES[self.spec.dtype if ext.dtype == "auto" else ext.dtype]
-        self.dtype = dtype
-        torch.manual_seed(seed)
-        t0 = time.perf_counter()
-        load_format = "dummy" if ext.loadFormat == "dummy" else "safetensors"
-        self.model = load_model(self.spec, folder, dtype, self.backend.device, load_format, seed=seed)
-        self.load_seconds = time.perf_counter() - t0
+        check_servable(config, resolve_device(ext.device), self.spec)  # before loading: refused settings fail fast
+        world_size = config.model.worldSize
+        self.workers: WorkerRanks | None = None
+        self._threads_before = torch.get_num_threads()
+        if world_size > 1:  # one process per other rank, started first: every rank joins the world while it builds
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                raise RuntimeError("a process holds one tensor-parallel engine at a time (one torch.distributed "
+                                   "world): close() the other engine first")
+            threads = max(1, self._threads_before // world_size)  # the ranks share this host's cores
+            torch.set_num_threads(threads)
+            workers = self.workers = WorkerRanks(world_size)
+            resolved, level = config.to_dict(), logging.getLogger().getEffectiveLevel()
+            workers.start(lambda rank: WorkerArgs(
+                rank=rank, world_size=world_size, init_method=workers.init_method, config=resolved,
+                model_dir=str(folder), seed=seed, num_threads=threads, log_level=level, env=self.env,
+                num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks))
+        built = build_rank_runner(config, folder, seed=seed,
+                                  init_method=self.workers.init_method if self.workers else None,
+                                  env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
+        self.backend, self.dtype, self.model = built.backend, built.dtype, built.model
+        self.load_seconds = built.load_seconds
+        self.kv_plan: KVPlan = built.kv_plan
+        self.runner = built.runner
+        self.tp = built.tp
         deploy = config.BackendConfig.ModelDeployConfig
         schedule = config.schedule
-        self.kv_plan: KVPlan = plan_kv_blocks(
-            self.spec, self.backend, block_size=schedule.cacheBlockSize, dtype=dtype,
-            npu_mem_size_gib=config.model.npuMemSize, cpu_mem_size_gib=config.model.cpuMemSize,
-            max_batch_size=schedule.maxBatchSize, max_seq_len=deploy.maxSeqLen,
-            memory_fraction=self.env.npu_memory_fraction,
-        )
-        if num_kv_blocks is not None or num_host_blocks is not None:  # tests and benchmarks pin the pool sizes
-            self.kv_plan = dataclasses.replace(
-                self.kv_plan,
-                num_blocks=self.kv_plan.num_blocks if num_kv_blocks is None else num_kv_blocks,
-                num_host_blocks=self.kv_plan.num_host_blocks if num_host_blocks is None else num_host_blocks,
-                source="set by the caller",
-            )
-        log.info("KV cache: %d device blocks, %d host blocks of %d tokens (%s)", self.kv_plan.num_blocks,
+        load_format = "dummy" if ext.loadFormat == "dummy" else "safetensors"
+        log.info("KV cache: %d device blocks, %d host blocks of %d tokens per rank (%s)", self.kv_plan.num_blocks,
                  self.kv_plan.num_host_blocks, self.kv_plan.block_size, self.kv_plan.source)
-        self.runner = ModelRunner(self.model, self.backend, self.kv_plan, dtype, ext.logprobsMode)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
                                  enable_prefix_caching=ext.enablePrefixCaching)
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(folder))  # fixed: any thread may read it
@@ -169,6 +174,21 @@ class LLMEngine:
         if warmup:
             self.runner.warmup()
         self.ready = True
+
+    def close(self) -> None:
+        """Stops the other ranks (tensor parallel) and leaves the distributed world; call it after the step loop
+        ended. With one rank there is nothing to stop."""
+        if self.workers is None:
+            return
+        import torch.distributed as dist
+
+        workers, self.workers = self.workers, None
+        workers._closing = True
+        if self.runner.channel is not None:
+            self.runner.channel.send(StepMessage(Op.STOP))
+        workers.close()
+        dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
 
     # --- construction helpers ----------------------------------------------------------------------------------
 
@@ -414,4 +434,5 @@ def make_config(
     if extensions:
         data["npuserve"] = extensions
     return MindIEConfig.from_dict(data)
+
 

@@ -36,6 +36,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, help="use the first N prompts of the file")
     parser.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], help="dummy: random weights")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--world-size", type=int, help="ModelConfig.worldSize: tensor-parallel ranks, one process "
+                        "and one card each (npuDeviceIds 0..N-1 unless the config lists them)")
 
 
 def _read_prompts(path: str, limit: int | None) -> list[tuple[str, int | None]]:
@@ -72,6 +74,8 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
         config = MindIEConfig.load(args.config)
         if args.model:
             config.model.modelWeightPath = args.model
+        if args.world_size:
+            config = config.with_world_size(args.world_size)
         if schedule:
             if "maxBatchSize" in schedule and config.schedule.maxPrefillBatchSize > schedule["maxBatchSize"]:
                 schedule["maxPrefillBatchSize"] = schedule["maxBatchSize"]
@@ -86,8 +90,9 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     # No config: size maxSeqLen to these prompts, so the CPU's auto KV sizing stays small.
     longest = max(prompt_lens) if prompt_lens else 1
     max_seq_len = max(64, longest + args.max_tokens + 1)
-    return make_config(args.model, max_seq_len=max_seq_len, max_input_len=max_seq_len - 1,
-                       extensions=ext or None, **schedule)
+    config = make_config(args.model, max_seq_len=max_seq_len, max_input_len=max_seq_len - 1,
+                         extensions=ext or None, **schedule)
+    return config.with_world_size(args.world_size) if args.world_size else config
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     except RequestError as e:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - t0
     for i, out in enumerate(outputs):
         m = out.metrics

@@ -9,6 +9,11 @@ A sequence about to fork (n > 1, at its first prefill) gets its last logits row 
 sampled with that choice's seed. Prompt logprobs, when a sequence asks for them at its first prefill, are computed
 from the hidden states of every prompt position (in chunks), on the device; only the prompt tokens' logprobs and
 ranks, and the top k, leave it.
+
+Tensor parallel: rank 0's runner holds a `StepChannel` and sends each operation (forward, swap, block copy) to the
+other ranks before doing it; their runners `follow` it: the same forward over their slice of the model and of the
+KV heads, the same logits rows (gathered to rank 0), the same block copies on their own caches. Only rank 0
+samples.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
 from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
 from npuserve.mindie_config import LogprobsMode
@@ -55,16 +61,17 @@ def plan_kv_blocks(
     max_batch_size: int,
     max_seq_len: int,
     memory_fraction: float = 0.8,
-    weight_bytes: int = 0,
+    world_size: int = 1,
 ) -> KVPlan:
     """KV blocks on the device and on the host.
 
     `npuMemSize` > 0: that many GiB. -1 (auto): free memory x NPU_MEMORY_FRACTION; on the CPU backend no more
     than `maxBatchSize x maxSeqLen` tokens can use (plus one block per sequence of slack), and never more than
     half of the host's available memory, so a development box is not swallowed by the cache. Host (swap) blocks
-    from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use.
+    from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use. Blocks are per rank: a block
+    holds this rank's KV heads (`world_size`), and on the CPU the ranks share the host's memory.
     """
-    per_block = spec.kv_bytes_per_block(block_size, dtype=str(dtype).removeprefix("torch."))
+    per_block = spec.kv_bytes_per_block(block_size, world_size=world_size, dtype=str(dtype).removeprefix("torch."))
     usable_blocks = max_batch_size * (math.ceil(max_seq_len / block_size) + 1)
     if npu_mem_size_gib > 0:
         num_blocks = (npu_mem_size_gib * GiB) // per_block
@@ -73,7 +80,7 @@ def plan_kv_blocks(
         free = backend.memory_info().free_bytes
         budget = int(free * memory_fraction)
         if backend.name == "cpu":
-            budget = min(budget, free // 2)
+            budget = min(budget, free // 2) // world_size
         num_blocks = max(0, budget) // per_block
         source = f"auto: {memory_fraction:.2f} of {free / GiB:.1f} GiB free"
         if backend.name == "cpu" and num_blocks > usable_blocks:
@@ -87,17 +94,51 @@ def plan_kv_blocks(
     return KVPlan(int(num_blocks), int(host_blocks), block_size, per_block, source)
 
 
+@dataclass(frozen=True, slots=True)
+class _LogprobChunk:
+    """Prompt positions `lo..hi-1` of sequence `seq_index`, whose logits are hidden rows `row_lo..row_hi-1`."""
+
+    seq_index: int
+    lo: int
+    hi: int
+    row_lo: int
+    row_hi: int
+
+
+def _prompt_logprob_chunks(seqs: Seq[Sequence], batch: FlatBatch,
+                           num_new_tokens: Seq[int] | None) -> list[_LogprobChunk]:
+    """The prompt positions this step computes logprobs for, in chunks of at most `_PROMPT_LOGITS_CHUNK`: of each
+    sequence that asks, the positions of this step's rows after those it already has (a recompute keeps them)."""
+    chunks: list[_LogprobChunk] = []
+    for i, s in enumerate(seqs):
+        if s.sampling.prompt_logprobs is None:
+            continue
+        first = s.num_cached_tokens  # the position of this step's first row
+        end = first + (num_new_tokens[i] if num_new_tokens is not None else s.num_tokens - first)
+        known = len(s.prompt_logprobs or [])  # positions 0..known-1 are done
+        if known < first:
+            continue  # cannot happen: prompt logprobs turn prefix-cache hits off
+        lo_pos, hi_pos = max(first, known), min(end, s.num_prompt_tokens - 1)
+        start = batch.meta.query_start[i] - first
+        for lo in range(lo_pos, hi_pos, _PROMPT_LOGITS_CHUNK):
+            hi = min(hi_pos, lo + _PROMPT_LOGITS_CHUNK)
+            chunks.append(_LogprobChunk(i, lo, hi, start + lo, start + hi))
+    return chunks
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
-                 logprobs_mode: LogprobsMode = "processed_logprobs") -> None:
+                 logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None) -> None:
         self.model = model
         self.spec = model.spec
         self.backend = backend
         self.block_size = plan.block_size
         self.num_blocks = plan.num_blocks
         self.num_host_blocks = plan.num_host_blocks
-        args = (self.spec.num_layers, plan.num_blocks, plan.block_size, self.spec.num_key_value_heads,
-                self.spec.head_dim, kv_dtype)
+        self.num_kv_heads = model.layout.kv_heads  # this rank's
+        self.channel = channel  # rank 0 of several: where each operation goes to the other ranks first
+        args = (self.spec.num_layers, plan.num_blocks, plan.block_size, self.num_kv_heads, self.spec.head_dim,
+                kv_dtype)
         self.kv_caches = backend.allocate_kv_cache(*args)
         self.kv_dtype = kv_dtype
         self._host_kv_caches: list[torch.Tensor] | None = None  # allocated at the first swap-out
@@ -116,12 +157,18 @@ class ModelRunner:
             if not self.num_host_blocks:
                 raise RuntimeError("a swap was planned but no host KV blocks exist (cpuMemSize 0)")
             self._host_kv_caches = self.backend.allocate_kv_cache(
-                self.spec.num_layers, self.num_host_blocks, self.block_size, self.spec.num_key_value_heads,
+                self.spec.num_layers, self.num_host_blocks, self.block_size, self.num_kv_heads,
                 self.spec.head_dim, self.kv_dtype, device=torch.device("cpu"),
             )
         return self._host_kv_caches
 
+    def _tell(self, msg: StepMessage) -> None:
+        if self.channel is not None:
+            self.channel.send(msg)
+
     def swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
+        if swap_out or swap_in:
+            self._tell(StepMessage(Op.SWAP, pairs=list(swap_out), pairs_in=list(swap_in)))
         if swap_out:
             self.backend.copy_blocks(self.kv_caches, self.host_kv_caches, list(swap_out))
         if swap_in:
@@ -130,7 +177,25 @@ class ModelRunner:
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Device-to-device block copies (a fork's copy-on-write of a partly filled prompt block)."""
         if pairs:
+            self._tell(StepMessage(Op.COPY, pairs=list(pairs)))
             self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(pairs))
+
+    @torch.inference_mode()
+    def follow(self, msg: StepMessage) -> None:
+        """A rank other than 0: rank 0's operation on this rank's slice (the logits gathered to rank 0)."""
+        if msg.op is Op.FORWARD:
+            assert msg.batch is not None
+            hidden = self._forward(msg.batch)
+            self.model.compute_logits(hidden.index_select(0, msg.batch.logits_indices))
+            for lo, hi in msg.logit_rows:
+                self.model.compute_logits(hidden[lo:hi])
+        elif msg.op is Op.SWAP:
+            self.swap(msg.pairs, msg.pairs_in)
+        elif msg.op is Op.COPY:
+            self.copy_blocks(msg.pairs)
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch.meta)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
@@ -143,11 +208,15 @@ class ModelRunner:
             batch = build_prefill(seqs, self.block_size, self.backend.device)
         else:
             batch = build_decode(seqs, self.block_size, self.backend.device)
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        chunks: list[_LogprobChunk] = []
+        if is_prefill or num_new_tokens is not None:
+            chunks = _prompt_logprob_chunks(seqs, batch, num_new_tokens)
+        self._tell(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]))
+        hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_logprobs = {}
         if is_prefill or num_new_tokens is not None:
-            prompt_logprobs = self._prompt_logprobs(seqs, batch, hidden, num_new_tokens)
+            prompt_logprobs = self._prompt_logprobs(seqs, hidden, chunks)
         if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
             # (not for a prompt chunk short of its last token: what it samples is dropped)
             guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
@@ -168,38 +237,28 @@ class ModelRunner:
         out.prompt_logprobs = prompt_logprobs
         return out
 
-    def _prompt_logprobs(self, seqs: Seq[Sequence], batch: FlatBatch, hidden: torch.Tensor,
-                         num_new_tokens: Seq[int] | None) -> dict[int, list[PromptLogprob]]:
+    def _prompt_logprobs(self, seqs: Seq[Sequence], hidden: torch.Tensor,
+                         chunks: list[_LogprobChunk]) -> dict[int, list[PromptLogprob]]:
         """seq_id -> the logprobs of the prompt tokens this step's rows predict (raw distribution), following those
         the sequence already has: tokens 1..L-1 in all, over one prefill or its chunks."""
-        result: dict[int, list[PromptLogprob]] = {}
-        for i, s in enumerate(seqs):
-            k = s.sampling.prompt_logprobs
-            if k is None:
-                continue
-            first = s.num_cached_tokens  # the position of this step's first row
-            end = first + (num_new_tokens[i] if num_new_tokens is not None else s.num_tokens - first)
-            known = len(s.prompt_logprobs or [])  # positions 0..known-1 are done (a recompute keeps them)
-            lo_pos, hi_pos = max(first, known), min(end, s.num_prompt_tokens - 1)
-            if known < first:
-                continue  # cannot happen: prompt logprobs turn prefix-cache hits off
-            prompt = s.prompt_token_ids
-            start = batch.meta.query_start[i] - first
-            entries: list[PromptLogprob] = []
-            for lo in range(lo_pos, hi_pos, _PROMPT_LOGITS_CHUNK):
-                hi = min(hi_pos, lo + _PROMPT_LOGITS_CHUNK)
-                lp = torch.log_softmax(self.model.compute_logits(hidden[start + lo : start + hi]).float(), dim=-1)
-                targets = torch.tensor(prompt[lo + 1 : hi + 1], device=lp.device).unsqueeze(1)
-                token_lp = lp.gather(1, targets)
-                ranks = (lp > token_lp).sum(dim=-1) + 1
-                tops: list[tuple[tuple[int, float], ...]] = [()] * (hi - lo)
-                if k:
-                    values, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
-                    tops = [tuple(zip(r_ids, r_vals, strict=True))
-                            for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
-                entries += [PromptLogprob(lp_, rank, top) for lp_, rank, top in
-                            zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True)]
-            result[s.seq_id] = entries
+        result: dict[int, list[PromptLogprob]] = {  # every sequence that asks, even with no position this step
+            s.seq_id: [] for s in seqs
+            if s.sampling.prompt_logprobs is not None and len(s.prompt_logprobs or []) >= s.num_cached_tokens}
+        for c in chunks:
+            s = seqs[c.seq_index]
+            k = s.sampling.prompt_logprobs or 0
+            lp = torch.log_softmax(self.model.compute_logits(hidden[c.row_lo : c.row_hi]).float(), dim=-1)
+            targets = torch.tensor(s.prompt_token_ids[c.lo + 1 : c.hi + 1], device=lp.device).unsqueeze(1)
+            token_lp = lp.gather(1, targets)
+            ranks = (lp > token_lp).sum(dim=-1) + 1
+            tops: list[tuple[tuple[int, float], ...]] = [()] * (c.hi - c.lo)
+            if k:
+                values, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
+                tops = [tuple(zip(r_ids, r_vals, strict=True))
+                        for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
+            result.setdefault(s.seq_id, []).extend(
+                PromptLogprob(lp_, rank, top)
+                for lp_, rank, top in zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True))
         return result
 
     # --- warm-up ------------------------------------------------------------------------------------------------

@@ -8,21 +8,33 @@ the InferenceService's status.
 
 from __future__ import annotations
 
+from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout
 from npuserve.engine_contract import unservable
 from npuserve.mindie_config import MindIEConfig
+from npuserve.modelspec import ModelSpec
 
 
 class UnservableConfigError(ValueError):
     """The configuration asks for something this engine does not do; the message names each setting."""
 
 
-def refusals(config: MindIEConfig, device: str) -> list[str]:
-    """Every setting of `config` the engine would not honour, as `path: why`; `device` is the resolved backend."""
+def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -> list[str]:
+    """Every setting of `config` the engine would not honour, as `path: why`; `device` is the resolved backend,
+    `spec` the model's architecture (whether it splits over worldSize ranks)."""
     backend, model = config.BackendConfig, config.model
     out: list[str] = []
     layout = unservable(device, model.worldSize)
     if layout is not None:
         out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize / npuserve.device: {layout}")
+    if spec is not None and model.worldSize > 1:
+        try:
+            TPLayout.of(spec, 0, model.worldSize)
+        except TensorParallelLayoutError as e:
+            out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: {e}")
+    cards = backend.npuDeviceIds[0] if backend.npuDeviceIds else []
+    if device != "cpu" and len(cards) < model.worldSize:
+        out.append(f"BackendConfig.npuDeviceIds: [{', '.join(map(str, cards))}] lists {len(cards)} card(s) for "
+                   f"worldSize {model.worldSize}; list one logical card id per rank")
     if backend.multiNodesInferEnabled:
         out.append("BackendConfig.multiNodesInferEnabled: multi-node inference is not built yet")
     if backend.modelInstanceNumber != 1:
@@ -39,7 +51,7 @@ def refusals(config: MindIEConfig, device: str) -> list[str]:
     return out
 
 
-def check_servable(config: MindIEConfig, device: str) -> None:
-    problems = refusals(config, device)
+def check_servable(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -> None:
+    problems = refusals(config, device, spec)
     if problems:
         raise UnservableConfigError("the engine cannot serve this configuration:\n  " + "\n  ".join(problems))

@@ -231,6 +231,15 @@ class MindIEConfig(_MindIEModel):
         data["BackendConfig"].setdefault("ScheduleConfig", {}).update(changes)
         return type(self).from_dict(data, source="ScheduleConfig update")
 
+    def with_world_size(self, world_size: int) -> MindIEConfig:
+        """A copy with ModelConfig.worldSize set, and npuDeviceIds 0..N-1 when it lists fewer cards than that."""
+        data = self.to_dict()
+        data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["worldSize"] = world_size
+        ids = data["BackendConfig"].get("npuDeviceIds") or [[0]]
+        if len(ids[0]) < world_size:
+            data["BackendConfig"]["npuDeviceIds"] = [list(range(world_size))]
+        return type(self).from_dict(data, source="--world-size")
+
 
 class MindIEConfigError(ValueError):
     """A MindIE config.json that does not load; the message names each offending field by its path."""

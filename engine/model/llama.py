@@ -2,6 +2,11 @@
 
 QKV and gate-up are fused into one projection each (the loader fuses the HF tensors). The model sees a flat
 batch of tokens and an `AttentionMetadata`; attention goes through the backend, which owns the paged KV cache.
+
+Tensor parallel (`TPLayout`, `TensorParallel`): each rank builds only its slice: its query and KV heads in
+`qkv_proj`, its intermediate rows in `gate_up_proj` (column-parallel), the matching input columns of `o_proj` and
+`down_proj` (row-parallel, one all-reduce after each), its vocabulary rows of the embedding (masked, all-reduced)
+and of the LM head (logits gathered to rank 0). With one rank every collective is the identity.
 """
 
 from __future__ import annotations
@@ -13,18 +18,21 @@ from torch import nn
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
+from npuserve.engine.parallel.layout import TPLayout
 from npuserve.modelspec import ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads = spec.num_attention_heads
-        self.num_kv_heads = spec.num_key_value_heads
+        self.num_heads = layout.heads
+        self.num_kv_heads = layout.kv_heads
         self.head_dim = spec.head_dim
-        self.q_size, self.kv_size = spec.q_size, spec.kv_size
+        self.q_size, self.kv_size = layout.q_size, layout.kv_size
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.tp = tp
         self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.rotary = rotary
@@ -44,28 +52,45 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         assert self.backend is not None and self.kv_cache is not None, "the runner binds the KV cache first"
         out = self.backend.attention(q, k, v, self.kv_cache, meta)
-        result: torch.Tensor = self.o_proj(out.reshape(tokens, self.q_size))
-        return result
+        return self.tp.all_reduce(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * layout.intermediate, bias=False)
+        self.down_proj = nn.Linear(layout.intermediate, spec.hidden_size, bias=False)
+        self.act_fn = silu_and_mul  # a backend may swap in its fused SwiGLU (`Backend.prepare_model`)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out_: torch.Tensor = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-        return out_
+        return self.tp.all_reduce(self.down_proj(self.act_fn(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding; ids of other ranks' rows give zeros, and the all-reduce sums the ranks."""
+
+    def __init__(self, layout: TPLayout, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(layout.vocab_rows, hidden_size))
+        self.layout, self.tp = layout, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return nn.functional.embedding(input_ids, self.weight)
+        local = input_ids - self.layout.vocab_start
+        inside = (local >= 0) & (local < self.layout.vocab_real_rows)
+        out = nn.functional.embedding(torch.where(inside, local, 0), self.weight)
+        return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, rotary)
+        self.self_attn = Attention(spec, rotary, layout, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, layout, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -74,12 +99,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(layout, spec.hidden_size, tp)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList([DecoderLayer(spec, rotary) for _ in range(spec.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(spec, rotary, layout, tp) for _ in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -93,11 +118,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout | None = None, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.layout = layout or TPLayout.of(spec)
+        self.tp = tp
+        self.model = LlamaModel(spec, self.layout, tp)
+        self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_rows, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -106,7 +133,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)  # type: ignore[no-any-return]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)  # type: ignore[no-any-return]
+        """The whole vocabulary's logits on rank 0; the other ranks take part in the gather and get their own
+        slice back (which they do not use)."""
+        local: torch.Tensor = self.lm_head(hidden)
+        whole = self.tp.gather_logits(local, self.layout)
+        return local if whole is None else whole
 
     def attention_layers(self) -> list[Attention]:
         return [cast(Attention, layer.self_attn) for layer in self.model.layers]

@@ -2,7 +2,10 @@
 `model.safetensors.index.json`), or random (`loadFormat: dummy`, no files read).
 
 HF tensor names are mapped onto the fused parameters: `q_proj`, `k_proj`, `v_proj` into `qkv_proj` and
-`gate_proj`, `up_proj` into `gate_up_proj`, each at its offset along the output dimension.
+`gate_proj`, `up_proj` into `gate_up_proj`, each at its offset along the output dimension. Under tensor parallel
+each rank reads only its slice of each tensor (`TPLayout.hf_slice`, through safetensors' lazy slices), so no rank
+holds the whole model in memory; random weights are drawn whole, in the same order as with one rank, and sliced
+the same way, so a model split over ranks is the same model.
 """
 
 from __future__ import annotations
@@ -10,11 +13,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
+from npuserve.engine.parallel.layout import TPLayout
 from npuserve.engine_contract import DTYPE_BYTES
 from npuserve.modelspec import ModelSpec
 
@@ -26,10 +32,11 @@ class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model (missing, unexpected or misshapen tensors)."""
 
 
-def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """An uninitialised model on `device` (parameters allocated, not filled)."""
+def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, layout: TPLayout | None = None,
+                tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
+    """An uninitialised model (this rank's slice of it) on `device` (parameters allocated, not filled)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = LlamaForCausalLM(spec, layout, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -39,16 +46,32 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> Ll
     return model
 
 
-def _shard_offsets(spec: ModelSpec) -> dict[str, tuple[str, int]]:
-    """HF projection name -> (fused parameter name, row offset)."""
-    q, kv, inter = spec.q_size, spec.kv_size, spec.intermediate_size
-    return {
-        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-        "self_attn.k_proj": ("self_attn.qkv_proj", q),
-        "self_attn.v_proj": ("self_attn.qkv_proj", q + kv),
-        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-        "mlp.up_proj": ("mlp.gate_up_proj", inter),
-    }
+# HF projection -> (fused parameter, which piece of it: 0 = q / gate, 1 = k / up, 2 = v)
+_FUSED_PIECES: dict[str, tuple[str, int]] = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
+def _piece_offset(layout: TPLayout, fused: str, piece: int) -> int:
+    """Row offset of a piece inside this rank's fused parameter."""
+    if ".qkv_proj." in fused:
+        return (0, layout.q_size, layout.q_size + layout.kv_size)[piece]
+    return piece * layout.intermediate
+
+
+def _take(layout: TPLayout, name: str, tensor: Any) -> torch.Tensor:
+    """This rank's slice of an HF tensor (`tensor`: a torch tensor or a safetensors lazy slice)."""
+    cut = layout.hf_slice(name) if layout.world_size > 1 else None
+    if cut is None:
+        whole: torch.Tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+        return whole
+    dim, start, length = cut
+    part: torch.Tensor = tensor[start : start + length] if dim == 0 else tensor[:, start : start + length]
+    return part
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -65,66 +88,105 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iterate_hf_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_hf_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) of every tensor in the folder's safetensors files; reading happens when it is sliced."""
     from safetensors import safe_open
 
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
-def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
-    spec = model.spec
-    params = dict(model.named_parameters(remove_duplicate=False))
-    fused = _shard_offsets(spec)
-    filled: set[str] = set()
-    fused_rows: dict[str, int] = {}
-    for name, tensor in iterate_hf_tensors(Path(folder)):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name == "lm_head.weight" and spec.tie_word_embeddings:
-            continue
-        target, offset = name, None
-        for hf, (ours, row) in fused.items():
-            if f".{hf}." in name:
-                target, offset = name.replace(hf, ours), row
-                break
-        param = params.get(target)
-        if param is None:
-            raise WeightLoadError(f"unexpected tensor {name} in the checkpoint")
-        with torch.no_grad():
-            if offset is None:
-                if tuple(param.shape) != tuple(tensor.shape):
-                    raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)}, model wants {tuple(param.shape)}")
-                param.copy_(tensor)
-                filled.add(target)
-            else:
-                rows = tensor.shape[0]
-                if offset + rows > param.shape[0] or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
-                    raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {target}")
-                param[offset : offset + rows].copy_(tensor)
-                fused_rows[target] = fused_rows.get(target, 0) + rows
+def _load_tensor(params: dict[str, nn.Parameter], layout: TPLayout, name: str, tensor: torch.Tensor,
+                 filled: set[str], fused_rows: dict[str, int]) -> None:
+    """Copies one HF tensor (already this rank's slice) into its parameter, or its piece of a fused one."""
+    target, piece = name, None
+    for hf, (ours, index) in _FUSED_PIECES.items():
+        if f".{hf}." in name:
+            target, piece = name.replace(hf, ours), index
+            break
+    param = params.get(target)
+    if param is None:
+        raise WeightLoadError(f"unexpected tensor {name} in the checkpoint")
+    with torch.no_grad():
+        if piece is None:
+            if name in ("model.embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < param.shape[0]:
+                param[tensor.shape[0]:].zero_()  # the last rank's padding rows of the vocabulary
+                param = param[: tensor.shape[0]]  # type: ignore[assignment]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)}, model wants {tuple(param.shape)}")
+            param.copy_(tensor)
+            filled.add(target)
+            return
+        offset, rows = _piece_offset(layout, target, piece), tensor.shape[0]
+        if offset + rows > param.shape[0] or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+            raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {target}")
+        param[offset : offset + rows].copy_(tensor)
+        fused_rows[target] = fused_rows.get(target, 0) + rows
+
+
+def _check_filled(model: LlamaForCausalLM, params: dict[str, nn.Parameter], filled: set[str],
+                  fused_rows: dict[str, int]) -> None:
     for target, rows in fused_rows.items():
         if rows == params[target].shape[0]:
             filled.add(target)
-    if spec.tie_word_embeddings:
+    if model.spec.tie_word_embeddings:
         filled.add("lm_head.weight")
     missing = sorted(set(params) - filled)
     if missing:
         raise WeightLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:8])}")
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights with no files (`loadFormat: dummy`): normal(0, std), norm scales near 1."""
+def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
+    spec, layout = model.spec, model.layout
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    fused_rows: dict[str, int] = {}
+    for name, lazy in iterate_hf_tensors(Path(folder)):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and spec.tie_word_embeddings:
+            continue
+        _load_tensor(params, layout, name, _take(layout, name, lazy), filled, fused_rows)
+    _check_filled(model, params, filled, fused_rows)
+
+
+def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    return torch.randn(shape, generator=gen) * std
+
+
+def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights with no files (`loadFormat: dummy`): normal(0, std), norm scales near 1. The whole model's
+    values are drawn in one order whatever the ranks; each rank keeps its slice (a fused parameter's pieces are
+    sliced as the HF tensors they stand for)."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
-            else:
-                values = torch.randn(param.shape, generator=gen) * std
-            param.copy_(values)
+    layout = model.layout
+    if layout.world_size == 1:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(_dummy_value(name, tuple(param.shape), gen, std))
+        return
+    with torch.device("meta"):
+        whole = LlamaForCausalLM(model.spec)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    fused_rows: dict[str, int] = {}
+    spec = model.spec
+    for name, meta in whole.named_parameters():
+        value = _dummy_value(name, tuple(meta.shape), gen, std)
+        pieces: list[tuple[str, torch.Tensor]] = [(name, value)]
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            q, k, v = torch.split(value, [spec.q_size, spec.kv_size, spec.kv_size])
+            pieces = [(name.replace("qkv_proj", p), t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = torch.split(value, [spec.intermediate_size, spec.intermediate_size])
+            pieces = [(name.replace("gate_up_proj", "gate_proj"), gate), (name.replace("gate_up_proj", "up_proj"), up)]
+        for hf_name, tensor in pieces:
+            _load_tensor(params, layout, hf_name, _take(layout, hf_name, tensor), filled, fused_rows)
+    _check_filled(model, params, filled, fused_rows)
 
 
 def load_model(
@@ -134,8 +196,10 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    layout: TPLayout | None = None,
+    tp: TensorParallel = SINGLE_RANK,
 ) -> LlamaForCausalLM:
-    model = build_model(spec, dtype, device)
+    model = build_model(spec, dtype, device, layout, tp)
     if load_format == "dummy" or folder is None:
         init_dummy_weights(model, seed=seed)
     else:

@@ -36,6 +36,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"port (default: the config's ServerConfig.port, else {ENGINE_PORT})")
     parser.add_argument("--served-model-name", help="the model name clients send (default: modelName)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], help="overrides npuserve.device")
+    parser.add_argument("--world-size", type=int, help="overrides ModelConfig.worldSize: tensor-parallel ranks, one "
+                        "process and one card each (npuDeviceIds 0..N-1 unless the config lists them)")
     parser.add_argument("--max-waiting-requests", type=int, help="waiting-queue bound before 429 "
                         "(overrides npuserve.maxWaitingRequests)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
@@ -67,7 +69,17 @@ def _config(args: argparse.Namespace) -> Any:
     if args.max_waiting_requests:
         ext["maxWaitingRequests"] = args.max_waiting_requests
     data["npuserve"] = ext
-    return MindIEConfig.from_dict(data, source=args.config or "arguments")
+    config = MindIEConfig.from_dict(data, source=args.config or "arguments")
+    return config.with_world_size(args.world_size) if args.world_size else config
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """The ranks, read without importing torch (the CPU binding comes first)."""
+    from npuserve.mindie_config import MindIEConfig
+
+    if args.world_size:
+        return int(args.world_size)
+    return MindIEConfig.load(args.config).model.worldSize if args.config else 1
 
 
 def _address(args: argparse.Namespace, config: Any) -> tuple[str, int]:
@@ -85,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from npuserve.mindie_config import EngineEnvironment, MindIEConfigError
 
     try:
-        apply_cpu_binding()  # before torch is imported
+        apply_cpu_binding(rank=0, world_size=_world_size(args))  # before torch is imported
         environment = EngineEnvironment.from_environ()
         config = _config(args)
         host, port = _address(args, config)
@@ -124,5 +136,8 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it caught once it has shut down; with a Python handler in place that re-raise
     # is a no-op, so a drained SIGTERM ends with exit status 0 (what Kubernetes records as a clean stop).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.close()  # the other tensor-parallel ranks, once the step loop has stopped
     return 0

@@ -1,0 +1,49 @@
+"""The collectives a tensor-parallel model makes: one all-reduce after each row-parallel projection (and the
+vocab-parallel embedding), and the logits gather to rank 0, the only rank that samples.
+
+`SINGLE_RANK` is the world of one: every call is the identity, so the model's code has no `if world_size > 1`.
+The step messages (engine/parallel/step_message.py) go over a separate gloo group on the host (`control`): the
+device group (nccl, hccl) carries only tensors the model computes, and an idle server does not hold a device
+collective open between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from npuserve.engine.parallel.layout import TPLayout
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    rank: int = 0
+    world_size: int = 1
+    device_group: Any = None  # dist.ProcessGroup of the all-reduces (None: the default group)
+    control: Any = None  # the gloo group the step messages travel on
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x, group=self.device_group)
+        return x
+
+    def gather_logits(self, local: torch.Tensor, layout: TPLayout) -> torch.Tensor | None:
+        """Each rank's `(rows, vocab_rows)` logits -> the whole `(rows, vocab_size)` on rank 0; None elsewhere."""
+        if self.world_size == 1:
+            return local[:, : layout.vocab_size]
+        local = local.contiguous()
+        pieces = [torch.empty_like(local) for _ in range(self.world_size)] if self.is_first else None
+        dist.gather(local, pieces, dst=0, group=self.device_group)
+        if pieces is None:
+            return None
+        return torch.cat(pieces, dim=-1)[:, : layout.vocab_size]
+
+
+SINGLE_RANK = TensorParallel()

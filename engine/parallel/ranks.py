@@ -1,0 +1,167 @@
+"""The ranks' processes: rank 0 (the process that serves) starts one process per other rank, and all of them join
+one torch.distributed world: the device's backend (gloo, nccl, hccl) for the model's collectives, and a gloo group
+on the host for the step messages.
+
+A rank that dies takes the engine down: rank 0 watches its workers and exits with a log line naming the rank, so
+Kubernetes restarts the pod (a collective would otherwise wait for it forever); a worker whose rank 0 is gone exits
+too. The collectives' own timeout is long on purpose: an idle server waits between steps as long as it likes, and
+liveness is the watchers' job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+_JOIN_SECONDS = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """What a worker needs to build its rank (pickled once, at its start)."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    config: dict[str, Any]  # the MindIE config, as rank 0 resolved it
+    model_dir: str
+    seed: int
+    num_threads: int
+    log_level: int
+    env: Any  # rank 0's EngineEnvironment
+    num_kv_blocks: int | None = None
+    num_host_blocks: int | None = None
+
+
+def connect(rank: int, world_size: int, init_method: str, dist_backend: str) -> Any:
+    """Joins the world; returns the `TensorParallel` of this rank."""
+    import torch.distributed as dist
+
+    from npuserve.engine.parallel.comm import TensorParallel
+
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank=rank, world_size=world_size, device_group=None, control=control)
+
+
+def _exit_process(message: str) -> None:
+    log.critical(message)
+    logging.shutdown()
+    os._exit(1)
+
+
+@dataclass
+class WorkerRanks:
+    """Rank 0's handle on ranks 1..n-1: starts them, watches them, stops them.
+
+    Each worker is a fresh interpreter (`python -P -c ...`, not multiprocessing's spawn, which would re-import the
+    caller's main module) that reads its `WorkerArgs` from its stdin; rank 0 keeps that pipe open, so its end
+    (rank 0 gone, however it went) is what tells the worker to exit."""
+
+    world_size: int
+    init_method: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
+    on_death: Callable[[str], None] = _exit_process
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _closing: bool = False
+
+    def start(self, make_args: Callable[[int], WorkerArgs]) -> None:
+        for rank in range(1, self.world_size):
+            proc = subprocess.Popen([sys.executable, "-P", "-c", _WORKER_ENTRY], stdin=subprocess.PIPE)
+            assert proc.stdin is not None
+            proc.stdin.write(pickle.dumps(make_args(rank)))
+            proc.stdin.flush()
+            self.processes.append(proc)
+            threading.Thread(target=self._watch, args=(rank, proc), name=f"npuserve-rank{rank}-watch",
+                             daemon=True).start()
+
+    def _watch(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        code = proc.wait()
+        if not self._closing:
+            self.on_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
+                          f"cannot go on without it and exits (its own log, above, says why)")
+
+    def close(self) -> None:
+        """After rank 0 sent STOP: waits for the workers, then ends any that did not stop."""
+        self._closing = True
+        for proc in self.processes:
+            try:
+                proc.wait(_JOIN_SECONDS)
+            except subprocess.TimeoutExpired:
+                log.warning("tensor-parallel rank process %d did not stop; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+
+_WORKER_ENTRY = "from npuserve.engine.parallel.ranks import worker_entry; worker_entry()"
+
+
+def worker_entry() -> None:
+    """A worker process's start: its arguments from stdin, then a thread that exits when stdin ends."""
+    stdin = sys.stdin.buffer
+    args: WorkerArgs = pickle.load(stdin)
+
+    def watch_parent() -> None:
+        while stdin.read(1 << 16):
+            pass
+        _exit_process(f"rank 0 is gone (pid {os.getppid()} now); rank {args.rank} exits")
+
+    threading.Thread(target=watch_parent, name="npuserve-parent-watch", daemon=True).start()
+    worker_main(args)
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """A rank other than 0: binds its CPUs (before torch starts its threads), builds its slice of the model and its
+    KV cache, then follows rank 0's steps."""
+    from npuserve.engine.affinity import apply_cpu_binding
+
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: "
+                        "%(message)s", stream=sys.stderr)
+    code = 0
+    try:
+        apply_cpu_binding(rank=args.rank, world_size=args.world_size)
+        _follow(args)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", args.rank)
+        code = 1
+    logging.shutdown()
+    os._exit(code)  # not a normal exit: the stdin watcher thread is blocked in a read
+
+
+def _follow(args: WorkerArgs) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from npuserve.engine.parallel.step_message import Op
+    from npuserve.engine.rank_runner import build_rank_runner
+    from npuserve.mindie_config import MindIEConfig
+
+    torch.set_num_threads(args.num_threads)
+    config = MindIEConfig.from_dict(args.config, source="rank 0")
+    built = build_rank_runner(config, args.model_dir, seed=args.seed, rank=args.rank,
+                              init_method=args.init_method, env=args.env, num_kv_blocks=args.num_kv_blocks,
+                              num_host_blocks=args.num_host_blocks)
+    assert built.channel is not None
+    while (msg := built.channel.receive()).op is not Op.STOP:
+        built.runner.follow(msg)
+    dist.destroy_process_group()

@@ -1,0 +1,116 @@
+"""One rank's model runner, built the same way on rank 0 and on the others: the backend on the rank's card, the
+distributed world (when there are several ranks), the rank's slice of the weights, the KV plan every rank agrees
+on, the runner.
+
+KV sizing with `npuMemSize` -1 on a device (MindIE's behaviour): after the weights are loaded, a warm-up prefill
+of `maxPrefillTokens` tokens (over a few scratch blocks) leaves its activations in the allocator's cache; the free
+memory measured then, times NPU_MEMORY_FRACTION, is the KV budget. Every rank plans its own and all take the
+smallest, so the scheduler's blocks exist on every card.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from npuserve.engine.backends import Backend, get_backend
+from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.model.loader import TORCH_DTYPES, load_model
+from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
+from npuserve.engine.parallel.layout import TPLayout
+from npuserve.engine.parallel.ranks import connect
+from npuserve.engine.parallel.step_message import StepChannel
+from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
+from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions
+from npuserve.modelspec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class BuiltRank:
+    spec: ModelSpec
+    backend: Backend
+    dtype: torch.dtype
+    model: LlamaForCausalLM
+    kv_plan: KVPlan
+    runner: ModelRunner
+    tp: TensorParallel
+    channel: StepChannel | None  # several ranks: rank 0 sends on it, the others receive
+    load_seconds: float
+
+
+def _profile_free_memory(model: LlamaForCausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> None:
+    """A prefill of the largest step the scheduler may run, over scratch blocks, so that the free memory measured
+    next leaves room for its activations."""
+    schedule = config.schedule
+    tokens = max(1, min(schedule.maxPrefillTokens, config.BackendConfig.ModelDeployConfig.maxSeqLen - 1,
+                        model.spec.max_position_embeddings - 1))
+    blocks = math.ceil((tokens + 2) / schedule.cacheBlockSize)
+    scratch = KVPlan(blocks, 0, schedule.cacheBlockSize, 0, "warm-up scratch")
+    ModelRunner(model, backend, scratch, dtype).warmup(tokens)
+    backend.synchronize()
+
+
+def _agree(plan: KVPlan, tp: TensorParallel) -> KVPlan:
+    """Every rank takes the smallest rank's block counts."""
+    if tp.world_size == 1:
+        return plan
+    import torch.distributed as dist
+
+    counts = torch.tensor([plan.num_blocks, plan.num_host_blocks], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp.control)
+    blocks, host = (int(c) for c in counts.tolist())
+    if (blocks, host) == (plan.num_blocks, plan.num_host_blocks):
+        return plan
+    return dataclasses.replace(plan, num_blocks=blocks, num_host_blocks=host,
+                               source=f"{plan.source}; the smallest of the {tp.world_size} ranks")
+
+
+def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int, rank: int = 0,
+                      init_method: str | None = None, env: EngineEnvironment | None = None,
+                      num_kv_blocks: int | None = None, num_host_blocks: int | None = None) -> BuiltRank:
+    env = env or EngineEnvironment.from_environ()
+    ext = config.npuserve or NpuserveExtensions()
+    folder = Path(model_dir)
+    spec = ModelSpec.from_pretrained(folder)
+    world_size = config.model.worldSize
+    layout = TPLayout.of(spec, rank, world_size)  # before anything is loaded: a model that does not split fails fast
+    ids = config.BackendConfig.npuDeviceIds[0] if config.BackendConfig.npuDeviceIds else None
+    backend = get_backend(ext.device, rank, ids)
+    tp, channel = SINGLE_RANK, None
+    if world_size > 1:
+        if init_method is None:
+            raise ValueError(f"worldSize {world_size} needs the ranks' rendezvous address")
+        tp = connect(rank, world_size, init_method, backend.dist_backend)
+        channel = StepChannel(tp.control, backend.device)
+    dtype = TORCH_DTYPES[spec.dtype if ext.dtype == "auto" else ext.dtype]
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    load_format = "dummy" if ext.loadFormat == "dummy" else "safetensors"
+    model = load_model(spec, folder, dtype, backend.device, load_format, seed=seed, layout=layout, tp=tp)
+    backend.prepare_model(model)
+    load_seconds = time.perf_counter() - t0
+    schedule = config.schedule
+    if config.model.npuMemSize <= 0 and backend.name != "cpu" and num_kv_blocks is None:
+        _profile_free_memory(model, backend, dtype, config)
+    plan = plan_kv_blocks(
+        spec, backend, block_size=schedule.cacheBlockSize, dtype=dtype, npu_mem_size_gib=config.model.npuMemSize,
+        cpu_mem_size_gib=config.model.cpuMemSize, max_batch_size=schedule.maxBatchSize,
+        max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen, memory_fraction=env.npu_memory_fraction,
+        world_size=world_size,
+    )
+    if num_kv_blocks is not None or num_host_blocks is not None:  # tests and benchmarks pin the pool sizes
+        plan = dataclasses.replace(
+            plan, num_blocks=plan.num_blocks if num_kv_blocks is None else num_kv_blocks,
+            num_host_blocks=plan.num_host_blocks if num_host_blocks is None else num_host_blocks,
+            source="set by the caller")
+    plan = _agree(plan, tp)
+    runner = ModelRunner(model, backend, plan, dtype, ext.logprobsMode, channel=channel if rank == 0 else None)
+    return BuiltRank(spec, backend, dtype, model, plan, runner, tp, channel, load_seconds)

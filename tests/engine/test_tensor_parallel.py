@@ -1,0 +1,310 @@
+"""Tensor parallel on the CPU (gloo): worldSize 2 generates exactly the tokens worldSize 1 does, greedy, for the
+dummy llama, qwen2, qwen3 and mistral models, in the engine, through `npuserve generate` and through
+`npuserve serve`; each rank holds and reads only its slice; a rank that dies takes the server down.
+
+The models are the correctness suite's (float32, init_std 0.3, so argmax is not fragile: the ranks sum partial
+products in another order than one rank does, and near-ties would flip).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from npuserve.engine.batch import build_prefill  # noqa: E402
+from npuserve.engine.engine import LLMEngine, make_config  # noqa: E402
+from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
+from npuserve.engine.model.loader import build_model, init_dummy_weights, load_hf_weights  # noqa: E402
+from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout  # noqa: E402
+from npuserve.engine.parallel.step_message import Op, StepMessage, decode, encode  # noqa: E402
+from npuserve.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_correctness import ARCHS, prompts, small_spec  # noqa: E402
+
+CPU = torch.device("cpu")
+NPUSERVE = str(Path(sys.executable).parent / "npuserve")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dummy_model(small_spec(request.param), tmp_path_factory.mktemp(request.param), seed=3, init_std=0.3)
+
+
+# --- the layout: which slice each rank holds -------------------------------------------------------------------
+
+
+def test_the_layout_splits_heads_rows_and_vocabulary() -> None:
+    spec = small_spec("llama")  # 4 heads, 2 KV heads, head_dim 16, intermediate 128, vocab 512
+    r1 = TPLayout.of(spec, 1, 2)
+    assert (r1.heads, r1.first_head, r1.kv_heads, r1.first_kv_head) == (2, 2, 1, 1)
+    assert (r1.intermediate, r1.vocab_rows, r1.vocab_start, r1.vocab_real_rows) == (64, 256, 256, 256)
+    assert r1.hf_slice("model.layers.0.self_attn.q_proj.weight") == (0, 32, 32)
+    assert r1.hf_slice("model.layers.0.self_attn.v_proj.bias") == (0, 16, 16)
+    assert r1.hf_slice("model.layers.0.self_attn.o_proj.weight") == (1, 32, 32)
+    assert r1.hf_slice("model.layers.0.mlp.down_proj.weight") == (1, 64, 64)
+    assert r1.hf_slice("model.layers.0.input_layernorm.weight") is None
+
+
+def test_kv_heads_are_replicated_when_fewer_than_the_ranks() -> None:
+    spec = small_spec("llama")  # 2 KV heads over 4 ranks: ranks 0, 1 use head 0; ranks 2, 3 head 1
+    layouts = [TPLayout.of(spec, r, 4) for r in range(4)]
+    assert [(x.kv_heads, x.first_kv_head) for x in layouts] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert spec.kv_bytes_per_block(4, world_size=4) == spec.kv_bytes_per_block(4, world_size=2)
+
+
+def test_the_vocabulary_pads_to_equal_rows_per_rank() -> None:
+    spec = small_spec("llama").model_copy(update={"vocab_size": 510})
+    last = TPLayout.of(spec, 3, 4)
+    assert (last.vocab_rows, last.vocab_start, last.vocab_real_rows) == (128, 384, 126)
+
+
+def test_a_model_that_does_not_split_is_refused_naming_the_dimension() -> None:
+    with pytest.raises(TensorParallelLayoutError, match="num_attention_heads 4"):
+        TPLayout.of(small_spec("llama"), 0, 3)
+    with pytest.raises(TensorParallelLayoutError, match="num_key_value_heads 2"):
+        TPLayout.of(small_spec("llama").model_copy(update={"num_attention_heads": 6}), 0, 3)
+
+
+# --- each rank reads only its slice ----------------------------------------------------------------------------
+
+
+def _slice(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    if cut is None:
+        return t
+    dim, start, length = cut
+    return t.narrow(dim, start, length)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_loads_its_slice_of_the_checkpoint(model_dir: Path, rank: int) -> None:
+    spec = ModelSpec.from_pretrained(model_dir)
+    whole = build_model(spec, torch.float32, CPU)
+    load_hf_weights(whole, model_dir)
+    layout = TPLayout.of(spec, rank, 2)
+    part = build_model(spec, torch.float32, CPU, layout)
+    load_hf_weights(part, model_dir)
+    w, p = dict(whole.named_parameters()), dict(part.named_parameters())
+    attn = "model.layers.1.self_attn."
+    q, k, v = w[attn + "qkv_proj.weight"].split([spec.q_size, spec.kv_size, spec.kv_size])
+    expected_qkv = torch.cat([_slice(q, layout.hf_slice(attn + "q_proj.weight")),
+                              _slice(k, layout.hf_slice(attn + "k_proj.weight")),
+                              _slice(v, layout.hf_slice(attn + "v_proj.weight"))])
+    assert torch.equal(p[attn + "qkv_proj.weight"], expected_qkv)
+    assert p[attn + "qkv_proj.weight"].shape[0] == layout.q_size + 2 * layout.kv_size  # a slice, not the whole
+    assert torch.equal(p[attn + "o_proj.weight"], _slice(w[attn + "o_proj.weight"], (1, rank * 32, 32)))
+    assert torch.equal(p["model.embed_tokens.weight"], w["model.embed_tokens.weight"][rank * 256:(rank + 1) * 256])
+    assert torch.equal(p["model.norm.weight"], w["model.norm.weight"])
+
+
+def test_random_weights_split_over_ranks_are_the_whole_models_slices() -> None:
+    spec = small_spec("qwen2")  # qkv bias: the fused bias is sliced too
+    whole = build_model(spec, torch.float32, CPU)
+    init_dummy_weights(whole, seed=5)
+    part = build_model(spec, torch.float32, CPU, TPLayout.of(spec, 1, 2))
+    init_dummy_weights(part, seed=5)
+    w, p = dict(whole.named_parameters()), dict(part.named_parameters())
+    bias = w["model.layers.0.self_attn.qkv_proj.bias"]
+    assert torch.equal(p["model.layers.0.self_attn.qkv_proj.bias"],
+                       torch.cat([bias[32:64], bias[64 + 16:64 + 32], bias[96 + 16:96 + 32]]))
+    assert torch.equal(p["model.layers.0.mlp.gate_up_proj.weight"],
+                       torch.cat([w["model.layers.0.mlp.gate_up_proj.weight"][64:128],
+                                  w["model.layers.0.mlp.gate_up_proj.weight"][192:256]]))
+
+
+# --- the step message --------------------------------------------------------------------------------------------
+
+
+def test_a_mixed_step_travels_as_tensors_and_comes_back_whole() -> None:
+    decoding = Sequence([5, 6, 7, 8, 9], SamplingParams(), arrival_time=0.0)
+    decoding.block_table, decoding.num_cached_tokens = [3, 1], 4
+    chunked = Sequence(list(range(10, 21)), SamplingParams(), arrival_time=0.0)
+    chunked.block_table = [0, 2, 4]
+    batch = build_prefill([decoding, chunked], 4, CPU, num_new_tokens=[1, 6])
+    assert batch.meta.decode_part is not None  # a mixed step: the decode has its own layout
+    msg = decode(Op.FORWARD, encode(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(1, 4)])), CPU)
+    got = msg.batch
+    assert got is not None and msg.logit_rows == [(1, 4)]
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(got, name), getattr(batch, name))
+    for mine, sent in ((got.meta, batch.meta), (got.meta.decode_part, batch.meta.decode_part),
+                       (got.meta.prefill_part, batch.meta.prefill_part)):
+        assert mine is not None and sent is not None
+        for field in ("slot_mapping", "block_tables", "context_lens", "query_lens"):
+            assert torch.equal(getattr(mine, field), getattr(sent, field)), field
+        assert (mine.is_prefill, mine.query_start, mine.max_query_len, mine.max_context_len) == \
+            (sent.is_prefill, sent.query_start, sent.max_query_len, sent.max_context_len)
+    swap = decode(Op.SWAP, encode(StepMessage(Op.SWAP, pairs=[(1, 2), (3, 4)], pairs_in=[(5, 6)])), CPU)
+    assert (swap.pairs, swap.pairs_in) == ([(1, 2), (3, 4)], [(5, 6)])
+
+
+# --- worldSize 2 generates what worldSize 1 does -------------------------------------------------------------------
+
+
+def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **extra: object) -> LLMEngine:
+    schedule: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
+                                       maxIterTimes=128)
+    extensions = extra.pop("extensions", None)
+    schedule.update(extra)
+    config = make_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
+                         extensions=extensions, **schedule)  # type: ignore[arg-type]
+    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=0.99), num_kv_blocks=kv_blocks)
+
+
+def _workload(engine: LLMEngine) -> list[object]:
+    """A continuous batch with a forked request (n=2) and one asking for prompt logprobs, then prefix-cache hits."""
+    batch = prompts()
+    params = [GREEDY] * len(batch)
+    params[1] = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
+    params[4] = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+    first = engine.generate_all(batch, params)
+    shared = prompts(seed=7)[4][:13]
+    sharing = prompts(seed=2, prefix=shared)
+    second = engine.generate(sharing[:2], GREEDY)
+    hits_before = engine.kv.prefix_hits
+    second += engine.generate(sharing[2:], GREEDY)
+    assert engine.kv.prefix_hits > hits_before
+    tokens = [[o.token_ids for o in outs] for outs in first] + [o.token_ids for o in second]
+    logprobs = [(lp.rank, round(lp.logprob, 3)) for lp in first[4][0].prompt_logprobs or []]
+    assert len(logprobs) == len(batch[4]) - 1
+    return [tokens, logprobs]
+
+
+def _squeezed(engine: LLMEngine) -> list[list[int]]:
+    """Chunked prefill over a pool too small for the batch: preemptions by swap, mixed steps."""
+    outs = engine.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    assert engine.scheduler.num_preemptions_total > 0 and engine.runner._host_kv_caches is not None
+    return [o.token_ids for o in outs]
+
+
+def test_world_size_2_generates_what_world_size_1_does(model_dir: Path) -> None:
+    results: dict[int, list[object]] = {1: [], 2: []}
+    for world_size in (1, 2):
+        engine = _engine(model_dir, world_size)
+        try:
+            results[world_size].append(_workload(engine))
+            info = engine.info()
+            assert info.worldSize == world_size
+            assert info.kv_bytes_per_block == engine.spec.kv_bytes_per_block(4, world_size=world_size)
+        finally:
+            engine.close()
+        squeezed = _engine(model_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
+                           extensions={"chunkedPrefill": True})
+        try:
+            results[world_size].append(_squeezed(squeezed))
+        finally:
+            squeezed.close()
+    assert results[2] == results[1]
+
+
+def test_one_process_holds_one_tensor_parallel_engine_at_a_time(model_dir: Path) -> None:
+    engine = _engine(model_dir, 2)
+    try:
+        with pytest.raises(RuntimeError, match="one tensor-parallel engine at a time"):
+            _engine(model_dir, 2)
+    finally:
+        engine.close()
+
+
+# --- through the commands ------------------------------------------------------------------------------------------
+
+
+TEXTS = ["the quick brown fox", "a", "tensor parallel over two ranks of one pod", "hello world, again"]
+
+
+def _in_process(model_dir: Path, texts: list[str]) -> list[tuple[list[int], str]]:
+    """worldSize 1's greedy tokens and text for each prompt."""
+    engine = LLMEngine(make_config(model_dir, max_seq_len=128), env=EngineEnvironment())
+    outs = engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    return [(o.token_ids, o.text) for o in outs]
+
+
+def test_npuserve_generate_with_world_size_2(model_dir: Path, tmp_path: Path) -> None:
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
+    run = subprocess.run([NPUSERVE, "generate", "--model", str(model_dir), "--prompts-file", str(prompts_file),
+                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    ready = json.loads(run.stderr.splitlines()[-1]) if run.stderr.strip().startswith("{") else None
+    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(model_dir, TEXTS)]
+    if ready is not None:
+        assert ready.get("worldSize") == 2
+
+
+def _wait_ready(proc: subprocess.Popen[str], port: int) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(c) for c in path.read_text().split()]
+
+
+def test_npuserve_serve_with_world_size_2(model_dir: Path) -> None:
+    from openai import OpenAI
+
+    from npuserve.engine.parallel.ranks import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
+                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _wait_ready(proc, port)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        served = []
+        for text in TEXTS:
+            out = client.completions.create(model=model_dir.name, prompt=text, max_tokens=12, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            served.append((out.usage.completion_tokens if out.usage else None, out.choices[0].text))
+        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
+        assert info["worldSize"] == 2
+        assert served == [(len(t), text) for t, text in _in_process(model_dir, TEXTS)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+
+
+def test_a_rank_that_dies_takes_the_server_down(tiny_model_dir: Path) -> None:
+    from npuserve.engine.parallel.ranks import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port",
+                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        _wait_ready(proc, port)
+        workers = _children(proc.pid)
+        assert len(workers) == 1
+        os.kill(workers[0], signal.SIGKILL)
+        code = proc.wait(timeout=30)  # no hang: rank 0 notices at once
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=30)
+    assert code != 0
+    assert f"tensor-parallel rank 1 (pid {workers[0]}) exited with code -9" in out
