@@ -289,17 +289,38 @@ def test_npuserve_serve_with_world_size_2(model_dir: Path) -> None:
     assert proc.returncode == 0, out
 
 
-def test_a_rank_that_dies_takes_the_server_down(tiny_model_dir: Path) -> None:
-    from npuserve.engine.parallel.ranks import free_port
+def _allowed_cpus(pid: int) -> set[int]:
+    from npuserve.engine.affinity import parse_cpulist
 
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return parse_cpulist(line.split(":", 1)[1])
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def test_each_rank_binds_to_its_numa_node_and_a_rank_that_dies_takes_the_server_down(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from npuserve.engine.parallel.ranks import free_port
+    from npuserve.engine_contract import CPU_BINDING_ENV
+
+    cpus = sorted(os.sched_getaffinity(0))
+    env = dict(os.environ)
+    if len(cpus) >= 2:  # a stand-in two-node machine: node 0 the first core, node 1 the rest
+        for node, members in ((0, cpus[:1]), (1, cpus[1:])):
+            (tmp_path / f"node{node}").mkdir()
+            (tmp_path / f"node{node}" / "cpulist").write_text(",".join(map(str, members)) + "\n")
+        env |= {CPU_BINDING_ENV: "numa", "NPUSERVE_NUMA_SYSFS_ROOT": str(tmp_path)}
     port = free_port()
     proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port",
                              str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, env=env)
     try:
         _wait_ready(proc, port)
         workers = _children(proc.pid)
         assert len(workers) == 1
+        if len(cpus) >= 2:  # rank r on node r: each rank's own cores
+            assert _allowed_cpus(proc.pid) == set(cpus[:1])
+            assert _allowed_cpus(workers[0]) == set(cpus[1:])
         os.kill(workers[0], signal.SIGKILL)
         code = proc.wait(timeout=30)  # no hang: rank 0 notices at once
     finally:
