@@ -1,0 +1,60 @@
+"""npuMemSize -1 on a device (MindIE's behaviour): the free memory is measured after the weights are loaded and a
+warm-up prefill of maxPrefillTokens tokens, and NPU_MEMORY_FRACTION of it becomes the KV blocks.
+
+No accelerator is here: `RecordingDevice` is a CPU backend under another name (so the device path of the sizing
+runs) that records what the runner did before each memory reading, and reports a fixed amount of free memory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from npuserve.engine import rank_runner  # noqa: E402
+from npuserve.engine.backends.base import AttentionMetadata, MemoryInfo  # noqa: E402
+from npuserve.engine.backends.cpu import CPUBackend  # noqa: E402
+from npuserve.engine.engine import make_config  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+
+GiB = 1024**3
+FREE = 3 * GiB
+
+
+class RecordingDevice(CPUBackend):
+    name = "recording-device"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, int]] = []
+
+    def memory_info(self) -> MemoryInfo:
+        self.events.append(("memory_info", 0))
+        return MemoryInfo(free_bytes=FREE, total_bytes=4 * FREE)
+
+    def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if not self.events or self.events[-1] != ("prefill", q.shape[0]):
+            self.events.append(("prefill", q.shape[0]))  # once per forward pass, not per layer
+        return super().prefill_attention(q, kv_cache, meta)
+
+
+@pytest.mark.parametrize(("npu_mem_size", "expect_warmup"), [(-1, True), (1, False)])
+def test_auto_sizing_measures_free_memory_after_a_warm_up_at_the_largest_prefill(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, npu_mem_size: int, expect_warmup: bool) -> None:
+    device = RecordingDevice()
+    monkeypatch.setattr(rank_runner, "get_backend", lambda *args: device)
+    config = make_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": npu_mem_size},
+                         maxPrefillTokens=300, maxBatchSize=4)
+    built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
+                                          env=EngineEnvironment(npu_memory_fraction=0.5))
+    per_block = ModelSpec.from_pretrained(tiny_model_dir).kv_bytes_per_block(config.schedule.cacheBlockSize)
+    if expect_warmup:
+        assert device.events[:2] == [("prefill", 300), ("memory_info", 0)]  # the warm-up, then the reading
+        assert built.kv_plan.num_blocks == int(FREE * 0.5) // per_block  # no CPU cap on a device
+        assert "auto: 0.50 of 3.0 GiB free" in built.kv_plan.source
+    else:
+        assert ("prefill", 300) not in device.events
+        assert built.kv_plan.num_blocks == GiB // per_block
