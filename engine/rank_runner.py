@@ -112,5 +112,7 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
             num_host_blocks=plan.num_host_blocks if num_host_blocks is None else num_host_blocks,
             source="set by the caller")
     plan = _agree(plan, tp)
-    runner = ModelRunner(model, backend, plan, dtype, ext.logprobsMode, channel=channel if rank == 0 else None)
+    runner = ModelRunner(model, backend, plan, dtype, ext.logprobsMode, channel=channel if rank == 0 else None,
+                         graph_batch_size=schedule.maxBatchSize,
+                         max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen)
     return BuiltRank(spec, backend, dtype, model, plan, runner, tp, channel, load_seconds)

@@ -27,6 +27,7 @@ import torch
 
 from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.decode_graphs import DecodeGraphs
 from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
@@ -128,7 +129,10 @@ def _prompt_logprob_chunks(seqs: Seq[Sequence], batch: FlatBatch,
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
-                 logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None) -> None:
+                 logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None,
+                 graph_batch_size: int = 0, max_seq_len: int = 0) -> None:
+        """`graph_batch_size` > 0 (with `max_seq_len`): decode graphs up to that batch when the backend has them;
+        their pad rows write into one scratch KV block past the plan's, which the KV manager never hands out."""
         self.model = model
         self.spec = model.spec
         self.backend = backend
@@ -137,9 +141,14 @@ class ModelRunner:
         self.num_host_blocks = plan.num_host_blocks
         self.num_kv_heads = model.layout.kv_heads  # this rank's
         self.channel = channel  # rank 0 of several: where each operation goes to the other ranks first
-        args = (self.spec.num_layers, plan.num_blocks, plan.block_size, self.num_kv_heads, self.spec.head_dim,
-                kv_dtype)
-        self.kv_caches = backend.allocate_kv_cache(*args)
+        graphs = graph_batch_size > 0 and backend.new_decode_graph() is not None
+        self.kv_caches = backend.allocate_kv_cache(self.spec.num_layers, plan.num_blocks + int(graphs),
+                                                   plan.block_size, self.num_kv_heads, self.spec.head_dim, kv_dtype)
+        self.decode_graphs: DecodeGraphs | None = None
+        if graphs:
+            self.decode_graphs = DecodeGraphs(model, backend, max_batch_size=graph_batch_size,
+                                              max_blocks_per_seq=math.ceil(max_seq_len / plan.block_size),
+                                              block_size=plan.block_size, scratch_block=plan.num_blocks)
         self.kv_dtype = kv_dtype
         self._host_kv_caches: list[torch.Tensor] | None = None  # allocated at the first swap-out
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
@@ -193,9 +202,21 @@ class ModelRunner:
             self.swap(msg.pairs, msg.pairs_in)
         elif msg.op is Op.COPY:
             self.copy_blocks(msg.pairs)
+        elif msg.op is Op.CAPTURE:
+            self.capture_graphs()
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions, batch.meta)  # type: ignore[no-any-return]
+        """The model's hidden states: a captured decode graph's when one holds the batch, else eagerly."""
+        hidden = self.decode_graphs.run(batch) if self.decode_graphs is not None else None
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        return hidden
+
+    def capture_graphs(self) -> None:
+        """Captures the decode graphs (every rank at once: the all-reduces are captured too)."""
+        if self.decode_graphs is not None:
+            self._tell(StepMessage(Op.CAPTURE))
+            self.decode_graphs.capture()
 
     @torch.inference_mode()
     def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
@@ -264,7 +285,8 @@ class ModelRunner:
     # --- warm-up ------------------------------------------------------------------------------------------------
 
     def warmup(self, num_tokens: int = 16) -> None:
-        """A prefill and a decode over scratch blocks before serving (the cache holds nothing yet)."""
+        """A prefill and a decode over scratch blocks before serving (the cache holds nothing yet), then the decode
+        graphs' capture."""
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size - 1))
         blocks = list(range(math.ceil((num_tokens + 1) / self.block_size)))
         seq = Sequence([1] * num_tokens, SamplingParams(temperature=0.0), arrival_time=0.0)
@@ -272,4 +294,5 @@ class ModelRunner:
         self.execute([seq], is_prefill=True)
         seq.token_ids.append(1)
         self.execute([seq], is_prefill=False)
+        self.capture_graphs()  # every bucket runs once before it is captured
         self.backend.synchronize()

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
 from npuserve.engine_contract import SERVABLE_DEVICES, unservable
 
-__all__ = ["AttentionMetadata", "Backend", "MemoryInfo", "get_backend", "resolve_device"]
+__all__ = ["AttentionMetadata", "Backend", "BackendUnavailableError", "MemoryInfo", "get_backend", "resolve_device"]
 
 DEVICES = ("auto", "cpu", "cuda", "npu")
 

@@ -44,6 +44,11 @@ class AttentionMetadata:
         return len(self.query_start) - 1
 
 
+class BackendUnavailableError(RuntimeError):
+    """The device this backend drives is not here (no torch_npu / CANN, no CUDA GPU, too few cards); the commands
+    print the message and exit 2 rather than a traceback."""
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryInfo:
     free_bytes: int
@@ -90,13 +95,17 @@ class Backend(ABC):
         return [torch.zeros(shape, dtype=dtype, device=device or self.device) for _ in range(num_layers)]
 
     def copy_blocks(self, src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-        """Copies block `s` of every layer of `src` into block `d` of `dst` (swap out: device->host; in: back)."""
+        """Copies block `s` of every layer of `src` into block `d` of `dst` (swap out: device->host; in: back).
+
+        A copy to the host is a blocking one: the host scatters the gathered blocks into place right away, and a
+        non-blocking device-to-host copy into a fresh (unpinned) tensor may not have landed by then."""
         if not pairs:
             return
         src_idx = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=src[0].device)
         dst_idx = torch.tensor([d for _, d in pairs], dtype=torch.long, device=dst[0].device)
+        to_host = dst[0].device.type == "cpu"
         for s, d in zip(src, dst, strict=True):
-            d[:, dst_idx] = s[:, src_idx].to(d.device, non_blocking=True)
+            d[:, dst_idx] = s[:, src_idx].to(d.device, non_blocking=not to_host)
 
     def synchronize(self) -> None:
         return None

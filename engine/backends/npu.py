@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo
+from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
 
@@ -104,7 +104,7 @@ def _import_torch_npu() -> Any:
     try:
         return importlib.import_module("torch_npu")
     except (ImportError, OSError) as e:  # OSError: torch_npu is installed but CANN's libraries are missing
-        raise RuntimeError(
+        raise BackendUnavailableError(
             f"the npu backend needs torch_npu and Ascend's CANN runtime, and importing torch_npu failed: {e}"
         ) from e
 
@@ -198,7 +198,8 @@ class NPUBackend(Backend):
         index = local_device_index(npu_device_ids, rank, environ)
         count = int(self._npu.device_count())
         if index >= count:
-            raise RuntimeError(f"card {index} for rank {rank} does not exist: torch_npu sees {count} card(s)")
+            raise BackendUnavailableError(
+                f"card {index} for rank {rank} does not exist: torch_npu sees {count} card(s)")
         self._npu.set_device(index)
         self.device_index = index
         super().__init__(device if device is not None else torch.device("npu", index))
