@@ -98,6 +98,7 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from npuserve.engine.backends import BackendUnavailableError
     from npuserve.engine.engine import LLMEngine, RequestError
     from npuserve.engine.sequence import SamplingParams
     from npuserve.mindie_config import MindIEConfigError
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         t_load = time.perf_counter()
         engine = LLMEngine(config, model_dir=args.model)
         load_s = time.perf_counter() - t_load
-    except (MindIEConfigError, ValueError, FileNotFoundError) as e:
+    except (MindIEConfigError, ValueError, FileNotFoundError, BackendUnavailableError) as e:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 2
     info = engine.info().model_dump(exclude_none=True)

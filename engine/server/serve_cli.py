@@ -110,13 +110,14 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
+    from npuserve.engine.backends import BackendUnavailableError
     from npuserve.engine.engine import LLMEngine
     from npuserve.engine.server.app import build_app
     from npuserve.engine.server.async_engine import AsyncEngine
 
     try:
         llm = LLMEngine(config, env=environment, seed=args.seed)
-    except UnservableConfigError as e:
+    except (UnservableConfigError, BackendUnavailableError) as e:
         print(f"npuserve serve: {e}", file=sys.stderr)
         return 2
     engine = AsyncEngine(llm)

@@ -76,7 +76,7 @@ def test_serve_binds_itself_to_the_numa_node_before_serving(tiny_model_dir: Path
     process, threads, log = _serve_and_read_affinity(tiny_model_dir, env)
     assert process == set(cpus[1:])
     assert threads == set(cpus[1:])  # torch's threads started inside the binding
-    assert f"CPU binding ({CPU_BINDING_ENV}=numa): NUMA node 1, cores {cpus[1]}" in log
+    assert f"CPU binding ({CPU_BINDING_ENV}=numa): rank 0 of 1, NUMA node 1, cores {cpus[1]}" in log
 
     # the control: the same server without the variable keeps every core it was given
     env = {k: v for k, v in env.items() if k != CPU_BINDING_ENV}
@@ -100,8 +100,9 @@ def test_serve_refuses_bad_binding_and_unsupported_environment(tiny_model_dir: P
 
 
 @pytest.mark.parametrize(("change", "named"), [
-    ({"ModelConfig": {"worldSize": 2}}, "worldSize"),
-    ({"npuserve": {"device": "npu"}}, "device 'npu'"),
+    ({"ModelConfig": {"worldSize": 3}}, "does not divide the model's num_attention_heads 4"),
+    ({"npuserve": {"device": "npu"}}, "the npu backend needs torch_npu"),
+    ({"npuserve": {"device": "cuda"}, "ModelConfig": {"worldSize": 2}}, "lists 1 card(s) for worldSize 2"),
     ({"Backend": {"multiNodesInferEnabled": True}}, "multiNodesInferEnabled"),
     ({"ModelConfig": {"trustRemoteCode": True}}, "trustRemoteCode"),
     ({"ServerConfig": {"httpsEnabled": True}}, "ServerConfig.httpsEnabled"),
@@ -119,5 +120,4 @@ def test_serve_refuses_what_it_cannot_serve_before_loading(tiny_model_dir: Path,
     config.write_text(json.dumps(data))
     proc = subprocess.run([*SERVE, "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "the engine cannot serve this configuration" in proc.stderr or "not built yet" in proc.stderr
     assert named in proc.stderr
