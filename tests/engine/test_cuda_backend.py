@@ -23,14 +23,11 @@ the compiled kernels' and FlashAttention's numerics and speed, CUDA graph captur
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
 import random
-import subprocess
 import sys
-import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,13 +44,14 @@ from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
+from tests.kernel_workers import Check, run_workers, work
+from tests.paged_inputs import random_kv_cache, shuffled_sequences
+
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 CPU = torch.device("cpu")
-RUNNING, RESULT = "RUNNING ", "RESULT "  # the worker's lines: a check's name; then {check: "ok" or its traceback}
-
-Check = Callable[[], None]
 CHECKS: dict[str, Check] = {}  # run by the interpreter worker
 COMPILED: dict[str, Check] = {}  # run by the compiler worker
 
@@ -62,23 +60,12 @@ COMPILED: dict[str, Check] = {}  # run by the compiler worker
 
 
 def _sequences(total: list[int], cached: list[int], seed: int) -> list[Sequence]:
-    """Sequences of `total` tokens, `cached` of them in the cache already, on blocks from a shuffled pool."""
-    pool = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(pool)
-    seqs = []
-    for n, c in zip(total, cached, strict=True):
-        seq = Sequence(list(range(1, n + 1)), SamplingParams(temperature=0.0), arrival_time=0.0)
-        blocks = math.ceil(n / BLOCK_SIZE)
-        seq.block_table, pool = pool[:blocks], pool[blocks:]
-        seq.num_cached_tokens = c
-        seqs.append(seq)
-    return seqs
+    return shuffled_sequences(total, cached, seed, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
 
 
 def _cache(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A cache already holding random K/V everywhere (what earlier steps and prefix hits left there)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return random_kv_cache(dtype, seed, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_heads=KV_HEADS,
+                           head_dim=HEAD_DIM)
 
 
 def _qkv(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -341,30 +328,8 @@ CHECKS["tiny-model-greedy-fused-kernels"] = lambda: _greedy_equals_cpu(_interpre
 def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Runs the interpreter worker and the compiler worker side by side; {check: "ok", or what went wrong}. A worker
     that dies fails the check it was running and those after it."""
-    cache_dir = tmp_path_factory.mktemp("triton-cache")
-    procs = {}
-    for mode in ("interpret", "compile"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["TRITON_CACHE_DIR"] = str(cache_dir / mode)
-        if mode == "interpret":
-            env["TRITON_INTERPRET"] = "1"
-        # -P: the repository root may be the working directory, and its `operator/` must not shadow the stdlib.
-        procs[mode] = subprocess.Popen([sys.executable, "-P", "-X", "faulthandler", __file__, mode], env=env,
-                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    results: dict[str, str] = {}
-    for mode, proc in procs.items():
-        out, err = proc.communicate(timeout=600)
-        running = None
-        for line in out.splitlines():
-            if line.startswith(RUNNING):
-                running = line.removeprefix(RUNNING)
-            elif line.startswith(RESULT):
-                results.update(json.loads(line.removeprefix(RESULT)))
-        for check in CHECKS if mode == "interpret" else COMPILED:
-            if check not in results:
-                where = "while running it" if check == running else f"before it, in {running}"
-                results[check] = f"the {mode} worker died (rc {proc.returncode}) {where}:\n{err[-6000:]}"
-    return results
+    modes = {"interpret": list(CHECKS), "compile": list(COMPILED)}
+    return run_workers(__file__, modes, tmp_path_factory.mktemp("triton-cache"), timeout=600)
 
 
 @pytest.mark.parametrize("check", [*CHECKS, *COMPILED])
@@ -457,16 +422,5 @@ def test_gpu_device_memory_graphs_and_swap() -> None:
 # --- the worker ----------------------------------------------------------------------------------------------------
 
 
-def _work(checks: dict[str, Check]) -> None:
-    for name, check in checks.items():
-        print(RUNNING + name, flush=True)
-        try:
-            check()
-            outcome = "ok"
-        except Exception:
-            outcome = traceback.format_exc()
-        print(RESULT + json.dumps({name: outcome}), flush=True)
-
-
 if __name__ == "__main__":  # a worker: `python -P <this file> interpret|compile` (interpret: TRITON_INTERPRET=1)
-    _work(CHECKS if sys.argv[1] == "interpret" else COMPILED)
+    work(CHECKS if sys.argv[1] == "interpret" else COMPILED)

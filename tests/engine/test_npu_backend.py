@@ -43,6 +43,7 @@ from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import ROTARY_MAX_HEAD_DIM, FakeNPUError, FakeTorchNPU, install_fake_torch_npu
+from tests.paged_inputs import random_kv_cache, shuffled_sequences
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -141,23 +142,12 @@ def test_importing_the_module_needs_no_torch_npu(monkeypatch: pytest.MonkeyPatch
 
 
 def _sequences(total: list[int], cached: list[int], seed: int) -> list[Sequence]:
-    """Sequences of `total` tokens, the first `cached` of them already in the cache, over shuffled blocks."""
-    pool = list(range(NUM_BLOCKS))
-    random.Random(seed).shuffle(pool)
-    seqs = []
-    for n, c in zip(total, cached, strict=True):
-        seq = Sequence(list(range(1, n + 1)), SamplingParams(temperature=0.0), arrival_time=0.0)
-        blocks = math.ceil(n / BLOCK_SIZE)
-        seq.block_table, pool = pool[:blocks], pool[blocks:]
-        seq.num_cached_tokens = c
-        seqs.append(seq)
-    return seqs
+    return shuffled_sequences(total, cached, seed, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
 
 
 def _cache(dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """A cache already holding random K/V everywhere (what earlier steps and prefix hits left there)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return random_kv_cache(dtype, seed, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, kv_heads=KV_HEADS,
+                           head_dim=HEAD_DIM)
 
 
 def _qkv(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

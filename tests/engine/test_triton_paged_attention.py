@@ -25,12 +25,9 @@ the same rounded values.
 from __future__ import annotations
 
 import inspect
-import json
-import os
 import subprocess
 import sys
-import traceback
-from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,12 +47,12 @@ from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
+from tests.kernel_workers import Check, run_workers, work
+
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 OUT_OF_RANGE = 1 << 40  # the padding entries of the kernel's block tables: reading one would fault
-RUNNING, RESULT = "RUNNING ", "RESULT "  # the workers' lines: a check's name; then {check: "ok" or its traceback}
-
-Check = Callable[[], None]
 INTERPRETED: dict[str, Check] = {}  # run by the interpreter worker
 COMPILED: dict[str, Check] = {}  # run by the compiler worker
 
@@ -227,30 +224,8 @@ COMPILED["sm90-cubin"] = _compile_for_sm90
 def worker_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Runs the interpreter worker and the compiler worker side by side; {check: "ok", or what went wrong}. A
     worker that dies (a wild read faults the interpreter) fails the check it was running and those after it."""
-    cache_dir = tmp_path_factory.mktemp("triton-cache")
-    procs = {}
-    for mode in ("interpret", "compile"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env["TRITON_CACHE_DIR"] = str(cache_dir / mode)
-        if mode == "interpret":
-            env["TRITON_INTERPRET"] = "1"
-        # -P: the repository root may be the working directory, and its `operator/` must not shadow the stdlib.
-        procs[mode] = subprocess.Popen([sys.executable, "-P", "-X", "faulthandler", __file__, mode], env=env,
-                                       text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    results: dict[str, str] = {}
-    for mode, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
-        running = None
-        for line in out.splitlines():
-            if line.startswith(RUNNING):
-                running = line.removeprefix(RUNNING)
-            elif line.startswith(RESULT):
-                results.update(json.loads(line.removeprefix(RESULT)))
-        for check in INTERPRETED if mode == "interpret" else COMPILED:
-            if check not in results:
-                where = "while running it" if check == running else f"before it, in {running}"
-                results[check] = f"the {mode} worker died (rc {proc.returncode}) {where}:\n{err[-6000:]}"
-    return results
+    modes = {"interpret": list(INTERPRETED), "compile": list(COMPILED)}
+    return run_workers(__file__, modes, tmp_path_factory.mktemp("triton-cache"), timeout=300)
 
 
 @pytest.mark.parametrize("check", [*INTERPRETED, *COMPILED])
@@ -286,16 +261,5 @@ def test_importing_needs_no_triton() -> None:
     assert "needs triton" in result.stdout
 
 
-def _work(checks: dict[str, Check]) -> None:
-    for name, check in checks.items():
-        print(RUNNING + name, flush=True)
-        try:
-            check()
-            outcome = "ok"
-        except Exception:
-            outcome = traceback.format_exc()
-        print(RESULT + json.dumps({name: outcome}), flush=True)
-
-
 if __name__ == "__main__":  # a worker: `python -P <this file> interpret|compile`
-    _work(INTERPRETED if sys.argv[1] == "interpret" else COMPILED)
+    work(INTERPRETED if sys.argv[1] == "interpret" else COMPILED)
