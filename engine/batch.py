@@ -95,6 +95,9 @@ def _meta(is_prefill: bool, seqs: Seq[Sequence], query_lens: list[int], context_
 
 
 def build_decode(seqs: Seq[Sequence], block_size: int, device: torch.device) -> FlatBatch:
+    """One token per sequence. The step's integers travel to the device in one copy (ids, positions, slots,
+    context lengths, block tables end to end), not one per tensor: on an accelerator each copy is a launch and a
+    wait on the host, and a small batch's decode step is short enough for them to count."""
     n = len(seqs)
     ids = [0] * n
     positions = [0] * n
@@ -108,11 +111,15 @@ def build_decode(seqs: Seq[Sequence], block_size: int, device: torch.device) -> 
         context_lens[i] = pos + 1
     max_context = max(context_lens)
     max_blocks = (max_context + block_size - 1) // block_size
+    tables = _block_tables(seqs, max_blocks)
+    host = np.concatenate([np.array(ids + positions + slots + context_lens, dtype=np.int64), tables.reshape(-1)])
+    flat = torch.from_numpy(host).to(device)
+    ids_t, positions_t, slots_t, context_t = flat[: 4 * n].view(4, n)
     meta = AttentionMetadata(
         is_prefill=False,
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.from_numpy(_block_tables(seqs, max_blocks)).to(device),
-        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        slot_mapping=slots_t,
+        block_tables=flat[4 * n :].view(n, tables.shape[1]),
+        context_lens=context_t,
         query_lens=torch.ones(n, dtype=torch.long, device=device),
         query_start=list(range(n + 1)),
         max_query_len=1,
@@ -120,8 +127,8 @@ def build_decode(seqs: Seq[Sequence], block_size: int, device: torch.device) -> 
         cache={},
     )
     return FlatBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        input_ids=ids_t,
+        positions=positions_t,
         meta=meta,
         logits_indices=torch.arange(n, dtype=torch.long, device=device),
     )
