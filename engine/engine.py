@@ -126,9 +126,13 @@ class LLMEngine:
                 rank=rank, world_size=world_size, init_method=workers.init_method, config=resolved,
                 model_dir=str(folder), seed=seed, num_threads=threads, log_level=level, env=self.env,
                 num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks))
-        built = build_rank_runner(config, folder, seed=seed,
-                                  init_method=self.workers.init_method if self.workers else None,
-                                  env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
+        try:
+            built = build_rank_runner(config, folder, seed=seed,
+                                      init_method=self.workers.init_method if self.workers else None,
+                                      env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
+        except BaseException:
+            self._abandon_workers()  # they would wait in a collective for a rank 0 that is not coming
+            raise
         self.backend, self.dtype, self.model = built.backend, built.dtype, built.model
         self.load_seconds = built.load_seconds
         self.kv_plan: KVPlan = built.kv_plan
@@ -174,6 +178,17 @@ class LLMEngine:
         if warmup:
             self.runner.warmup()
         self.ready = True
+
+    def _abandon_workers(self) -> None:
+        if self.workers is None:
+            return
+        import torch.distributed as dist
+
+        workers, self.workers = self.workers, None
+        workers.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._threads_before)
 
     def close(self) -> None:
         """Stops the other ranks (tensor parallel) and leaves the distributed world; call it after the step loop

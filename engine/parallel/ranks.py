@@ -99,6 +99,15 @@ class WorkerRanks:
             self.on_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
                           f"cannot go on without it and exits (its own log, above, says why)")
 
+    def kill(self) -> None:
+        """Rank 0 failed while building: ends the workers at once (they wait in a collective for it)."""
+        self._closing = True
+        for proc in self.processes:
+            proc.kill()
+            proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+
     def close(self) -> None:
         """After rank 0 sent STOP: waits for the workers, then ends any that did not stop."""
         self._closing = True

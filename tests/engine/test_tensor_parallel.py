@@ -329,3 +329,22 @@ def test_each_rank_binds_to_its_numa_node_and_a_rank_that_dies_takes_the_server_
         out, _ = proc.communicate(timeout=30)
     assert code != 0
     assert f"tensor-parallel rank 1 (pid {workers[0]}) exited with code -9" in out
+
+
+def test_a_rank_0_that_fails_while_building_ends_its_workers(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from npuserve.engine import rank_runner
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise MemoryError("rank 0 ran out of memory loading its slice")
+
+    monkeypatch.setattr(rank_runner, "load_model", broken)  # rank 0 only: the worker is another process
+    before = set(_children(os.getpid()))
+    with pytest.raises(MemoryError, match="rank 0 ran out of memory"):
+        _engine(tiny_model_dir, 2)
+    assert set(_children(os.getpid())) == before  # the worker, waiting in a collective, was ended
+    assert not dist.is_initialized()  # and the world left: the process can build another engine
+    monkeypatch.undo()
+    _engine(tiny_model_dir, 2).close()
