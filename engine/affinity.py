@@ -251,3 +251,16 @@ def _cpulist(cpus: set[int]) -> str:
         else:
             ranges.append(str(cpu))
     return ",".join(ranges)
+
+
+def rank_threads(world_size: int, environ: Mapping[str, str] | None = None) -> int:
+    """Torch threads of one of `world_size` tensor-parallel ranks in the pod (the one definition; the operator sets
+    none). Bound (`NPUSERVE_CPU_BINDING=numa`), a rank has cores of its own and uses them all; unbound, the ranks
+    share the process's cores, or `OMP_NUM_THREADS` (the container's CPU budget) when set, and each takes its share."""
+    env = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0))
+    if env.get(CPU_BINDING_ENV) == "numa":
+        return cores
+    omp = env.get("OMP_NUM_THREADS", "")
+    budget = int(omp) if omp.isdigit() and int(omp) > 0 else cores
+    return max(1, budget // world_size)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from npuserve.engine import guided
+from npuserve.engine.affinity import rank_threads
 from npuserve.engine.backends import resolve_device
 from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
@@ -118,13 +119,12 @@ class LLMEngine:
             if dist.is_initialized():
                 raise RuntimeError("a process holds one tensor-parallel engine at a time (one torch.distributed "
                                    "world): close() the other engine first")
-            threads = max(1, self._threads_before // world_size)  # the ranks share this host's cores
-            torch.set_num_threads(threads)
+            torch.set_num_threads(rank_threads(world_size))
             workers = self.workers = WorkerRanks(world_size)
             resolved, level = config.to_dict(), logging.getLogger().getEffectiveLevel()
             workers.start(lambda rank: WorkerArgs(
                 rank=rank, world_size=world_size, init_method=workers.init_method, config=resolved,
-                model_dir=str(folder), seed=seed, num_threads=threads, log_level=level, env=self.env,
+                model_dir=str(folder), seed=seed, log_level=level, env=self.env,
                 num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks))
         try:
             built = build_rank_runner(config, folder, seed=seed,

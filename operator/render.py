@@ -273,16 +273,11 @@ def rank_env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     """
     spec = isvc.spec
     device = get_accelerator(spec.accelerator.type).npu_device_type
-    ranks = ranks_per_pod(plan)
     env: list[dict[str, Any]] = []
     if plan.worldSize > 1 and device == "npu":
         env.append({"name": HCCL_CONNECT_TIMEOUT_ENV, "value": str(hccl_connect_timeout_s())})
         if plan.nodes > 1:
             env.append({"name": HCCL_IF_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-    if ranks > 1 and spec.host.cpuPinning == "none":
-        # Without binding, each rank's torch would start a thread per host core, all ranks on the pod's share;
-        # with binding, each rank's pool is sized by its own cores (engine/affinity.py).
-        env.append({"name": "OMP_NUM_THREADS", "value": str(max(1, engine_cpus(isvc, plan) // ranks))})
     return env
 
 

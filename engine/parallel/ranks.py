@@ -44,7 +44,6 @@ class WorkerArgs:
     config: dict[str, Any]  # the MindIE config, as rank 0 resolved it
     model_dir: str
     seed: int
-    num_threads: int
     log_level: int
     env: Any  # rank 0's EngineEnvironment
     num_kv_blocks: int | None = None
@@ -161,11 +160,12 @@ def _follow(args: WorkerArgs) -> None:
     import torch
     import torch.distributed as dist
 
+    from npuserve.engine.affinity import rank_threads
     from npuserve.engine.parallel.step_message import Op
     from npuserve.engine.rank_runner import build_rank_runner
     from npuserve.mindie_config import MindIEConfig
 
-    torch.set_num_threads(args.num_threads)
+    torch.set_num_threads(rank_threads(args.world_size))  # after this rank's CPU binding
     config = MindIEConfig.from_dict(args.config, source="rank 0")
     built = build_rank_runner(config, args.model_dir, seed=args.seed, rank=args.rank,
                               init_method=args.init_method, env=args.env, num_kv_blocks=args.num_kv_blocks,

@@ -161,3 +161,14 @@ def test_rank_binding_variables_are_checked(tmp_path: Path) -> None:
         _rank_binding(tmp_path, numa, 2, 2)
     # binding off: the rank list is not read
     assert _rank_binding(tmp_path, {"NPUSERVE_RANK_NUMA_NODES": "junk"}, 1, 2) is None
+
+
+def test_each_rank_takes_its_own_cores_when_bound_and_its_share_when_not() -> None:
+    from npuserve.engine.affinity import rank_threads
+    from npuserve.engine_contract import CPU_BINDING_ENV
+
+    cores = len(os.sched_getaffinity(0))
+    assert rank_threads(2, {CPU_BINDING_ENV: "numa"}) == cores  # bound: the rank's own cores, all of them
+    assert rank_threads(2, {CPU_BINDING_ENV: "none", "OMP_NUM_THREADS": "16"}) == 8  # the container's budget, shared
+    assert rank_threads(4, {}) == max(1, cores // 4)
+    assert rank_threads(64, {"OMP_NUM_THREADS": "x"}) == 1  # never none
