@@ -140,7 +140,6 @@ class LLMEngine:
         self.tp = built.tp
         deploy = config.BackendConfig.ModelDeployConfig
         schedule = config.schedule
-        load_format = "dummy" if ext.loadFormat == "dummy" else "safetensors"
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens per rank (%s)", self.kv_plan.num_blocks,
                  self.kv_plan.num_host_blocks, self.kv_plan.block_size, self.kv_plan.source)
         self.kv = KVCacheManager(self.kv_plan.num_blocks, self.kv_plan.num_host_blocks, self.kv_plan.block_size,
@@ -159,7 +158,7 @@ class LLMEngine:
         self.tokenizer: TokenizerLike | None = None
         if (folder / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(folder)
-        elif load_format == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
+        elif ext.loadFormat == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
             self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
         self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
         self.grammars: guided.GrammarCompiler | None = None  # structured output; None without a tokenizer
@@ -179,30 +178,26 @@ class LLMEngine:
             self.runner.warmup()
         self.ready = True
 
-    def _abandon_workers(self) -> None:
-        if self.workers is None:
-            return
-        import torch.distributed as dist
-
-        workers, self.workers = self.workers, None
-        workers.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        torch.set_num_threads(self._threads_before)
-
     def close(self) -> None:
         """Stops the other ranks (tensor parallel) and leaves the distributed world; call it after the step loop
         ended. With one rank there is nothing to stop."""
+        channel = self.runner.channel
+        self._release_ranks(lambda: channel.send(StepMessage(Op.STOP)) if channel is not None else None)
+
+    def _abandon_workers(self) -> None:
+        """Rank 0 failed while building: the workers wait in a collective for it, so they are killed."""
+        self._release_ranks(None)
+
+    def _release_ranks(self, stop: Callable[[], None] | None) -> None:
+        """`stop` tells the workers to end (they are killed without one); then the world is left."""
         if self.workers is None:
             return
         import torch.distributed as dist
 
         workers, self.workers = self.workers, None
-        workers._closing = True
-        if self.runner.channel is not None:
-            self.runner.channel.send(StepMessage(Op.STOP))
-        workers.close()
-        dist.destroy_process_group()
+        workers.stop(stop)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         torch.set_num_threads(self._threads_before)
 
     # --- construction helpers ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Inputs the backend tests share: sequences on shuffled blocks, and a cache already full of random K/V."""
+"""What the backend tests share: sequences on shuffled blocks, a cache already full of random K/V, and greedy
+generation through a `ModelRunner` (with a prefix-cache hit) to compare a backend's tokens with the CPU's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 
 import torch
 
+from npuserve.engine.runner import ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 
 
@@ -31,3 +33,35 @@ def random_kv_cache(dtype: torch.dtype, seed: int, *, num_blocks: int, block_siz
     """A layer's cache already holding random K/V everywhere (what earlier steps and prefix hits left there)."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+
+
+def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int) -> list[list[int]]:
+    """Greedy: one prefill of all prompts but the last, a second prefill (the last prompt behind the second prompt's
+    first two blocks: a prefix-cache hit), then decodes of all; blocks drawn from a shuffled pool."""
+    block_size = runner.block_size
+    pool = list(range(runner.num_blocks))
+    random.Random(seed).shuffle(pool)
+
+    def admit(prompt: list[int], shared: list[int]) -> Sequence:
+        nonlocal pool
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=steps), arrival_time=0.0)
+        fresh = math.ceil((len(prompt) + steps + 1) / block_size) - len(shared)
+        seq.block_table, pool = shared + pool[:fresh], pool[fresh:]
+        seq.num_cached_tokens = len(shared) * block_size
+        return seq
+
+    def advance(seqs: list[Sequence], tokens: list[int]) -> None:
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+
+    first = [admit(p, []) for p in prompts[:-1]]
+    advance(first, runner.execute(first, is_prefill=True).token_ids)
+    assert len(prompts[1]) > 2 * block_size  # the hit covers two whole blocks
+    hit_prompt = prompts[1][: 2 * block_size] + prompts[-1]
+    second = [admit(hit_prompt, first[1].block_table[:2])]
+    advance(second, runner.execute(second, is_prefill=True).token_ids)
+    seqs = first + second
+    for _ in range(steps - 1):
+        advance(seqs, runner.execute(seqs, is_prefill=False).token_ids)
+    return [s.token_ids[s.num_prompt_tokens:] for s in seqs]

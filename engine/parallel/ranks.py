@@ -98,23 +98,19 @@ class WorkerRanks:
             self.on_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
                           f"cannot go on without it and exits (its own log, above, says why)")
 
-    def kill(self) -> None:
-        """Rank 0 failed while building: ends the workers at once (they wait in a collective for it)."""
-        self._closing = True
+    def stop(self, tell: Callable[[], None] | None) -> None:
+        """Ends the workers: `tell` them (rank 0's STOP) and wait, killing any that do not stop in time; without
+        `tell` (rank 0 failed while building and they wait in a collective for it), kill them at once."""
+        self._closing = True  # before they exit: the watchers must not take it for a death
+        if tell is not None:
+            tell()
         for proc in self.processes:
-            proc.kill()
-            proc.wait()
-            if proc.stdin is not None:
-                proc.stdin.close()
-
-    def close(self) -> None:
-        """After rank 0 sent STOP: waits for the workers, then ends any that did not stop."""
-        self._closing = True
-        for proc in self.processes:
-            try:
-                proc.wait(_JOIN_SECONDS)
-            except subprocess.TimeoutExpired:
-                log.warning("tensor-parallel rank process %d did not stop; killing it", proc.pid)
+            if tell is not None:
+                try:
+                    proc.wait(_JOIN_SECONDS)
+                except subprocess.TimeoutExpired:
+                    log.warning("tensor-parallel rank process %d did not stop; killing it", proc.pid)
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
             if proc.stdin is not None:

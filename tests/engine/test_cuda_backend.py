@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,11 +41,11 @@ from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
-from npuserve.engine.sequence import SamplingParams, Sequence
+from npuserve.engine.sequence import Sequence
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
 from tests.kernel_workers import Check, run_workers, work
-from tests.paged_inputs import random_kv_cache, shuffled_sequences
+from tests.paged_inputs import greedy_tokens, random_kv_cache, shuffled_sequences
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -272,35 +271,6 @@ COMPILED["fused-ops-sm90-cubin"] = _compile_for_sm90
 # --- greedy generation through the model runner ------------------------------------------------------------------
 
 
-def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int) -> list[list[int]]:
-    """Greedy: one prefill of all prompts but the last, a second prefill (the last prompt behind the second prompt's
-    first two blocks: a prefix-cache hit), then decodes of all; blocks drawn from a shuffled pool."""
-    block_size = runner.block_size
-    pool = list(range(runner.num_blocks))
-    random.Random(seed).shuffle(pool)
-
-    def admit(prompt: list[int], shared: list[int]) -> Sequence:
-        nonlocal pool
-        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=steps), arrival_time=0.0)
-        fresh = math.ceil((len(prompt) + steps + 1) / block_size) - len(shared)
-        seq.block_table, pool = shared + pool[:fresh], pool[fresh:]
-        seq.num_cached_tokens = len(shared) * block_size
-        return seq
-
-    def advance(seqs: list[Sequence], tokens: list[int]) -> None:
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.num_cached_tokens = seq.num_tokens
-            seq.token_ids.append(token)
-
-    first = [admit(p, []) for p in prompts[:-1]]
-    advance(first, runner.execute(first, is_prefill=True).token_ids)
-    assert len(prompts[1]) > 2 * block_size
-    second = [admit(prompts[1][: 2 * block_size] + prompts[-1], first[1].block_table[:2])]
-    advance(second, runner.execute(second, is_prefill=True).token_ids)
-    seqs = first + second
-    for _ in range(steps - 1):
-        advance(seqs, runner.execute(seqs, is_prefill=False).token_ids)
-    return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
 
 
 def _greedy_equals_cpu(backend: Backend, device: torch.device, steps: int, fused: bool = False) -> None:
@@ -310,11 +280,11 @@ def _greedy_equals_cpu(backend: Backend, device: torch.device, steps: int, fused
     gen = torch.Generator().manual_seed(17)
     prompts = [torch.randint(5, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 21, 9, 30, 6)]
     reference = load_model(spec, None, torch.float32, CPU, load_format="dummy", seed=3)
-    expected = _generate(ModelRunner(reference, CPUBackend(), plan, torch.float32), prompts, steps, seed=18)
+    expected = greedy_tokens(ModelRunner(reference, CPUBackend(), plan, torch.float32), prompts, steps, seed=18)
     model = load_model(spec, None, torch.float32, device, load_format="dummy", seed=3)
     if fused:
         backend.prepare_model(model)
-    assert _generate(ModelRunner(model, backend, plan, torch.float32), prompts, steps, seed=18) == expected
+    assert greedy_tokens(ModelRunner(model, backend, plan, torch.float32), prompts, steps, seed=18) == expected
 
 
 CHECKS["tiny-model-greedy-through-the-runner"] = lambda: _greedy_equals_cpu(_interpreted(num_sms=64), CPU, steps=8)

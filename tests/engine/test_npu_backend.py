@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -40,10 +39,10 @@ from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP, LlamaForCausalLM
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
-from npuserve.engine.sequence import SamplingParams, Sequence
+from npuserve.engine.sequence import Sequence
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import ROTARY_MAX_HEAD_DIM, FakeNPUError, FakeTorchNPU, install_fake_torch_npu
-from tests.paged_inputs import random_kv_cache, shuffled_sequences
+from tests.paged_inputs import greedy_tokens, random_kv_cache, shuffled_sequences
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -391,51 +390,6 @@ def test_the_fake_qlens_op_wants_the_compressed_mask(fake: FakeTorchNPU) -> None
 # --- greedy generation through the model runner ----------------------------------------------------------------
 
 
-def _generate(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int) -> list[list[int]]:
-    """Greedy: one prefill of all prompts but the last, a second prefill (the last prompt behind the second prompt's
-    first two blocks: a prefix-cache hit), then decodes of all; blocks drawn from a shuffled pool."""
-    block_size = runner.block_size
-    pool = list(range(runner.num_blocks))
-    random.Random(seed).shuffle(pool)
-
-    def admit(prompt: list[int], shared: list[int]) -> Sequence:
-        nonlocal pool
-        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=steps), arrival_time=0.0)
-        fresh = math.ceil((len(prompt) + steps + 1) / block_size) - len(shared)
-        seq.block_table, pool = shared + pool[:fresh], pool[fresh:]
-        seq.num_cached_tokens = len(shared) * block_size
-        return seq
-
-    def advance(seqs: list[Sequence], tokens: list[int]) -> None:
-        for seq, token in zip(seqs, tokens, strict=True):
-            seq.num_cached_tokens = seq.num_tokens
-            seq.token_ids.append(token)
-
-    first = [admit(p, []) for p in prompts[:-1]]
-    advance(first, runner.execute(first, is_prefill=True).token_ids)
-    assert len(prompts[1]) > 2 * block_size
-    hit_prompt = prompts[1][: 2 * block_size] + prompts[-1]
-    second = [admit(hit_prompt, first[1].block_table[:2])]
-    advance(second, runner.execute(second, is_prefill=True).token_ids)
-    seqs = first + second
-    for _ in range(steps - 1):
-        advance(seqs, runner.execute(seqs, is_prefill=False).token_ids)
-    return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
-
-
-def _ensure_act_fn_hook(model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`MLP.act_fn` (engine/model/llama.py), the hook `prepare_model` swaps SwiGLU through: put in place here when
-    llama.py predates it (a no-op once it has it)."""
-    mlps = [m for m in model.modules() if isinstance(m, MLP)]
-    if all(hasattr(m, "act_fn") for m in mlps):
-        return
-
-    def forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # type: ignore[no-any-return]
-
-    monkeypatch.setattr(MLP, "forward", forward)
-    for mlp in mlps:
-        mlp.act_fn = silu_and_mul
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["eager-layers", "fused-kernels"])
@@ -445,15 +399,14 @@ def test_greedy_generation_equals_the_cpu_backend(fake: FakeTorchNPU, npu: NPUBa
     spec = ModelSpec.from_pretrained(tiny_model_dir)
     cpu_model, npu_model = (load_model(spec, tiny_model_dir, dtype, CPU) for _ in range(2))
     if fused:
-        _ensure_act_fn_hook(npu_model, monkeypatch)
         npu.prepare_model(npu_model)
     else:
         monkeypatch.setattr(npu, "prepare_model", lambda model: None)  # should the runner call it
     plan = KVPlan(num_blocks=48, num_host_blocks=0, block_size=BLOCK_SIZE, bytes_per_block=0, source="test")
     gen = torch.Generator().manual_seed(17)
     prompts = [torch.randint(5, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 21, 9, 30, 6)]
-    expected = _generate(ModelRunner(cpu_model, CPUBackend(), plan, dtype), prompts, steps=12, seed=18)
-    actual = _generate(ModelRunner(npu_model, npu, plan, dtype), prompts, steps=12, seed=18)
+    expected = greedy_tokens(ModelRunner(cpu_model, CPUBackend(), plan, dtype), prompts, steps=12, seed=18)
+    actual = greedy_tokens(ModelRunner(npu_model, npu, plan, dtype), prompts, steps=12, seed=18)
     assert actual == expected
     assert fake.calls["_npu_flash_attention"] > 0 and fake.calls["_npu_flash_attention_qlens"] > 0
     assert fake.calls["_npu_paged_attention"] > 0
@@ -547,7 +500,6 @@ def _model(tiny_model_dir: Path, dtype: torch.dtype, qk_norm: bool = False) -> L
 def test_prepare_model_swaps_exactly_the_leaf_kernels(fake: FakeTorchNPU, npu: NPUBackend, tiny_model_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(tiny_model_dir, torch.float16, qk_norm=True)
-    _ensure_act_fn_hook(model, monkeypatch)
     layers = model.spec.num_layers
     state = {name: t.clone() for name, t in model.state_dict().items()}
     kinds = {name: type(m) for name, m in model.named_modules() if not name.endswith(".act_fn")}
