@@ -5,8 +5,8 @@ the operations that op-plugin release line has, under that line's signatures (te
 implementing its documented semantics in plain torch on the CPU and refusing what the real one refuses, every rule
 cited where it is checked (tests/fake_npu_attention.py for the cache and attention ops, tests/fake_npu_fused.py for
 the fused kernels); `torch_npu.__version__` is a torch_npu of that line. It attaches a fake `torch.npu`
-(`device_count`, `set_device`, `current_device`, `mem_get_info`, `empty_cache`, `synchronize`,
-`utils.get_cann_version`); the "npu" device is the CPU (`FakeTorchNPU.device`): tensors stay on the CPU.
+(`device_count`, `set_device`, `current_device`, `mem_get_info`, `empty_cache`, the peak-memory statistics,
+`synchronize`, `utils.get_cann_version`); the "npu" device is the CPU (`FakeTorchNPU.device`): tensors stay on the CPU.
 
 As torch_npu exposes them: the ops of torch's `npu` namespace (`npu_scatter_pa_kv_cache`, the fused kernels) carry
 their schema (`op.default._schema.arguments`, as `torch.ops.npu.<op>` does); the ATB ops (`_npu_*`) are plain
@@ -53,6 +53,8 @@ class FakeNPUNamespace:
     total_bytes: int = 64 * GiB
     free_bytes: int = 60 * GiB
     cached_bytes: int = 0
+    allocated_bytes: int = 0  # what tensors hold now (a test sets it; nothing here allocates on a card)
+    peak_allocated_bytes: int = 0  # since the last reset_peak_memory_stats
     cann: str = ""
     current: int | None = None
     synchronize_calls: int = 0
@@ -92,6 +94,15 @@ class FakeNPUNamespace:
         self.free_bytes += self.cached_bytes
         self.cached_bytes = 0
         self.empty_cache_calls += 1
+
+    def reset_peak_memory_stats(self, device: int | str | None = None) -> None:
+        self.peak_allocated_bytes = self.allocated_bytes
+
+    def memory_allocated(self, device: int | str | None = None) -> int:
+        return self.allocated_bytes
+
+    def max_memory_allocated(self, device: int | str | None = None) -> int:
+        return max(self.peak_allocated_bytes, self.allocated_bytes)
 
     def synchronize(self, device: int | str | None = None) -> None:
         if device is not None:

@@ -24,7 +24,8 @@ import torch
 
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.cpu import CPUBackend
-from npuserve.engine.backends.npu import NPUBackend, local_device_index, parse_visible_devices
+from npuserve.engine.backends.npu import NPUBackend
+from npuserve.engine.backends.npu_device import local_device_index, parse_visible_devices
 from npuserve.engine.batch import build_decode, build_prefill
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
@@ -105,6 +106,15 @@ def test_free_memory_is_measured_after_the_allocator_cache_is_emptied(monkeypatc
     assert fake.npu.empty_cache_calls >= 1
 
 
+def test_the_warm_up_peak_is_measured_by_the_allocator_statistics(fake: FakeTorchNPU, npu: NPUBackend) -> None:
+    fake.npu.allocated_bytes = 20 * GiB  # the weights
+
+    def warm_up() -> None:
+        fake.npu.peak_allocated_bytes = 23 * GiB  # 3 GiB of activations at the peak
+
+    assert npu.measure_peak(warm_up) == 3 * GiB
+
+
 def test_missing_nnal_is_refused_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # torch_npu loads NNAL's libatb.so at the first ATB call: the backend makes that call when it is built
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
@@ -140,6 +150,46 @@ def test_importing_the_module_needs_no_torch_npu(monkeypatch: pytest.MonkeyPatch
         NPUBackend(device=CPU)
 
 
+# --- the torch_npu stack -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+def test_the_backend_knows_each_supported_release_line(monkeypatch: pytest.MonkeyPatch, release: str) -> None:
+    # the engine's matrix (npu_stack) and the fake's releases are written from the same sources independently
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    fake = install_fake_torch_npu(monkeypatch, release=release)
+    stack = NPUBackend(device=fake.device).stack
+    assert stack.release is not None and stack.release.name == release
+    assert stack.release.cann == fake.release.cann and stack.torch_npu_version == fake.release.torch_npu
+    assert stack.scatter_cache_mode == release.startswith("26.")  # found in the op's schema
+    assert stack.missing() == []
+
+
+def test_a_torch_npu_outside_the_matrix_runs_on_what_its_ops_say(monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    fake = install_fake_torch_npu(monkeypatch, release="26.1.0")
+    fake.module.__version__ = "2.13.0"  # a release line nobody has checked yet
+    stack = NPUBackend(device=fake.device).stack
+    assert stack.release is None and stack.scatter_cache_mode  # the schema says cache_mode
+    assert "not in the tested matrix" in caplog.text
+
+
+@pytest.mark.parametrize("op", ["_npu_paged_attention_splitfuse", "_npu_reshape_and_cache", "npu_swiglu"])
+def test_a_torch_npu_without_an_op_the_backend_calls_is_refused(monkeypatch: pytest.MonkeyPatch, op: str) -> None:
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    fake = install_fake_torch_npu(monkeypatch, release="7.3.0")
+    delattr(fake.module, op)
+    with pytest.raises(BackendUnavailableError, match=rf"torch_npu 2\.8\.0\.post2 \(op-plugin 7\.3\.0.*lacks {op}"):
+        NPUBackend(device=fake.device)
+
+
+def test_the_block_size_the_kernels_cannot_take_is_refused_before_the_cache(npu: NPUBackend) -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        npu.configure(block_size=8, head_dim=HEAD_DIM, max_seq_len=64)
+    npu.configure(block_size=BLOCK, head_dim=HEAD_DIM, max_seq_len=64)
+
+
 # --- the cache write ---------------------------------------------------------------------------------------------
 
 
@@ -150,6 +200,7 @@ def test_write_kv_fills_the_same_slots_as_the_cpu_backend_on_every_release(monke
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch, release=release)
     npu = NPUBackend(device=fake.device)
+    fake.calls.clear()  # building the backend made one ATB call (the NNAL check)
     seqs = sequences([5, 17, 1, 30], [0, 0, 0, 0], seed=1)
     batch = build_prefill(seqs, SMALL_BLOCK, CPU)
     _, k, v = qkv(batch.input_ids.shape[0], dtype, seed=2)

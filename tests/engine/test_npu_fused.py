@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from npuserve.engine.backends.npu import FusedRMSNorm, FusedRotary, FusedSwiGLU, NPUBackend
+from npuserve.engine.backends.npu import NPUBackend
+from npuserve.engine.backends.npu_fused import FusedRMSNorm, FusedRotary, FusedSwiGLU
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP, LlamaForCausalLM
 from npuserve.engine.model.loader import load_model
@@ -122,7 +123,7 @@ def test_prepare_model_without_the_act_fn_hook_keeps_swiglu_eager(fake: FakeTorc
     for mlp in (m for m in model.modules() if isinstance(m, MLP)):
         if hasattr(mlp, "act_fn"):
             delattr(mlp, "act_fn")
-    caplog.set_level(logging.DEBUG, logger="npuserve.engine.backends.npu")
+    caplog.set_level(logging.DEBUG, logger="npuserve.engine.backends.npu_fused")
     npu.prepare_model(model)
     assert not any(isinstance(m, FusedSwiGLU) for m in model.modules())
     assert "keeps its eager SwiGLU" in caplog.text
