@@ -89,6 +89,12 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
     layout = TPLayout.of(spec, rank, world_size)  # before anything is loaded: a model that does not split fails fast
     ids = config.BackendConfig.npuDeviceIds[0] if config.BackendConfig.npuDeviceIds else None
     backend = get_backend(ext.device, rank, ids)
+    if backend.name == "npu":  # npuserve doctor's op checks and smoke tests on this rank's card, before anything loads
+        from npuserve.engine.backends.npu import NPUBackend
+        from npuserve.engine.doctor import preflight
+
+        assert isinstance(backend, NPUBackend)
+        preflight(backend)
     tp, channel = SINGLE_RANK, None
     if world_size > 1:
         if init_method is None:

@@ -8,10 +8,10 @@ the fused kernels); `torch_npu.__version__` is a torch_npu of that line. It atta
 (`device_count`, `set_device`, `current_device`, `mem_get_info`, `empty_cache`, the peak-memory statistics,
 `synchronize`, `utils.get_cann_version`); the "npu" device is the CPU (`FakeTorchNPU.device`): tensors stay on the CPU.
 
-As torch_npu exposes them: the ops of torch's `npu` namespace (`npu_scatter_pa_kv_cache`, the fused kernels) carry
-their schema (`op.default._schema.arguments`, as `torch.ops.npu.<op>` does); the ATB ops (`_npu_*`) are plain
-functions that load NNAL's libatb.so at their first call, so with `nnal=False` each raises the OSError torch_npu
-raises then (op-plugin `op_plugin/python/atb/_atb_ops.py`).
+As torch_npu exposes them: every op carries its schema (`op.default._schema.arguments`, as the `torch.ops.npu.<op>`
+packets do, and the ATB ones' `torch.ops.atb.<op>` once their first call has loaded NNAL's libatb.so and put them
+in place, op-plugin `op_plugin/python/atb/_atb_ops.py`); with `nnal=False` each ATB op raises the OSError torch_npu
+raises at that first call.
 
 Memory: `free_bytes` of `total_bytes` are free, and `cached_bytes` more sit in the caching allocator, counted as
 used by `mem_get_info` until `empty_cache()` returns them (as torch_npu's allocator holds a warm-up's blocks).
@@ -146,8 +146,7 @@ def _wrap(name: str, op: Callable[..., Any], fake: FakeTorchNPU, nnal: bool) -> 
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = op.__doc__
-    if name not in ATB_OPS:
-        call.default = _schema(op)  # type: ignore[attr-defined]
+    call.default = _schema(op)  # type: ignore[attr-defined]
     return call
 
 

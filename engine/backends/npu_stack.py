@@ -11,7 +11,8 @@ the stack is untested.
 
 torch_npu exposes its `npu` namespace ops as `torch.ops.npu.<op>` packets, whose `default._schema.arguments` name the
 arguments; that is how `cache_mode` is found. The ATB ops (`_npu_*`) are Python functions until their first call
-loads libatb.so, so only their presence is looked at here.
+loads libatb.so and puts the `torch.ops.atb.<op>` packets in their place (op-plugin `_atb_ops.py`, `_patch_atb_ops`),
+so at detection only their presence is looked at; `npuserve doctor` reads their schemas after the first call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
 # Every op the backend calls, the cache write aside (scatter where it takes cache_mode, else reshape-and-cache).
 ATTENTION_OPS = (FLASH_OP, PREFIX_OP, DECODE_OP, SPLITFUSE_OP)
 REQUIRED_OPS = (RESHAPE_AND_CACHE_OP, *ATTENTION_OPS, *FUSED_OPS)
+
+
+# The keywords the backend passes to each op: argument names of the ops' schemas in every supported line (op-plugin
+# `op_plugin/ops/atb/*.cpp` m.def, `op_plugin_functions.yaml`); the fused kernels take their tensors by position.
+KEYWORDS: dict[str, frozenset[str]] = {
+    RESHAPE_AND_CACHE_OP: frozenset({"key", "value", "key_cache", "value_cache", "slot_indices"}),
+    SCATTER_OP: frozenset({"key", "value", "key_cache", "value_cache", "slot_mapping", "cache_mode"}),
+    FLASH_OP: frozenset({"query", "key", "value", "mask", "seq_len", "scale_value", "num_heads", "num_kv_heads",
+                         "out"}),
+    PREFIX_OP: frozenset({"query", "key_cache", "value_cache", "block_table", "mask", "seq_len", "context_lens",
+                          "num_kv_heads", "num_heads", "scale_value", "out"}),
+    DECODE_OP: frozenset({"query", "key_cache", "value_cache", "num_kv_heads", "num_heads", "scale_value",
+                          "block_table", "context_lens", "out"}),
+    SPLITFUSE_OP: frozenset({"query", "key_cache", "value_cache", "block_table", "context_lens", "mask", "seq_len",
+                             "num_kv_heads", "num_heads", "scale_value", "out"}),
+    "npu_rms_norm": frozenset({"epsilon"}),
+    "npu_rotary_mul": frozenset(),
+    "npu_swiglu": frozenset({"dim"}),
+}
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,15 @@ def argument_names(op: Any) -> frozenset[str] | None:
     return frozenset(str(getattr(a, "name", "")) for a in arguments)
 
 
+def signature_problem(name: str, op: Any) -> str | None:
+    """Why `op` cannot take the keywords the backend passes it, or None (also when it carries no schema to read)."""
+    names = argument_names(op)
+    if names is None:
+        return None
+    missing = sorted(KEYWORDS[name] - names)
+    return f"its schema lacks {', '.join(missing)}" if missing else None
+
+
 @dataclass(frozen=True)
 class NPUStack:
     """What torch_npu offers the backend: its version, the release line (None outside the matrix), the ops present,
@@ -89,6 +118,10 @@ class NPUStack:
     release: OpPluginRelease | None
     present: frozenset[str]
     scatter_cache_mode: bool
+
+    def used_ops(self) -> tuple[str, ...]:
+        """Every op the backend calls on this stack (the cache write it chose, the attention and fused kernels)."""
+        return (self.cache_write_op, *ATTENTION_OPS, *FUSED_OPS)
 
     @property
     def cache_write_op(self) -> str:

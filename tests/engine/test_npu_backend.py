@@ -26,6 +26,7 @@ from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_device import local_device_index, parse_visible_devices
+from npuserve.engine.backends.npu_stack import KEYWORDS
 from npuserve.engine.batch import build_decode, build_prefill
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
@@ -310,6 +311,7 @@ def test_the_prefill_mask_is_built_once_at_the_longest_sequence(fake: FakeTorchN
     masks = [call["mask"] for call in fake.args["_npu_flash_attention"]]
     assert len(masks) == 2 * spec.num_layers
     assert all(tuple(m.shape) == (96, 96) and m.data_ptr() == masks[0].data_ptr() for m in masks)
+    assert set(fake.args["_npu_flash_attention"][0]) == KEYWORDS["_npu_flash_attention"]
 
 
 # --- tensor parallel and decode graphs ---------------------------------------------------------------------------

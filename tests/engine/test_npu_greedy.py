@@ -11,6 +11,7 @@ import torch
 
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
+from npuserve.engine.backends.npu_stack import KEYWORDS
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.modelspec import ModelSpec
@@ -74,3 +75,17 @@ def test_greedy_generation_without_the_fused_kernels_equals_the_cpu_backend(monk
     monkeypatch.setattr(npu, "prepare_model", lambda model: None)
     assert _generate(_runner(tiny_model_dir, npu), prompts, chunked=False) == _expected[False]
     assert not any(fake.calls[op] for op in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu"))
+
+
+def test_the_backend_passes_each_op_exactly_the_keywords_the_doctor_checks(monkeypatch: pytest.MonkeyPatch,
+                                                                          tiny_model_dir: Path) -> None:
+    # npu_stack.KEYWORDS is what `npuserve doctor` looks for in each op's schema: the calls must use those names
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    fake = install_fake_torch_npu(monkeypatch, release="26.0.0")
+    fake.record.update(KEYWORDS)
+    prompts = _prompts(ModelSpec.from_pretrained(tiny_model_dir).vocab_size)
+    _generate(_runner(tiny_model_dir, NPUBackend(device=fake.device)), prompts, chunked=True)
+    used = {op: set().union(*(call.keys() for call in calls)) for op, calls in fake.args.items()}
+    # on 26.0.0 at block 128 every op but the flash kernel runs (reshape-and-cache in the backend's NNAL check)
+    assert set(used) == set(KEYWORDS) - {"_npu_flash_attention"}
+    assert all(used[op] == KEYWORDS[op] for op in used), used
