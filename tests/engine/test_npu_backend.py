@@ -285,12 +285,17 @@ def test_decode_matches_the_cpu_backend(fake: FakeTorchNPU, npu: NPUBackend, dty
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [SMALL_BLOCK, BLOCK])
-def test_a_chunked_prefill_step_runs_as_one_splitfuse_call(fake: FakeTorchNPU, npu: NPUBackend, dtype: torch.dtype,
-                                                          block_size: int) -> None:
+@pytest.mark.parametrize(("block_size", "total", "cached", "new"), [
     # two decodes ride in front of two prompt chunks (one continuing a prompt, one starting one)
-    seqs = sequences([12, 140, 30, 25], [11, 139, 8, 0], 13, block_size)
-    _compare(npu, seqs, dtype, block_size, 14, new=[1, 1, 10, 16])
+    (SMALL_BLOCK, [12, 140, 30, 25], [11, 139, 8, 0], [1, 1, 10, 16]),
+    (BLOCK, [12, 140, 30, 25], [11, 139, 8, 0], [1, 1, 10, 16]),
+    # every prefix on the 128 grid, a decode's too: a mixed step still runs as vllm-ascend runs it, on SplitFuse
+    (BLOCK, [129, 300], [128, 128], [1, 20]),
+])
+def test_a_chunked_prefill_step_runs_as_one_splitfuse_call(fake: FakeTorchNPU, npu: NPUBackend, dtype: torch.dtype,
+                                                          block_size: int, total: list[int], cached: list[int],
+                                                          new: list[int]) -> None:
+    _compare(npu, sequences(total, cached, 13, block_size), dtype, block_size, 14, new=new)
     assert _kernels(fake) == {"_npu_paged_attention_splitfuse": 1}
 
 

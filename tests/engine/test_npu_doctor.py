@@ -16,6 +16,7 @@ import torch
 from npuserve.engine import rank_runner
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend
+from npuserve.engine.backends.npu_stack import SPLITFUSE_OP
 from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose
 from npuserve.engine.engine import make_config
 from tests.fake_npu_attention import _npu_paged_attention
@@ -114,6 +115,15 @@ def test_an_op_that_computes_wrong_numbers_fails_its_smoke_test(monkeypatch: pyt
     report = diagnose(DoctorOptions(), _probes(fake))
     failed = [c.name for c in report.failed()]
     assert failed == [smoke], report.lines()
+
+
+def test_a_smoke_test_fails_when_its_step_goes_to_another_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch)
+    monkeypatch.setattr(NPUBackend, "kernel", lambda self, meta, cache: SPLITFUSE_OP)  # right numbers, wrong kernel
+    report = diagnose(DoctorOptions(), _probes(fake))
+    failed = {c.name: c.detail for c in report.failed()}
+    assert set(failed) == {"smoke: prefill", "smoke: prefix prefill", "smoke: decode"}, report.lines()
+    assert all("went to _npu_paged_attention_splitfuse" in detail for detail in failed.values())
 
 
 def test_no_visible_card_means_no_npu(monkeypatch: pytest.MonkeyPatch) -> None:
