@@ -7,7 +7,7 @@ other), with the kernels' dtypes (int32 slots, lengths and block tables), shapes
 built once, at the longest sequence); its results equal the CPU backend's (the cache write exactly, attention within
 float16/bfloat16 rounding). Greedy generation through the runner: test_npu_greedy.py; the fused kernels:
 test_npu_fused.py; the fake's own strictness: test_npu_fake.py. What it cannot prove: the real kernels' numerics and
-speed, host-versus-device placement, HCCL, graphs, memory (docs/engine.md, "The npu backend and its fake").
+speed, host-versus-device placement, HCCL, graphs, memory (docs/engine.md, "The fake torch_npu").
 """
 
 from __future__ import annotations
