@@ -3,9 +3,11 @@ distributed world (when there are several ranks), the rank's slice of the weight
 on, the runner.
 
 KV sizing with `npuMemSize` -1 on a device (MindIE's behaviour): after the weights are loaded, a warm-up prefill
-of `maxPrefillTokens` tokens (over a few scratch blocks) leaves its activations in the allocator's cache; the free
-memory measured then, times NPU_MEMORY_FRACTION, is the KV budget. Every rank plans its own and all take the
-smallest, so the scheduler's blocks exist on every card.
+of `maxPrefillTokens` tokens runs over a few scratch blocks; the free memory measured then, times
+NPU_MEMORY_FRACTION, less the warm-up's peak where the backend measures it (npu: it empties its allocator's cache
+before reading free memory, so the peak is set aside explicitly; elsewhere the warm-up's blocks stay cached and
+count as used), is the KV budget. Every rank plans its own and all take the smallest, so the scheduler's blocks exist
+on every card. On npu the engine runs `npuserve doctor`'s start-up checks on the rank's card first.
 """
 
 from __future__ import annotations
@@ -46,16 +48,19 @@ class BuiltRank:
     load_seconds: float
 
 
-def _profile_free_memory(model: LlamaForCausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> None:
-    """A prefill of the largest step the scheduler may run, over scratch blocks, so that the free memory measured
-    next leaves room for its activations."""
+def _profile_activations(model: LlamaForCausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> int:
+    """A prefill of the largest step the scheduler may run, over scratch blocks, so that the KV budget leaves room
+    for its activations: their peak in bytes where the backend measures it, else 0 (its blocks then stay in the
+    allocator's cache, counted as used)."""
     schedule = config.schedule
-    tokens = max(1, min(schedule.maxPrefillTokens, config.BackendConfig.ModelDeployConfig.maxSeqLen - 1,
-                        model.spec.max_position_embeddings - 1))
+    max_seq_len = config.BackendConfig.ModelDeployConfig.maxSeqLen
+    tokens = max(1, min(schedule.maxPrefillTokens, max_seq_len - 1, model.spec.max_position_embeddings - 1))
     blocks = math.ceil((tokens + 2) / schedule.cacheBlockSize)
     scratch = KVPlan(blocks, 0, schedule.cacheBlockSize, 0, "warm-up scratch")
-    ModelRunner(model, backend, scratch, dtype).warmup(tokens)
+    runner = ModelRunner(model, backend, scratch, dtype, max_seq_len=max_seq_len)
+    peak = backend.measure_peak(lambda: runner.warmup(tokens))
     backend.synchronize()
+    return peak
 
 
 def _agree(plan: KVPlan, tp: TensorParallel) -> KVPlan:
@@ -84,6 +89,12 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
     layout = TPLayout.of(spec, rank, world_size)  # before anything is loaded: a model that does not split fails fast
     ids = config.BackendConfig.npuDeviceIds[0] if config.BackendConfig.npuDeviceIds else None
     backend = get_backend(ext.device, rank, ids)
+    if backend.name == "npu":  # npuserve doctor's op checks and smoke tests on this rank's card, before anything loads
+        from npuserve.engine.backends.npu import NPUBackend
+        from npuserve.engine.doctor import preflight
+
+        assert isinstance(backend, NPUBackend)
+        preflight(backend)
     tp, channel = SINGLE_RANK, None
     if world_size > 1:
         if init_method is None:
@@ -98,13 +109,14 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
     backend.prepare_model(model)
     load_seconds = time.perf_counter() - t0
     schedule = config.schedule
+    activations = 0
     if config.model.npuMemSize <= 0 and backend.name != "cpu" and num_kv_blocks is None:
-        _profile_free_memory(model, backend, dtype, config)
+        activations = _profile_activations(model, backend, dtype, config)
     plan = plan_kv_blocks(
         spec, backend, block_size=schedule.cacheBlockSize, dtype=dtype, npu_mem_size_gib=config.model.npuMemSize,
         cpu_mem_size_gib=config.model.cpuMemSize, max_batch_size=schedule.maxBatchSize,
         max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen, memory_fraction=env.npu_memory_fraction,
-        world_size=world_size,
+        world_size=world_size, activation_bytes=activations,
     )
     if num_kv_blocks is not None or num_host_blocks is not None:  # tests and benchmarks pin the pool sizes
         plan = dataclasses.replace(

@@ -63,10 +63,12 @@ def plan_kv_blocks(
     max_seq_len: int,
     memory_fraction: float = 0.8,
     world_size: int = 1,
+    activation_bytes: int = 0,
 ) -> KVPlan:
     """KV blocks on the device and on the host.
 
-    `npuMemSize` > 0: that many GiB. -1 (auto): free memory x NPU_MEMORY_FRACTION; on the CPU backend no more
+    `npuMemSize` > 0: that many GiB. -1 (auto): free memory x NPU_MEMORY_FRACTION, less `activation_bytes` (a
+    warm-up's peak, which the backend measured: `Backend.measure_peak`); on the CPU backend no more
     than `maxBatchSize x maxSeqLen` tokens can use (plus one block per sequence of slack), and never more than
     half of the host's available memory, so a development box is not swallowed by the cache. Host (swap) blocks
     from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use. Blocks are per rank: a block
@@ -79,11 +81,13 @@ def plan_kv_blocks(
         source = f"npuMemSize {npu_mem_size_gib} GiB"
     else:
         free = backend.memory_info().free_bytes
-        budget = int(free * memory_fraction)
+        budget = int(free * memory_fraction) - activation_bytes
         if backend.name == "cpu":
             budget = min(budget, free // 2) // world_size
         num_blocks = max(0, budget) // per_block
         source = f"auto: {memory_fraction:.2f} of {free / GiB:.1f} GiB free"
+        if activation_bytes:
+            source += f", less the warm-up's {activation_bytes / GiB:.2f} GiB peak"
         if backend.name == "cpu" and num_blocks > usable_blocks:
             num_blocks = usable_blocks
             source += f", capped at maxBatchSize x maxSeqLen ({usable_blocks} blocks)"
@@ -142,6 +146,8 @@ class ModelRunner:
         self.num_kv_heads = model.layout.kv_heads  # this rank's
         self.channel = channel  # rank 0 of several: where each operation goes to the other ranks first
         graphs = graph_batch_size > 0 and backend.new_decode_graph() is not None
+        backend.configure(block_size=plan.block_size, head_dim=self.spec.head_dim,
+                          max_seq_len=max_seq_len or self.spec.max_position_embeddings)
         self.kv_caches = backend.allocate_kv_cache(self.spec.num_layers, plan.num_blocks + int(graphs),
                                                    plan.block_size, self.num_kv_heads, self.spec.head_dim, kv_dtype)
         self.decode_graphs: DecodeGraphs | None = None

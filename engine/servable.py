@@ -3,7 +3,8 @@
 A MindIE `config.json` loads as it is (npuserve/mindie_config.py), but a setting that changes what MindIE does and
 that this engine does not do is refused here, each with a message naming it, rather than silently ignored. The
 device and worldSize limits are the contract's (`engine_contract.unservable`), the same words the operator puts in
-the InferenceService's status.
+the InferenceService's status; the KV block size a device's kernels take is `npu_contract.block_size_problem`'s, the
+rule the operator's plan applies.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout
 from npuserve.engine_contract import unservable
 from npuserve.mindie_config import MindIEConfig
 from npuserve.modelspec import ModelSpec
+from npuserve.npu_contract import block_size_problem
 
 
 class UnservableConfigError(ValueError):
@@ -31,6 +33,10 @@ def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -
             TPLayout.of(spec, 0, model.worldSize)
         except TensorParallelLayoutError as e:
             out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: {e}")
+    if spec is not None:
+        problem = block_size_problem(device, config.schedule.cacheBlockSize, spec.head_dim)
+        if problem is not None:
+            out.append(f"BackendConfig.ScheduleConfig.cacheBlockSize: {problem}")
     cards = backend.npuDeviceIds[0] if backend.npuDeviceIds else []
     if device != "cpu" and len(cards) < model.worldSize:
         out.append(f"BackendConfig.npuDeviceIds: [{', '.join(map(str, cards))}] lists {len(cards)} card(s) for "

@@ -35,6 +35,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("tune", "run the tuner (--simulate: against the simulated engine)", "npuserve.engine.simulated.tune_cli"),
     Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
             "npuserve.engine.model_cli"),
+    Command("doctor", "preflight of an Ascend host or the engine image: driver, CANN, torch_npu, NNAL, each op on the "
+            "card", "npuserve.engine.doctor_cli"),
 )
 
 

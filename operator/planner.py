@@ -19,6 +19,7 @@ from npuserve.mindie_config import (
     ScheduleSection,
 )
 from npuserve.modelspec import ModelSpec
+from npuserve.npu_contract import NPU_BLOCK_RULE, block_size_problem
 from npuserve.operator.api import (
     Architecture,
     ExplainEntry,
@@ -127,6 +128,23 @@ class _Planner:
                  "share of the free memory given to the KV cache (spec.accelerator.memoryFraction)")
         return memory, reserved, fraction
 
+    def block_size_rule(self) -> None:
+        """cacheBlockSize, checked against the engine's kernels on the card (npuserve.npu_contract): a pinned one
+        they cannot take is refused, the default one with this model's head size is a warning (the engine refuses
+        it at start-up)."""
+        device = self.accelerator.npu_device_type
+        note = "pinned in spec.engine.schedule" if "cacheBlockSize" in self.pinned else "MindIE default"
+        if device == "npu":
+            note += f"; on npu: {NPU_BLOCK_RULE}"
+        self.add(0, "schedule.cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
+                 note)
+        problem = block_size_problem(device, self.block_size, self.model.head_dim)
+        if problem is None:
+            return
+        if "cacheBlockSize" in self.pinned:
+            raise PlanError(f"spec.engine.schedule.cacheBlockSize: {problem}")
+        self.warnings.append(f"cacheBlockSize: {problem}; the engine refuses it at start-up")
+
     # --- steps 1-2: memory and blocks --------------------------------------------------------------------------
 
     def memory_for(
@@ -194,8 +212,7 @@ class _Planner:
         spec, w = self.spec, self.spec.workload
         weights, _ = self.weights()
         memory, reserved, fraction = self.card_memory()
-        self.add(0, "schedule.cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
-                 "pinned in spec.engine.schedule" if "cacheBlockSize" in self.pinned else "MindIE default")
+        self.block_size_rule()
         mem = self.world_size(memory, reserved, fraction, weights)
         ws = mem.world_size
 

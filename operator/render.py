@@ -345,6 +345,9 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.imagePullPolicy,
         "command": serve_command(model_path(isvc), CONFIG_PATH),
+        # An engine that stops at start-up (on npu, `npuserve doctor`'s failed checks: docs/engine.md) leaves its last
+        # log lines as the container's termination message, where `kubectl describe` shows them.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": _env(isvc, plan),
         "resources": _resources(isvc, plan),
         "volumeMounts": mounts,

@@ -1,5 +1,6 @@
 """What the backend tests share: sequences on shuffled blocks, a cache already full of random K/V, and greedy
-generation through a `ModelRunner` (with a prefix-cache hit) to compare a backend's tokens with the CPU's."""
+generation through a `ModelRunner` (with a prefix-cache hit; whole prefills or chunked prefill) to compare a
+backend's tokens with the CPU's."""
 
 from __future__ import annotations
 
@@ -64,4 +65,49 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int, see
     seqs = first + second
     for _ in range(steps - 1):
         advance(seqs, runner.execute(seqs, is_prefill=False).token_ids)
+    return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
+
+
+def greedy_tokens_chunked(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int,
+                          chunk: int) -> list[list[int]]:
+    """Greedy with chunked prefill, as the scheduler runs it: each step carries the decodes of the sequences whose
+    prompts are done (one token each, first) and up to `chunk` more prompt tokens of each sequence still
+    prefilling, so steps mix decodes and chunks, and a chunk continues a prompt at a prefix that is no multiple of
+    the block size unless `chunk` is one. What a chunk short of its prompt's end samples is dropped. The last
+    prompt is admitted behind the second prompt's first two blocks (a prefix-cache hit) once they are computed.
+    Blocks from a shuffled pool."""
+    block_size = runner.block_size
+    pool = list(range(runner.num_blocks))
+    random.Random(seed).shuffle(pool)
+
+    def admit(prompt: list[int], shared: list[int]) -> Sequence:
+        nonlocal pool
+        seq = Sequence(prompt, SamplingParams(temperature=0.0, max_tokens=steps), arrival_time=0.0)
+        fresh = math.ceil((len(prompt) + steps + 1) / block_size) - len(shared)
+        seq.block_table, pool = shared + pool[:fresh], pool[fresh:]
+        seq.num_cached_tokens = len(shared) * block_size
+        return seq
+
+    assert len(prompts[1]) > 2 * block_size  # the hit covers two whole blocks
+    seqs = [admit(p, []) for p in prompts[:-1]]
+    hit: Sequence | None = None
+    while True:
+        if hit is None and seqs[1].num_cached_tokens >= 2 * block_size:
+            hit = admit(prompts[1][: 2 * block_size] + prompts[-1], seqs[1].block_table[:2])
+            seqs.append(hit)
+        active = [s for s in seqs if s.num_tokens - s.num_prompt_tokens < steps]
+        if hit is not None and not active:
+            break
+        decodes = [s for s in active if s.num_cached_tokens >= s.num_prompt_tokens]
+        chunks = [s for s in active if s.num_cached_tokens < s.num_prompt_tokens]
+        step = decodes + chunks
+        new = [1] * len(decodes) + [min(chunk, s.num_prompt_tokens - s.num_cached_tokens) for s in chunks]
+        if chunks:
+            out = runner.execute(step, is_prefill=True, num_new_tokens=new)
+        else:
+            out = runner.execute(step, is_prefill=False)
+        for seq, n, token in zip(step, new, out.token_ids, strict=True):
+            seq.num_cached_tokens += n
+            if seq.num_cached_tokens == seq.num_tokens:  # the step reached the sequence's end: its token counts
+                seq.token_ids.append(token)
     return [s.token_ids[s.num_prompt_tokens:] for s in seqs]

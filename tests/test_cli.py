@@ -7,7 +7,7 @@ import pytest
 
 from npuserve.cli import COMMANDS, main
 
-DESIGN_SUBCOMMANDS = {"serve", "generate", "plan", "bench", "simulate", "operator", "tune", "model"}
+DESIGN_SUBCOMMANDS = {"serve", "generate", "plan", "bench", "simulate", "operator", "tune", "model", "doctor"}
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:

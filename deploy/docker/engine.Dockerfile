@@ -24,8 +24,12 @@ RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 # --- the engine image -------------------------------------------------------------------------------------------
 FROM ${CANN_IMAGE}
 
-# torch and torch_npu must match each other and CANN. Ascend Extension for PyTorch 7.3.0 pairs CANN 8.5.0 with
-# torch 2.8.0 and torch_npu 2.8.0.post2 (Python 3.9-3.12); see Ascend/pytorch's version compatibility notes.
+# torch and torch_npu must match each other and CANN. Ascend Extension for PyTorch (op-plugin) 7.3.0 pairs CANN 8.5.0
+# with torch 2.8.0 and torch_npu 2.8.0.post2 (Python 3.9-3.12; Ascend/pytorch COMPATIBILITY.en.md); the base image
+# carries NNAL 8.5.0 (libatb.so, the ATB operators the npu backend calls) with ATB_HOME_PATH and LD_LIBRARY_PATH set
+# by ENV. Supported stacks: docs/engine.md "Supported versions" (op-plugin 7.0.0 to 26.1.0); another pairing of that
+# table works with these three arguments and CANN_IMAGE changed together. The build checks the torch_npu is one of
+# the matrix's; on a card, `docker run ... npuserve/engine:<tag> doctor` checks the rest (driver, NNAL, each kernel).
 ARG TORCH_VERSION=2.8.0
 ARG TORCH_NPU_VERSION=2.8.0.post2
 ARG ENGINE_UID=1000
@@ -52,7 +56,12 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH
     && echo "torch==${TORCH_VERSION}" > /tmp/constraints.txt \
     && pip install --constraint /tmp/constraints.txt "$(ls /wheels/npuserve-*.whl)[engine]" \
     && rm -rf /wheels /tmp/constraints.txt \
-    && cd / && TORCH_DEVICE_BACKEND_AUTOLOAD=0 python3 -c "import torch, npuserve.engine; print(torch.__version__)"
+    && cd / && TORCH_DEVICE_BACKEND_AUTOLOAD=0 python3 -c "import torch, npuserve.engine; print(torch.__version__)" \
+    && python3 -c "from npuserve.engine.backends.npu_stack import release_of, torch_for; \
+v = '${TORCH_NPU_VERSION}'; r = release_of(v); \
+assert r is not None, f'torch_npu {v} is outside the supported matrix'; \
+assert torch_for(v) == '${TORCH_VERSION}', f'torch_npu {v} needs torch {torch_for(v)}'; \
+print(f'torch_npu {v}: op-plugin {r.name}, CANN and NNAL {r.cann}')"
 
 # Non-root: uid/gid 1000 is HwHiAiUser on Ascend hosts, the owner of the driver's device files (render.py's
 # ENGINE_UID). Pods run with a read-only root filesystem and HOME=/tmp (an emptyDir).

@@ -9,6 +9,7 @@ over its block table), copies blocks between device and host for swapping, synch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -33,8 +34,8 @@ class AttentionMetadata:
     query_start: list[int]  # (batch + 1,) row offsets of each sequence's new tokens
     max_query_len: int
     max_context_len: int
-    # Filled lazily by the backend and reused by every layer of the step (masks, gather indices).
-    cache: dict[str, torch.Tensor] | None = None
+    # Filled lazily by the backend and reused by every layer of the step (masks, gather indices, a kernel's choice).
+    cache: dict[str, Any] | None = None
     # A chunked-prefill step whose first sequences decode: the two groups' own layouts (decodes first).
     decode_part: AttentionMetadata | None = None
     prefill_part: AttentionMetadata | None = None
@@ -82,10 +83,24 @@ class Backend(ABC):
         `pool` shares one memory pool across the captured batch sizes."""
         raise NotImplementedError(f"the {self.name} backend has no decode graphs")
 
+    def configure(self, *, block_size: int, head_dim: int, max_seq_len: int) -> None:
+        """Called by the runner before it allocates the KV cache (each runner of an engine with the same values): the
+        layout the attention kernels will see and the longest sequence. A backend whose kernels cannot run the layout
+        raises ValueError naming it; one that needs per-layout constants builds them from here (npu: the prefill
+        mask's size). Nothing by default: the CPU and CUDA attention takes any block size."""
+        return None
+
     # --- memory -------------------------------------------------------------------------------------------------
 
     @abstractmethod
     def memory_info(self) -> MemoryInfo: ...
+
+    def measure_peak(self, run: Callable[[], None]) -> int:
+        """Runs `run` (a warm-up) and returns the bytes the device's allocator held at its peak beyond what it held
+        before, for KV sizing to set aside. 0 by default: a backend that does not measure leaves the warm-up's blocks
+        in its allocator's cache, where its `memory_info` counts them as used."""
+        run()
+        return 0
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -1,27 +1,34 @@
-"""The `npu` backend: Ascend cards through torch_npu (DESIGN.md 3.3; the ops as ../shared/notes/torch-npu-ops.md has
-them, called the way vllm-ascend calls them).
+"""The `npu` backend: Ascend cards through torch_npu, called as the production callers call it (vllm-project/
+vllm-ascend v0.9.1 to its 2026 head, sgl-project/sglang's Ascend backend) and within each kernel's documented
+contract (docs/engine.md, "The npu backend's kernels", has the signatures, the limits and their sources).
 
-- Device: `local_device_index` picks the card from MindIE's `npuDeviceIds` (logical ids) and the rank, checked
-  against `ASCEND_RT_VISIBLE_DEVICES`; `torch.npu.set_device` makes it current; memory from `torch.npu.mem_get_info`.
-- Cache write: `torch_npu.npu_scatter_pa_kv_cache` (cache_mode "Norm"), slots int32, k and v contiguous
-  `(tokens, kv_heads, head_dim)`, into `kv_cache[0]` / `kv_cache[1]` shaped `(blocks, block_size, kv_heads, head_dim)`.
-- Prefill: `torch_npu._npu_flash_attention` over the new tokens' own K and V with an `[S, S]` causal mask; when a
-  sequence has a prefix-cache hit (context longer than its new tokens), `torch_npu._npu_flash_attention_qlens`
-  over the cache through the block tables, with the 128 x 128 compressed causal mask.
-- Decode: `torch_npu._npu_paged_attention` over the block tables (int32), context lengths int32 on the host.
-- Outputs are preallocated (`torch.empty_like`) and written by the ops (`out=`).
-- Tensor parallel: HCCL (`dist_backend`).
-- Fused kernels (`prepare_model`): RMSNorm through `torch_npu.npu_rms_norm`, the MLP's SwiGLU through
-  `torch_npu.npu_swiglu`, neox RoPE through `torch_npu.npu_rotary_mul` (signatures from Ascend's torch_npu API
-  reference, op-plugin docs/context; the notes do not cover them).
-- Decode graphs: off (`new_decode_graph` says why).
+At start-up (`NPUBackend(...)`): the torch_npu stack is detected (`npu_stack.detect`: its op-plugin release line,
+the ops present, whether the scatter write takes `cache_mode`); a stack without an op the backend calls is refused
+(BackendUnavailableError naming it); the first ATB call is made on one token, since torch_npu loads NNAL's libatb.so
+only then, so a missing NNAL is refused here and not in the first request; the card is picked and made current.
+`configure` (the runner, before it allocates the cache) refuses a block size the kernels cannot take
+(`npuserve.npu_contract`) and fixes the longest sequence the prefill mask must cover.
+
+Each step goes to one kernel whose contract allows it:
+- a decode step: `_npu_paged_attention` (int32 block tables, int32 context lengths on the host);
+- a prefill step whose every prefix (context - new tokens) is a multiple of 128, on a 128-token block and a head
+  size the prefix encoder takes: `_npu_flash_attention_qlens` over the cache with the compressed [128, 128] mask (as
+  sglang runs every prefill; vllm-ascend its prefix-cache hits);
+- a prefill step without any prefix otherwise: `_npu_flash_attention` over the new tokens' own K and V, with the
+  causal mask built once at the longest sequence (`configure`'s max_seq_len) and passed whole every step;
+- anything else (a chunked-prefill step, whose decodes ride with prompt chunks at any prefix; a prefix hit the
+  prefix encoder cannot take): `_npu_paged_attention_splitfuse` over the whole step, with a per-token mask.
+The cache write: `npu_scatter_pa_kv_cache(..., cache_mode="Norm")` where the op takes `cache_mode` (op-plugin
+26.0.0 on), else `_npu_reshape_and_cache` (every line from 7.0.0). Outputs are preallocated and written by the ops.
+Per-step tensors (int32 tables, host lengths, the SplitFuse mask, the kernel chosen) are made once per step and
+shared by every layer through `AttentionMetadata.cache`.
+
+Memory: `memory_info` empties torch_npu's caching allocator before `mem_get_info` (as vllm-ascend's worker does), and
+`measure_peak` reports a warm-up's peak, which KV sizing sets aside. Tensor parallel: HCCL. Fused kernels:
+`npu_fused.py`. Decode graphs: off (`new_decode_graph` says why).
 
 torch_npu is imported only when an `NPUBackend` is built: it needs Ascend's CANN runtime, and importing this module
-must work anywhere. The per-step tensors the ops want in other dtypes or on the host (int32 block tables, host
-lengths, the mask) are made once per step and shared by every layer through `AttentionMetadata.cache`.
-
-Not here (later work): `npu_fused_infer_attention_score` (the notes give its call, not its return or the lengths'
-types), decode graphs, auto sizing after a warm-up.
+must work anywhere.
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -37,67 +43,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from npuserve.engine.backends import npu_stack
 from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
-from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
-from npuserve.engine.model.llama import MLP
+from npuserve.engine.backends.npu_device import local_device_index
+from npuserve.engine.backends.npu_fused import swap_fused_kernels
+from npuserve.engine.backends.npu_masks import causal_mask, check_kernel_dtype, splitfuse_mask
+from npuserve.engine.backends.npu_stack import DECODE_OP, FLASH_OP, PREFIX_OP, SPLITFUSE_OP, NPUStack
+from npuserve.npu_contract import (
+    COMPRESSED_MASK_SIZE,
+    PREFIX_ENCODER_PREFIX_MULTIPLE,
+    npu_block_size_problem,
+    prefix_encoder_takes,
+)
 
 log = logging.getLogger(__name__)
 
-VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
-# The dtypes the Ascend attention kernels take (ATB flash/paged attention: float16 and bfloat16).
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-# `_npu_flash_attention_qlens` takes a compressed causal mask of this size, whatever the lengths (as sglang's Ascend
-# backend builds it; to be confirmed on hardware).
-COMPRESSED_MASK_SIZE = 128
-
-
-def parse_visible_devices(value: str | None) -> list[int] | None:
-    """`ASCEND_RT_VISIBLE_DEVICES` ("0,1,4") as physical card ids; None when unset or empty."""
-    if value is None or not value.strip():
-        return None
-    cards: list[int] = []
-    for part in value.split(","):
-        part = part.strip()
-        if not part.isdigit():
-            raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r}: expected comma-separated card ids such as '0,1'")
-        cards.append(int(part))
-    if len(set(cards)) != len(cards):
-        raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r} names a card twice")
-    return cards
-
-
-def local_device_index(npu_device_ids: Seq[int] | None = None, rank: int = 0,
-                       environ: Mapping[str, str] | None = None) -> int:
-    """The index this rank passes to `torch.npu.set_device`.
-
-    `npu_device_ids` is one instance's list from MindIE's `BackendConfig.npuDeviceIds`: logical ids, i.e. the
-    runtime's numbering. With `ASCEND_RT_VISIBLE_DEVICES` set, the runtime numbers the cards it lists 0..n-1 in the
-    listed order (as CUDA_VISIBLE_DEVICES does), so the ids index into that list; unset, logical ids are the
-    physical ones. Rank r takes the list's r-th id; without a list, card r.
-    """
-    if rank < 0:
-        raise ValueError(f"rank {rank} is negative")
-    ids = list(npu_device_ids) if npu_device_ids is not None else None
-    if ids is not None:
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"npuDeviceIds {ids} names a card twice")
-        if any(i < 0 for i in ids):
-            raise ValueError(f"npuDeviceIds {ids} has a negative id")
-        if rank >= len(ids):
-            raise ValueError(f"rank {rank} has no card: npuDeviceIds {ids} lists {len(ids)}")
-        index = ids[rank]
-    else:
-        index = rank
-    visible = parse_visible_devices((os.environ if environ is None else environ).get(VISIBLE_DEVICES_ENV))
-    if visible is not None and index >= len(visible):
-        hint = ""
-        if index in visible:
-            hint = (f"; physical card {index} is logical id {visible.index(index)} (npuDeviceIds are logical ids, "
-                    f"counted within {VISIBLE_DEVICES_ENV})")
-        listed = ",".join(map(str, visible))
-        raise ValueError(f"card {index} for rank {rank} is not visible: {VISIBLE_DEVICES_ENV}={listed} makes "
-                         f"{len(visible)} card(s) visible, ids 0..{len(visible) - 1}{hint}")
-    return index
+NNAL_SET_ENV = "/usr/local/Ascend/nnal/atb/set_env.sh"  # NNAL's default install (vllm-ascend's install guide)
 
 
 def _import_torch_npu() -> Any:
@@ -114,74 +75,19 @@ def _torch_npu_namespace() -> Any:
     return torch.npu  # type: ignore[attr-defined]
 
 
-def causal_mask(size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`[size, size]`, the masked positions (above the diagonal) as the Ascend kernels read them: float16 holds the
-    float32 minimum (-inf once in float16), bfloat16 holds 1 (vllm-ascend's mask builder)."""
-    if dtype not in KERNEL_DTYPES:
-        raise ValueError(f"the Ascend attention kernels take float16 or bfloat16, not {dtype}")
-    above = torch.ones(size, size, dtype=torch.bool).triu_(1)
-    fill = torch.finfo(torch.float32).min if dtype == torch.float16 else 1.0
-    mask = torch.zeros(size, size, dtype=torch.float32).masked_fill_(above, fill)
-    return mask.to(dtype=dtype).to(device).contiguous()
-
-
-# --- fused kernels (swapped into the model by `NPUBackend.prepare_model`) ------------------------------------------
-
-
-class FusedRMSNorm:
-    """An `RMSNorm`'s forward through `torch_npu.npu_rms_norm(x, gamma, epsilon)`, which returns (y, 1/rms) and
-    wants gamma in x's dtype; any other input takes the module's own eager forward."""
-
-    def __init__(self, ops: Any, norm: RMSNorm) -> None:
-        self.ops, self.norm = ops, norm
-        self.eager = norm.forward  # the class's method, bound before the swap
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.norm.weight.dtype:
-            return self.eager(x)
-        y: torch.Tensor = self.ops.npu_rms_norm(x, self.norm.weight, epsilon=self.norm.eps)[0]
-        return y
-
-
-class FusedRotary:
-    """A `RotaryEmbedding`'s forward through `torch_npu.npu_rotary_mul(x, cos, sin)` in its "half" mode (the neox
-    rotate-half the model uses): `x * cos + cat(-x2, x1) * sin` over the full head, so the half-width tables are
-    doubled (once per dtype). q and k go in as `(1, tokens, heads, head_dim)` (layout BSND) with cos and sin
-    `(1, tokens, 1, head_dim)` (1S1D), one of the kernel's documented layout pairs."""
-
-    def __init__(self, ops: Any, rotary: RotaryEmbedding) -> None:
-        self.ops, self.rotary = ops, rotary
-        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        found = self._tables.get(dtype)
-        if found is None:
-            cos, sin = (torch.cat([t, t], dim=-1).to(dtype) for t in (self.rotary.cos, self.rotary.sin))
-            found = self._tables[dtype] = (cos, sin)
-        return found
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor,
-                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos_table, sin_table = self._table(q.dtype)
-        tokens, dim = q.shape[0], q.shape[-1]
-        cos = cos_table.index_select(0, positions).view(1, tokens, 1, dim)
-        sin = sin_table.index_select(0, positions).view(1, tokens, 1, dim)
-        q_out = self.ops.npu_rotary_mul(q.contiguous().unsqueeze(0), cos, sin).squeeze(0)
-        k_out = self.ops.npu_rotary_mul(k.contiguous().unsqueeze(0), cos, sin).squeeze(0)
-        return q_out, k_out
-
-
-class FusedSwiGLU(nn.Module):
-    """The MLP's `silu_and_mul` as one kernel: `torch_npu.npu_swiglu(x, dim=-1)` is `silu(A) * B` with A the first
-    half of the last dimension, the gate in the fused gate-up projection. The kernel takes contiguous input only."""
-
-    def __init__(self, ops: Any) -> None:
-        super().__init__()
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor = self.ops.npu_swiglu(x.contiguous(), dim=-1)
-        return y
+def refuse_unusable(stack: NPUStack) -> None:
+    """BackendUnavailableError when the stack lacks an op the backend calls; a warning when it is untested."""
+    missing = stack.missing()
+    if missing:
+        raise BackendUnavailableError(
+            f"{stack.describe()} lacks {', '.join(missing)}, which the npu backend calls; supported: "
+            + "; ".join(npu_stack.matrix_lines()))
+    if stack.release is None:
+        log.warning("npu: %s is not in the tested matrix (%s); its ops are present, so the engine goes on",
+                    stack.describe(), "; ".join(npu_stack.matrix_lines()))
+    mismatch = stack.torch_mismatch()
+    if mismatch:
+        log.warning("npu: %s", mismatch)
 
 
 class NPUBackend(Backend):
@@ -195,6 +101,8 @@ class NPUBackend(Backend):
                  device: torch.device | None = None, environ: Mapping[str, str] | None = None) -> None:
         self._ops = _import_torch_npu()
         self._npu = _torch_npu_namespace()
+        self.stack = npu_stack.detect(self._ops, torch.__version__)
+        refuse_unusable(self.stack)
         index = local_device_index(npu_device_ids, rank, environ)
         count = int(self._npu.device_count())
         if index >= count:
@@ -203,71 +111,84 @@ class NPUBackend(Backend):
         self._npu.set_device(index)
         self.device_index = index
         super().__init__(device if device is not None else torch.device("npu", index))
-        self._masks: dict[torch.dtype, torch.Tensor] = {}  # the largest [S, S] causal mask built so far, per dtype
+        self._check_nnal()
+        self._max_seq_len: int | None = None  # set by `configure`: the prefill mask's size
+        self._flash_masks: dict[torch.dtype, torch.Tensor] = {}
         self._compressed_masks: dict[torch.dtype, torch.Tensor] = {}
+
+    def _check_nnal(self) -> None:
+        """torch_npu loads NNAL's libatb.so at the first ATB call (op-plugin `op_plugin/python/atb/_atb_ops.py`) and
+        raises OSError there; that call is made here, one token into a one-block cache."""
+        key = torch.zeros(1, 1, 16, dtype=torch.float16, device=self.device)
+        cache = torch.zeros(1, 16, 1, 16, dtype=torch.float16, device=self.device)
+        slot = torch.zeros(1, dtype=torch.int32, device=self.device)
+        try:
+            self._ops._npu_reshape_and_cache(key=key, value=key, key_cache=cache, value_cache=cache.clone(),
+                                             slot_indices=slot)
+        except OSError as e:
+            cann = self.stack.release.cann if self.stack.release else "matching CANN"
+            raise BackendUnavailableError(
+                f"NNAL (libatb.so, the ATB operators the npu backend calls) is not usable with {self.stack.describe()}:"
+                f" {e}. Install NNAL {cann} and source {NNAL_SET_ENV} (it sets ATB_HOME_PATH and LD_LIBRARY_PATH)"
+            ) from e
 
     # --- device -------------------------------------------------------------------------------------------------
 
     def memory_info(self) -> MemoryInfo:
+        """Free memory once the caching allocator has returned what it holds (a warm-up's activations would count as
+        used otherwise); `measure_peak` is what sets the activations aside."""
+        self._npu.empty_cache()
         free, total = self._npu.mem_get_info(self.device_index)
         return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
 
+    def measure_peak(self, run: Callable[[], None]) -> int:
+        self._npu.reset_peak_memory_stats(self.device_index)
+        before = int(self._npu.memory_allocated(self.device_index))
+        run()
+        self.synchronize()
+        return max(0, int(self._npu.max_memory_allocated(self.device_index)) - before)
+
     def synchronize(self) -> None:
         self._npu.synchronize()
+
+    def configure(self, *, block_size: int, head_dim: int, max_seq_len: int) -> None:
+        problem = npu_block_size_problem(block_size, head_dim)
+        if problem is not None:
+            raise ValueError(problem)
+        if max_seq_len != self._max_seq_len:
+            self._flash_masks.clear()
+        self._max_seq_len = max_seq_len
 
     def allocate_kv_cache(
         self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | None = None,
     ) -> list[torch.Tensor]:
-        if dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the Ascend attention kernels take float16 or bfloat16, not {dtype}: set the model's "
-                             "dtype (npuserve.dtype) to float16 or bfloat16 on the npu backend")
+        try:
+            check_kernel_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"{e}: set the model's dtype (npuserve.dtype) to float16 or bfloat16 on the npu "
+                             "backend") from None
         return super().allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
 
     # --- the model: fused kernels, decode graphs ------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module) -> None:
-        """Swaps torch_npu's fused kernels into the model's leaf pieces, leaving every parameter, module and the
-        collectives around them as they are: each `RMSNorm`'s and `RotaryEmbedding`'s forward (an instance
-        attribute over the class's method), and each `MLP`'s `act_fn` hook when it holds `silu_and_mul`. Idempotent;
-        a model without the hook keeps its eager SwiGLU."""
-        swapped = {"rms_norm": 0, "rotary": 0, "swiglu": 0}
-        for name, module in list(model.named_modules()):  # a list: swapping `act_fn` adds a submodule
-            if isinstance(module, RMSNorm | RotaryEmbedding):
-                if isinstance(module.__dict__.get("forward"), FusedRMSNorm | FusedRotary):
-                    continue
-                if isinstance(module, RMSNorm):
-                    module.forward = FusedRMSNorm(self._ops, module)  # type: ignore[method-assign]
-                    swapped["rms_norm"] += 1
-                else:
-                    module.forward = FusedRotary(self._ops, module)  # type: ignore[method-assign]
-                    swapped["rotary"] += 1
-            elif isinstance(module, MLP):
-                act = getattr(module, "act_fn", None)
-                if act is silu_and_mul:
-                    setattr(module, "act_fn", FusedSwiGLU(self._ops))  # noqa: B010 (a hook mypy may not know)
-                    swapped["swiglu"] += 1
-                elif not isinstance(act, FusedSwiGLU):
-                    log.debug("npu: %s keeps its eager SwiGLU: no `act_fn` hook holding silu_and_mul (found %r)",
-                              name or "MLP", act)
-        log.info("npu: fused kernels swapped in: %d RMSNorm, %d RoPE, %d SwiGLU", swapped["rms_norm"],
-                 swapped["rotary"], swapped["swiglu"])
+        swap_fused_kernels(self._ops, model)
 
     def new_decode_graph(self) -> Any | None:
         """None: decode runs eagerly. `_npu_paged_attention` takes the context lengths as a host tensor, read when
         the kernel is launched; a captured `torch.npu.NPUGraph` would replay every step with the lengths of the
-        capture (and `npu_fused_infer_attention_score` takes its kv lengths from the host too). vllm-ascend makes
-        such graphs correct by capturing each layer's attention in its own task group
+        capture. vllm-ascend makes such graphs correct by capturing each layer's attention in its own task group
         (`torch.npu.graph_task_group_begin/end`) and, before every replay, re-issuing it with the step's lengths
         (`graph_task_update_begin/end` on a side stream, `_npu_paged_attention_get_workspace`, ordered by
-        `torch.npu.ExternalEvent`s): a per-replay hook the device-generic decode graphs do not have, over APIs the
-        notes do not record and no card here can check."""
+        `torch.npu.ExternalEvent`s): a per-replay hook the device-generic decode graphs do not have, over APIs no
+        card here can check."""
         return None
 
     # --- per-step tensors (built once, shared by every layer) -----------------------------------------------------
 
     @staticmethod
-    def _per_step(meta: AttentionMetadata, key: str, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _per_step(meta: AttentionMetadata, key: str, make: Callable[[], Any]) -> Any:
         """`make()` once per step: the metadata's cache is shared by every layer of the step."""
         if meta.cache is None:
             meta.cache = {}
@@ -277,115 +198,135 @@ class NPUBackend(Backend):
         return found
 
     def _block_tables(self, meta: AttentionMetadata) -> torch.Tensor:
-        return self._per_step(meta, "npu_block_tables",
-                              lambda: meta.block_tables.to(device=self.device, dtype=torch.int32).contiguous())
+        tables: torch.Tensor = self._per_step(
+            meta, "npu_block_tables", lambda: meta.block_tables.to(device=self.device, dtype=torch.int32).contiguous())
+        return tables
 
     def _host_context_lens(self, meta: AttentionMetadata) -> torch.Tensor:
         """int32 on the host, as the kernels take them (one device-to-host copy per step)."""
-        return self._per_step(meta, "npu_context_lens",
-                              lambda: meta.context_lens.to(device="cpu", dtype=torch.int32).contiguous())
+        lens: torch.Tensor = self._per_step(
+            meta, "npu_context_lens", lambda: meta.context_lens.to(device="cpu", dtype=torch.int32).contiguous())
+        return lens
 
     def _host_query_lens(self, meta: AttentionMetadata) -> torch.Tensor:
         starts = meta.query_start
-        return self._per_step(meta, "npu_query_lens", lambda: torch.tensor(
+        lens: torch.Tensor = self._per_step(meta, "npu_query_lens", lambda: torch.tensor(
             [starts[b + 1] - starts[b] for b in range(meta.batch_size)], dtype=torch.int32))
+        return lens
 
-    def _has_prefix_hit(self, meta: AttentionMetadata) -> bool:
-        return bool((self._host_context_lens(meta) > self._host_query_lens(meta)).any())
+    def _slot_mapping(self, meta: AttentionMetadata) -> torch.Tensor:
+        slots: torch.Tensor = self._per_step(meta, "npu_slot_mapping",
+                                             lambda: meta.slot_mapping.to(dtype=torch.int32).contiguous())
+        return slots
 
-    def _prefill_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
-        """The `[S, S]` causal mask of the step's longest sequence, contiguous."""
+    def kernel(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> str:
+        """The op this step's attention runs on (the module docstring has the rule)."""
 
-        def make() -> torch.Tensor:
-            size = meta.max_context_len
-            full = self._masks.get(dtype)
-            if full is None or full.shape[0] < size:
-                full = causal_mask(size, dtype, self.device)
-                self._masks[dtype] = full
-            return full[:size, :size].contiguous()
+        def choose() -> str:
+            if not meta.is_prefill:
+                return DECODE_OP
+            if meta.decode_part is not None:
+                return SPLITFUSE_OP
+            prefixes = self._host_context_lens(meta) - self._host_query_lens(meta)
+            if (prefix_encoder_takes(kv_cache.shape[2], kv_cache.shape[4])
+                    and bool((prefixes % PREFIX_ENCODER_PREFIX_MULTIPLE == 0).all())):
+                return PREFIX_OP
+            if not bool(prefixes.any()):
+                return FLASH_OP
+            return SPLITFUSE_OP
 
-        return self._per_step(meta, "npu_prefill_mask", make)
+        chosen: str = self._per_step(meta, "npu_kernel", choose)
+        return chosen
+
+    def _flash_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """The causal mask at the longest sequence, built once per dtype and passed whole (the kernel reads its
+        top-left [S, S]). Without `configure` it is built at the longest step seen so far."""
+        needed = meta.max_context_len
+        mask = self._flash_masks.get(dtype)
+        if mask is None or mask.shape[0] < needed:
+            size = self._max_seq_len if self._max_seq_len is not None else needed
+            if needed > size:
+                raise ValueError(f"a prefill of {needed} tokens is longer than the {size} tokens (maxSeqLen) the "
+                                 "prefill mask was built for")
+            mask = self._flash_masks[dtype] = causal_mask(size, dtype, self.device)
+        return mask
 
     def _compressed_mask(self, dtype: torch.dtype) -> torch.Tensor:
         mask = self._compressed_masks.get(dtype)
         if mask is None:
-            mask = causal_mask(COMPRESSED_MASK_SIZE, dtype, self.device)
-            self._compressed_masks[dtype] = mask
+            mask = self._compressed_masks[dtype] = causal_mask(COMPRESSED_MASK_SIZE, dtype, self.device)
         return mask
 
-    def _slot_mapping(self, meta: AttentionMetadata) -> torch.Tensor:
-        return self._per_step(meta, "npu_slot_mapping",
-                              lambda: meta.slot_mapping.to(dtype=torch.int32).contiguous())
+    def _splitfuse_mask(self, meta: AttentionMetadata, dtype: torch.dtype) -> torch.Tensor:
+        """`[tokens, longest context]`, each query token masked past its own position (once per step)."""
+
+        def make() -> torch.Tensor:
+            qlens = self._host_query_lens(meta).long()
+            firsts = self._host_context_lens(meta).long() - qlens  # each sequence's first new position
+            starts = torch.tensor(meta.query_start[:-1], dtype=torch.long)
+            rows = torch.arange(int(qlens.sum()), dtype=torch.long)
+            positions = torch.repeat_interleave(firsts - starts, qlens) + rows
+            return splitfuse_mask(positions.to(self.device), meta.max_context_len, dtype)
+
+        mask: torch.Tensor = self._per_step(meta, f"npu_splitfuse_mask_{dtype}", make)
+        return mask
 
     # --- attention ----------------------------------------------------------------------------------------------
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self._ops.npu_scatter_pa_kv_cache(
-            key=k.contiguous(), value=v.contiguous(), key_cache=kv_cache[0], value_cache=kv_cache[1],
-            slot_mapping=slot_mapping.to(dtype=torch.int32).contiguous(), cache_mode="Norm",
-        )
+        slots = slot_mapping.to(dtype=torch.int32).contiguous()
+        if self.stack.scatter_cache_mode:
+            self._ops.npu_scatter_pa_kv_cache(key=k.contiguous(), value=v.contiguous(), key_cache=kv_cache[0],
+                                              value_cache=kv_cache[1], slot_mapping=slots, cache_mode="Norm")
+        else:
+            self._ops._npu_reshape_and_cache(key=k.contiguous(), value=v.contiguous(), key_cache=kv_cache[0],
+                                             value_cache=kv_cache[1], slot_indices=slots)
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """As the base class, but a prefill without prefix hits attends over the new K and V as they are (no read
-        back from the cache), and a mixed step's two parts write into one preallocated output."""
+        """As the base class, but the whole step (a chunked one's decodes and chunks together) runs on one kernel,
+        and a prefill without a prefix on the flash kernel attends over the new K and V as they are."""
         self.write_kv(kv_cache, k, v, self._slot_mapping(meta))  # int32 already: converted once per step
-        q = q.contiguous()
-        if meta.decode_part is not None and meta.prefill_part is not None:
-            num_decodes = meta.decode_part.batch_size
-            out = torch.empty_like(q)
-            self._decode(q[:num_decodes], kv_cache, meta.decode_part, out[:num_decodes])
-            self._prefill(q[num_decodes:], k[num_decodes:], v[num_decodes:], kv_cache, meta.prefill_part,
-                          out[num_decodes:])
-            return out
-        if meta.is_prefill:
-            return self._prefill(q, k, v, kv_cache, meta, torch.empty_like(q))
-        return self._decode(q, kv_cache, meta, torch.empty_like(q))
+        return self._attend(q.contiguous(), k, v, kv_cache, meta)
 
     def prefill_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        if self._has_prefix_hit(meta):
-            return self._prefill(q, None, None, kv_cache, meta, out)
-        # K and V are in the cache only: read the new tokens' rows back through their slots
-        _, num_blocks, block_size, heads, dim = kv_cache.shape
-        slots = meta.slot_mapping.to(dtype=torch.long)
-        k = kv_cache[0].view(num_blocks * block_size, heads, dim).index_select(0, slots)
-        v = kv_cache[1].view(num_blocks * block_size, heads, dim).index_select(0, slots)
-        return self._prefill(q, k, v, kv_cache, meta, out)
+        return self._attend(q.contiguous(), None, None, kv_cache, meta)
 
     def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q = q.contiguous()
-        return self._decode(q, kv_cache, meta, torch.empty_like(q))
+        return self._attend(q.contiguous(), None, None, kv_cache, meta)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                 meta: AttentionMetadata, out: torch.Tensor) -> torch.Tensor:
-        heads, dim = q.shape[1], q.shape[2]
-        kv_heads = kv_cache.shape[3]
+    def _attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        heads, dim, kv_heads = q.shape[1], q.shape[2], kv_cache.shape[3]
         scale = 1.0 / math.sqrt(dim)
-        if self._has_prefix_hit(meta):
+        kernel = self.kernel(meta, kv_cache)
+        if kernel == DECODE_OP:
+            self._ops._npu_paged_attention(
+                query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], num_kv_heads=kv_heads, num_heads=heads,
+                scale_value=scale, block_table=self._block_tables(meta), context_lens=self._host_context_lens(meta),
+                out=out)
+        elif kernel == PREFIX_OP:
             self._ops._npu_flash_attention_qlens(
                 query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], block_table=self._block_tables(meta),
                 mask=self._compressed_mask(q.dtype), seq_len=self._host_query_lens(meta),
                 context_lens=self._host_context_lens(meta), num_kv_heads=kv_heads, num_heads=heads,
-                scale_value=scale, out=out,
-            )
-        else:
-            assert k is not None and v is not None, "a prefill without prefix hits attends over its own K and V"
+                scale_value=scale, out=out)
+        elif kernel == FLASH_OP:
+            if k is None or v is None:  # K and V are in the cache only: read the new tokens' rows back by slot
+                _, num_blocks, block_size, _, _ = kv_cache.shape
+                slots = meta.slot_mapping.to(dtype=torch.long)
+                k = kv_cache[0].view(num_blocks * block_size, kv_heads, dim).index_select(0, slots)
+                v = kv_cache[1].view(num_blocks * block_size, kv_heads, dim).index_select(0, slots)
             self._ops._npu_flash_attention(
-                query=q, key=k.contiguous(), value=v.contiguous(), mask=self._prefill_mask(meta, q.dtype),
+                query=q, key=k.contiguous(), value=v.contiguous(), mask=self._flash_mask(meta, q.dtype),
                 seq_len=self._host_query_lens(meta), scale_value=scale, num_heads=heads, num_kv_heads=kv_heads,
-                out=out,
-            )
-        return out
-
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                out: torch.Tensor) -> torch.Tensor:
-        heads, dim = q.shape[1], q.shape[2]
-        self._ops._npu_paged_attention(
-            query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], num_kv_heads=kv_cache.shape[3],
-            num_heads=heads, scale_value=1.0 / math.sqrt(dim), block_table=self._block_tables(meta),
-            context_lens=self._host_context_lens(meta), out=out,
-        )
+                out=out)
+        else:
+            self._ops._npu_paged_attention_splitfuse(
+                query=q, key_cache=kv_cache[0], value_cache=kv_cache[1], block_table=self._block_tables(meta),
+                context_lens=self._host_context_lens(meta), mask=self._splitfuse_mask(meta, q.dtype),
+                seq_len=self._host_query_lens(meta), num_kv_heads=kv_heads, num_heads=heads, scale_value=scale,
+                out=out)
         return out

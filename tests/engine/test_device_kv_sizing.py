@@ -58,3 +58,31 @@ def test_auto_sizing_measures_free_memory_after_a_warm_up_at_the_largest_prefill
     else:
         assert ("prefill", 300) not in device.events
         assert built.kv_plan.num_blocks == GiB // per_block
+
+
+class MeasuringDevice(RecordingDevice):
+    """A device whose backend measures the warm-up's peak (as the npu backend does, having emptied its allocator's
+    cache before reading free memory)."""
+
+    name = "measuring-device"
+    PEAK = GiB // 2
+
+    def measure_peak(self, run: object) -> int:
+        assert callable(run)
+        run()
+        self.events.append(("peak", self.PEAK))
+        return self.PEAK
+
+
+def test_auto_sizing_sets_the_measured_warm_up_peak_aside(tiny_model_dir: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    device = MeasuringDevice()
+    monkeypatch.setattr(rank_runner, "get_backend", lambda *args: device)
+    config = make_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": -1},
+                         maxPrefillTokens=300, maxBatchSize=4)
+    built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
+                                          env=EngineEnvironment(npu_memory_fraction=0.5))
+    per_block = ModelSpec.from_pretrained(tiny_model_dir).kv_bytes_per_block(config.schedule.cacheBlockSize)
+    assert device.events[:3] == [("prefill", 300), ("peak", MeasuringDevice.PEAK), ("memory_info", 0)]
+    assert built.kv_plan.num_blocks == (int(FREE * 0.5) - MeasuringDevice.PEAK) // per_block
+    assert "less the warm-up's 0.50 GiB peak" in built.kv_plan.source

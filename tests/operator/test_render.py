@@ -96,6 +96,8 @@ def test_engine_container_command_resources_and_probes() -> None:
     assert engine["livenessProbe"]["httpGet"]["path"] == "/health"
     assert engine["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    # a refusal at start-up (npuserve doctor's failed checks on npu) is the container's termination message
+    assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env["NPUSERVE_CPU_BINDING"] == "numa"
     assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and "background_thread:true" in env["MALLOC_CONF"]

@@ -1,0 +1,162 @@
+"""The torch_npu stack the npu backend finds at start-up: which op-plugin release line the installed torch_npu
+belongs to (the supported matrix), which of the backend's operations it has, and the one argument whose presence
+changes a call (`npu_scatter_pa_kv_cache`'s `cache_mode`).
+
+The matrix (SUPPORTED_RELEASES) is Ascend/pytorch's `COMPATIBILITY.en.md` (TorchNPU / PyTorch / CANN, master of
+2026-08) restricted to the op-plugin lines whose operations the backend's calls were checked against (Ascend/op-plugin
+branches 7.0.0 to 26.1.0: `op_plugin/python/atb/_atb_ops.py`, the ATB ops' schemas in `op_plugin/ops/atb/*.cpp`,
+`op_plugin/config/op_plugin_functions.yaml`). NNAL (libatb.so, the ATB operators) ships with CANN under the same
+version. A torch_npu outside the table is not refused: its operations are looked at directly and a warning says
+the stack is untested.
+
+torch_npu exposes its `npu` namespace ops as `torch.ops.npu.<op>` packets, whose `default._schema.arguments` name the
+arguments; that is how `cache_mode` is found. The ATB ops (`_npu_*`) are Python functions until their first call
+loads libatb.so and puts the `torch.ops.atb.<op>` packets in their place (op-plugin `_atb_ops.py`, `_patch_atb_ops`),
+so at detection only their presence is looked at; `npuserve doctor` reads their schemas after the first call.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+SCATTER_OP = "npu_scatter_pa_kv_cache"
+RESHAPE_AND_CACHE_OP = "_npu_reshape_and_cache"
+FLASH_OP = "_npu_flash_attention"
+PREFIX_OP = "_npu_flash_attention_qlens"
+DECODE_OP = "_npu_paged_attention"
+SPLITFUSE_OP = "_npu_paged_attention_splitfuse"
+FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
+# Every op the backend calls, the cache write aside (scatter where it takes cache_mode, else reshape-and-cache).
+ATTENTION_OPS = (FLASH_OP, PREFIX_OP, DECODE_OP, SPLITFUSE_OP)
+REQUIRED_OPS = (RESHAPE_AND_CACHE_OP, *ATTENTION_OPS, *FUSED_OPS)
+
+
+# The keywords the backend passes to each op: argument names of the ops' schemas in every supported line (op-plugin
+# `op_plugin/ops/atb/*.cpp` m.def, `op_plugin_functions.yaml`); the fused kernels take their tensors by position.
+KEYWORDS: dict[str, frozenset[str]] = {
+    RESHAPE_AND_CACHE_OP: frozenset({"key", "value", "key_cache", "value_cache", "slot_indices"}),
+    SCATTER_OP: frozenset({"key", "value", "key_cache", "value_cache", "slot_mapping", "cache_mode"}),
+    FLASH_OP: frozenset({"query", "key", "value", "mask", "seq_len", "scale_value", "num_heads", "num_kv_heads",
+                         "out"}),
+    PREFIX_OP: frozenset({"query", "key_cache", "value_cache", "block_table", "mask", "seq_len", "context_lens",
+                          "num_kv_heads", "num_heads", "scale_value", "out"}),
+    DECODE_OP: frozenset({"query", "key_cache", "value_cache", "num_kv_heads", "num_heads", "scale_value",
+                          "block_table", "context_lens", "out"}),
+    SPLITFUSE_OP: frozenset({"query", "key_cache", "value_cache", "block_table", "context_lens", "mask", "seq_len",
+                             "num_kv_heads", "num_heads", "scale_value", "out"}),
+    "npu_rms_norm": frozenset({"epsilon"}),
+    "npu_rotary_mul": frozenset(),
+    "npu_swiglu": frozenset({"dim"}),
+}
+
+
+@dataclass(frozen=True)
+class OpPluginRelease:
+    """One Ascend Extension for PyTorch release line: its op-plugin branch, the CANN (and NNAL) it pairs with, and
+    the torch_npu packages of the line with the torch each needs (the torch_npu version without its `.postN`)."""
+
+    name: str
+    cann: str
+    torch_npu: tuple[str, ...]
+    scatter_cache_mode: bool  # npu_scatter_pa_kv_cache takes `cache_mode` (op_plugin_functions.yaml)
+
+
+SUPPORTED_RELEASES: tuple[OpPluginRelease, ...] = (
+    OpPluginRelease("7.0.0", "8.1.RC1", ("2.5.1", "2.4.0.post4", "2.3.1.post6"), scatter_cache_mode=False),
+    OpPluginRelease("7.1.0", "8.2.RC1", ("2.6.0", "2.5.1.post1"), scatter_cache_mode=False),
+    OpPluginRelease("7.2.0", "8.3.RC1", ("2.8.0", "2.7.1", "2.6.0.post3"), scatter_cache_mode=False),
+    OpPluginRelease("7.3.0", "8.5.0", ("2.9.0", "2.8.0.post2", "2.7.1.post2", "2.6.0.post5"),
+                    scatter_cache_mode=False),
+    OpPluginRelease("26.0.0", "9.0.0", ("2.9.0.post2", "2.8.0.post4", "2.7.1.post4"), scatter_cache_mode=True),
+    OpPluginRelease("26.1.0", "9.1.0", ("2.12.0", "2.11.0", "2.10.0.post4", "2.9.0.post6", "2.7.1.post8"),
+                    scatter_cache_mode=True),
+)
+
+
+def base_version(version: str) -> str:
+    """`2.8.0.post2+git1a2b3c4` -> `2.8.0.post2` (a source build appends the commit)."""
+    return version.split("+", 1)[0].strip()
+
+
+def release_of(torch_npu_version: str) -> OpPluginRelease | None:
+    version = base_version(torch_npu_version)
+    return next((r for r in SUPPORTED_RELEASES if version in r.torch_npu), None)
+
+
+def torch_for(torch_npu_version: str) -> str:
+    """The torch a torch_npu needs: its own version without `.postN` (Ascend/pytorch's naming rule)."""
+    return re.sub(r"\.post\d+$", "", base_version(torch_npu_version))
+
+
+def argument_names(op: Any) -> frozenset[str] | None:
+    """The argument names of a `torch.ops` packet's default overload, or None when the op carries no schema."""
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    arguments = getattr(schema, "arguments", None)
+    if arguments is None:
+        return None
+    return frozenset(str(getattr(a, "name", "")) for a in arguments)
+
+
+def signature_problem(name: str, op: Any) -> str | None:
+    """Why `op` cannot take the keywords the backend passes it, or None (also when it carries no schema to read)."""
+    names = argument_names(op)
+    if names is None:
+        return None
+    missing = sorted(KEYWORDS[name] - names)
+    return f"its schema lacks {', '.join(missing)}" if missing else None
+
+
+@dataclass(frozen=True)
+class NPUStack:
+    """What torch_npu offers the backend: its version, the release line (None outside the matrix), the ops present,
+    and whether the scatter write takes `cache_mode` (else the backend writes through `_npu_reshape_and_cache`)."""
+
+    torch_version: str
+    torch_npu_version: str
+    release: OpPluginRelease | None
+    present: frozenset[str]
+    scatter_cache_mode: bool
+
+    def used_ops(self) -> tuple[str, ...]:
+        """Every op the backend calls on this stack (the cache write it chose, the attention and fused kernels)."""
+        return (self.cache_write_op, *ATTENTION_OPS, *FUSED_OPS)
+
+    @property
+    def cache_write_op(self) -> str:
+        return SCATTER_OP if self.scatter_cache_mode else RESHAPE_AND_CACHE_OP
+
+    def missing(self) -> list[str]:
+        needed = [op for op in REQUIRED_OPS if op != RESHAPE_AND_CACHE_OP] + [self.cache_write_op]
+        return [op for op in needed if op not in self.present]
+
+    def torch_mismatch(self) -> str | None:
+        """Why torch does not fit this torch_npu, or None."""
+        wanted = torch_for(self.torch_npu_version)
+        if base_version(self.torch_version) != wanted:
+            return f"torch {self.torch_version} with torch_npu {self.torch_npu_version}, which needs torch {wanted}"
+        return None
+
+    def describe(self) -> str:
+        line = f"op-plugin {self.release.name}, CANN {self.release.cann}" if self.release else "outside the matrix"
+        return f"torch_npu {self.torch_npu_version} ({line}), torch {self.torch_version}"
+
+
+def detect(ops: Any, torch_version: str) -> NPUStack:
+    """The stack behind the imported torch_npu module `ops`."""
+    version = str(getattr(ops, "__version__", "unknown"))
+    release = release_of(version)
+    present = frozenset(op for op in (*REQUIRED_OPS, SCATTER_OP) if callable(getattr(ops, op, None)))
+    scatter_mode = False
+    if SCATTER_OP in present:
+        names = argument_names(getattr(ops, SCATTER_OP))
+        scatter_mode = "cache_mode" in names if names is not None else bool(release and release.scatter_cache_mode)
+    return NPUStack(torch_version=torch_version, torch_npu_version=version, release=release, present=present,
+                    scatter_cache_mode=scatter_mode)
+
+
+def matrix_lines() -> list[str]:
+    """The supported matrix, one line per release line (for messages and `npuserve doctor`)."""
+    return [f"op-plugin {r.name}: torch_npu {' / '.join(r.torch_npu)} with CANN and NNAL {r.cann}"
+            for r in SUPPORTED_RELEASES]
