@@ -8,7 +8,7 @@ same message. `tests/operator/` checks that both agree on every example and on a
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -597,15 +597,76 @@ class Observed(_Model):
     window: str | None = Field(default=None, description="the window measured, as its length (Go duration)")
     samples: int | None = Field(default=None, ge=0, description="requests that finished in the window")
     measuredAt: str | None = Field(default=None, description="RFC 3339 time at the end of the window")
+    sloMet: bool | None = Field(default=None, description="the window met every SLO bound and failed no check "
+                                "(the tuner's judge)")
+    failing: list[str] = Field(default_factory=list, max_length=16,
+                               description="what the judge found wrong with the window: a figure over its bound "
+                               "(tpotMs.mean) or a failed check (errorRate, kvExhausted)")
     kvBlocksAllocated: int | None = Field(default=None, description="blocks the engine allocated (its /info)")
 
 
+# --- status.tuning ---------------------------------------------------------------------------------------------------
+
+
+class LatencyStats(_Model):
+    mean: float = Field(ge=0)
+    p90: float = Field(ge=0)
+    p99: float = Field(ge=0)
+
+    def of(self, statistic: Statistic) -> float:
+        value: float = getattr(self, statistic)
+        return value
+
+
+class TrialMetrics(_Model):
+    """What one settled window measured (from Prometheus, or from the simulator), as the tuner judges it."""
+
+    outputTokensPerSecond: float = Field(ge=0)
+    ttftMs: LatencyStats
+    tpotMs: LatencyStats
+    errorRate: float = Field(default=0, ge=0, le=1)
+    samples: int = Field(ge=0, description="requests that finished in the window")
+    preemptions: int = Field(default=0, ge=0)
+    kvExhausted: bool = Field(default=False, description="the KV cache ran full and requests were preempted")
+    inFlightPerPod: float | None = Field(default=None, ge=0,
+                                         description="mean requests in flight per engine pod (Little's law)")
+
+
+TrialOutcome = Literal["measured", "failed", "inconclusive"]
+# Why a trial failed (the search stays below its batch): from the window's figures, or from what the engines and the
+# load did during the window.
+FailureReasonName = Literal["ErrorRate", "KVCacheExhausted", "NoOutputTokens", "PreemptionStorm",
+                            "EngineRestarted", "EngineGone", "EngineNotReady", "LoadJobFailed"]
+# Why a window said nothing (it is measured again; the tuner never sees it).
+InconclusiveReasonName = Literal["PrometheusUnreachable", "NoRequestFinished"]
+TrialReason = Literal[FailureReasonName, InconclusiveReasonName]
+FAILURE_REASONS: Final = get_args(FailureReasonName)
+INCONCLUSIVE_REASONS: Final = get_args(InconclusiveReasonName)
+
+
 class TuningTrial(_Model):
+    """One entry of status.tuning.history: what was applied, what was measured and what the judge made of it."""
+
     trial: int = Field(ge=0)
     schedule: ScheduleKnobs
-    metrics: dict[str, float] = Field(default_factory=dict)
-    verdict: str = ""
+    outcome: TrialOutcome
+    reason: TrialReason | None = Field(default=None, description="failed or inconclusive: why")
+    failing: list[str] = Field(default_factory=list, max_length=16,
+                               description="the figures that failed the trial or missed a bound (tpotMs.mean)")
+    sloMet: bool | None = Field(default=None, description="measured: this window met every bound (the judge)")
+    metrics: TrialMetrics | None = None
+    verdict: str = Field(default="", description="the judgement in one line, for people")
     window: str | None = Field(default=None, description="RFC 3339 start/end of the measured window")
+
+    @model_validator(mode="after")
+    def _check(self) -> TuningTrial:
+        if self.outcome == "measured" and (self.metrics is None or self.reason is not None):
+            raise ValueError("a measured trial has metrics and no failure reason")
+        if self.outcome == "failed" and self.reason not in FAILURE_REASONS:
+            raise ValueError(f"a failed trial needs a failure reason ({', '.join(FAILURE_REASONS)})")
+        if self.outcome == "inconclusive" and self.reason not in INCONCLUSIVE_REASONS:
+            raise ValueError(f"an inconclusive trial needs a reason ({', '.join(INCONCLUSIVE_REASONS)})")
+        return self
 
 
 class TrialInProgress(_Model):
@@ -623,13 +684,37 @@ class TrialInProgress(_Model):
     target: str | None = Field(default=None, description="benchmark mode: the one pod the Job loads and is measured")
     job: str | None = Field(default=None, description="benchmark mode: the load-generator Job")
     inconclusive: str | None = Field(default=None, description="why the last reading of this window was unusable")
+    inconclusiveReason: InconclusiveReasonName | None = Field(
+        default=None, description="the kind of `inconclusive`: Prometheus down waits for it to answer again")
     attempts: int = Field(default=0, ge=0, description="windows read without a usable measurement")
+
+
+StopReason = Literal["converged", "maxTrials", "pinned", "sloUnreachable", "allFailed"]
+BatchLimit = Literal["memory", "slo", "failure", "throughputPeak", "pinned", "none"]
+
+
+class TuningVerdict(_Model):
+    """How a tuning round ended, and the evidence behind it: the windows measured at the chosen schedule."""
+
+    reason: StopReason
+    sloMet: bool | None = Field(default=None, description="the chosen schedule's own windows, pooled, meet every "
+                                "bound with the noise measured (None: nothing was measured)")
+    maxBatchSize: int | None = None
+    limit: BatchLimit = Field(default="none", description="what stops maxBatchSize from going higher: memory (the "
+                              "plan's maximum, what the KV cache holds), slo (a larger batch missed a bound), "
+                              "failure (a larger batch failed), throughputPeak (throughput falls beyond it)")
+    trials: list[int] = Field(default_factory=list, max_length=100,
+                              description="the history's trials measured at the chosen schedule")
+    pooled: TrialMetrics | None = Field(default=None, description="those trials' windows pooled (by requests)")
+    noise: float | None = Field(default=None, ge=0, description="relative noise of one window, as estimated")
+    message: str = ""
 
 
 class TuningStatus(_Model):
     phase: Literal["Idle", "Running", "Converged", "Stopped", "Failed"] = "Idle"
     trial: int = 0
     best: TuningTrial | None = None
+    verdict: TuningVerdict | None = None
     # At most spec.autotune.maxTrials (<= 100) trials; maxItems bounds the CEL cost of the rule on each schedule.
     history: list[TuningTrial] = Field(default_factory=list, max_length=100)
     round: int = Field(default=0, ge=0, description="tuning rounds started (a new one when the SLO is missed again)")

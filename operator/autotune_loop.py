@@ -181,12 +181,11 @@ class AutotuneLoop:
 def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:
     """A Prometheus window as the autotune step reads it."""
     if isinstance(reading, Unreachable):
-        return at.Measurement(inconclusive=f"Prometheus unreachable: {reading.error}", unreachable=True)
+        return at.Measurement(inconclusive=f"Prometheus unreachable: {reading.error}", reason="PrometheusUnreachable")
     metrics = reading.trial_metrics(min_requests=1)
     if isinstance(metrics, str):
-        return at.Measurement(inconclusive=metrics)
-    per_pod = reading.in_flight_per_pod
-    return at.Measurement(metrics=metrics, in_flight_per_pod=per_pod if isinstance(per_pod, float) else None)
+        return at.Measurement(inconclusive=metrics, reason="NoRequestFinished")
+    return at.Measurement(metrics=metrics)
 
 
 def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:

@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
 
-from .autotune import JobPhase, PodState
+from .autotune_types import JobPhase, PodState
 from .render import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 from .status import EngineReport, Status, merge_patch
 

@@ -261,11 +261,13 @@ class _Planner:
                 f"({bpr.max} blocks); use more cards or lower spec.workload.maxOutputTokens"
             )
         self.add(4, "maxBatchSize.min", mbs.min, "floor(totalBlocks / blocksPerRequest.max)", "requests",
-                 "every request at its maximum length, no preemption", totalBlocks=total, blocksPerRequestMax=bpr.max)
+                 "every request at its maximum length fits, no preemption; not a floor: a latency SLO may need a "
+                 "smaller batch, and the tuner goes below it down to 1", totalBlocks=total, blocksPerRequestMax=bpr.max)
         self.add(4, "maxBatchSize.avg", mbs.avg, "floor(totalBlocks / blocksPerRequest.avg)", "requests",
                  "the starting point", totalBlocks=total, blocksPerRequestAvg=bpr.avg)
         self.add(4, "maxBatchSize.max", mbs.max, "floor(totalBlocks / blocksPerRequest.min)", "requests",
-                 "only the prompts in memory", totalBlocks=total, blocksPerRequestMin=bpr.min)
+                 "the memory bound: only the prompts in memory; no tuned maxBatchSize goes above it",
+                 totalBlocks=total, blocksPerRequestMin=bpr.min)
 
         schedule = self.schedule(mbs, bpr, mem)
         max_seq_len = w.maxInputTokens + w.maxOutputTokens

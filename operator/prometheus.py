@@ -25,8 +25,8 @@ import httpx
 
 from npuserve import engine_contract as contract
 from npuserve.engine_contract import EngineMetric
+from npuserve.operator.api import LatencyStats, TrialMetrics
 from npuserve.operator.render import INSTANCE_LABEL
-from npuserve.operator.tuner import LatencyStats, TrialMetrics
 
 QUERY_PATH = "/api/v1/query"
 READY_PATH = "/-/ready"
@@ -282,14 +282,16 @@ class WindowReading:
                 return LatencyStats(mean=0.0, p90=0.0, p99=0.0)
             return LatencyStats(mean=v[f"{prefix}.mean"], p90=v[f"{prefix}.p90"], p99=v[f"{prefix}.p99"])
 
+        per_pod = self.in_flight_per_pod
         return TrialMetrics(
-            output_tokens_per_s=v["output_tokens_per_s"],
-            ttft_ms=stats("ttft_ms"),
-            tpot_ms=stats("tpot_ms"),
-            error_rate=min(1.0, v["errors"] / finished),
+            outputTokensPerSecond=v["output_tokens_per_s"],
+            ttftMs=stats("ttft_ms"),
+            tpotMs=stats("tpot_ms"),
+            errorRate=min(1.0, v["errors"] / finished),
             samples=round(v["ttft_ms.samples"]),
             preemptions=round(v["preemptions"]),
-            kv_exhausted=v["kv_usage_max"] >= KV_EXHAUSTED_USAGE and v["preemptions"] > 0,
+            kvExhausted=v["kv_usage_max"] >= KV_EXHAUSTED_USAGE and v["preemptions"] > 0,
+            inFlightPerPod=per_pod if isinstance(per_pod, float) else None,
         )
 
 

@@ -24,7 +24,8 @@ def test_prints_a_line_per_trial_and_the_verdict_last(capsys: pytest.CaptureFixt
     assert 1 <= len(trials) <= 3
     assert [t["trial"] for t in trials] == list(range(len(trials)))
     for t in trials:
-        assert set(t) == {"trial", "schedule", "metrics", "verdict"}
+        assert {"trial", "schedule", "outcome", "metrics", "sloMet", "verdict"} <= set(t)
+        assert t["outcome"] == "measured"
         schedule = t["schedule"]
         assert isinstance(schedule, dict) and schedule["maxPrefillBatchSize"] == schedule["maxBatchSize"] // 2
         assert isinstance(t["metrics"], dict) and t["metrics"]["outputTokensPerSecond"] > 0

@@ -22,17 +22,10 @@ from npuserve.loadgen import cli_args
 from npuserve.loadgen.datasets import DatasetError
 from npuserve.loadgen.metrics import BenchMetrics, Distribution, compute_metrics
 from npuserve.mindie_config import MindIEConfigError
-from npuserve.operator.api import SLOSpec
-from npuserve.operator.tuner import (
-    LatencyStats,
-    Trial,
-    TrialMetrics,
-    TunedSchedule,
-    TuningProblem,
-    Verdict,
-    next_step,
-    trial_status,
-)
+from npuserve.operator.api import LatencyStats, SLOSpec, TrialMetrics
+from npuserve.operator.problem import TunedSchedule, TuningProblem
+from npuserve.operator.tuner import Trial, Verdict, next_step
+from npuserve.operator.tuning_status import trial_status
 
 from . import simulate_cli
 from .engine import SimulationConfig, SimulationResult, simulate
@@ -64,8 +57,8 @@ def trial_metrics(metrics: BenchMetrics, result: SimulationResult) -> TrialMetri
     def stats(d: Distribution) -> LatencyStats:
         return LatencyStats(mean=d.mean, p90=d.p90, p99=d.p99)
 
-    return TrialMetrics(output_tokens_per_s=metrics.output_throughput, ttft_ms=stats(metrics.ttft_ms),
-                        tpot_ms=stats(metrics.tpot_ms), error_rate=metrics.error_rate, samples=metrics.completed,
+    return TrialMetrics(outputTokensPerSecond=metrics.output_throughput, ttftMs=stats(metrics.ttft_ms),
+                        tpotMs=stats(metrics.tpot_ms), errorRate=metrics.error_rate, samples=metrics.completed,
                         preemptions=result.num_preemptions)
 
 
@@ -77,8 +70,8 @@ def with_noise(m: TrialMetrics, noise: float, rng: random.Random) -> TrialMetric
     def stats(s: LatencyStats) -> LatencyStats:
         return LatencyStats(mean=s.mean * f(), p90=s.p90 * f(), p99=s.p99 * f())
 
-    return m.model_copy(update={"output_tokens_per_s": m.output_tokens_per_s * f(), "ttft_ms": stats(m.ttft_ms),
-                                "tpot_ms": stats(m.tpot_ms)})
+    return m.model_copy(update={"outputTokensPerSecond": m.outputTokensPerSecond * f(), "ttftMs": stats(m.ttftMs),
+                                "tpotMs": stats(m.tpotMs)})
 
 
 Measure = Callable[[TunedSchedule], TrialMetrics]
@@ -115,18 +108,19 @@ def _table(problem: TuningProblem, trials: list[Trial], verdict: Verdict) -> Non
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"tuning ({problem.objective}): {verdict.reason}")
+    table = Table(title=f"tuning ({problem.objective}): {verdict.reason}; * best, + its other windows")
     for column in ("trial", "maxBatchSize", "prefill batch", "selectBatch", "output tok/s", "TTFT ms", "TPOT ms",
-                   "verdict"):
+                   "SLO", "verdict"):
         table.add_column(column)
     for i, trial in enumerate(trials):
         m, s = trial.metrics, trial.schedule
         status = trial_status(problem, i, trial)
-        best = " *" if verdict.best == i else ""
-        table.add_row(f"{i}{best}", str(s.maxBatchSize), str(s.maxPrefillBatchSize), str(s.supportSelectBatch),
-                      f"{m.output_tokens_per_s:.0f}" if m else "-",
-                      f"{m.ttft_ms.of(problem.statistic):.1f}" if m else "-",
-                      f"{m.tpot_ms.of(problem.statistic):.1f}" if m else "-", status.verdict)
+        mark = " *" if verdict.best == i else " +" if i in verdict.evidence else ""
+        slo = "-" if status.sloMet is None else "met" if status.sloMet else "missed"
+        table.add_row(f"{i}{mark}", str(s.maxBatchSize), str(s.maxPrefillBatchSize), str(s.supportSelectBatch),
+                      f"{m.outputTokensPerSecond:.0f}" if m else "-",
+                      f"{problem.latency(m, 'ttft'):.1f}" if m else "-",
+                      f"{problem.latency(m, 'tpot'):.1f}" if m else "-", slo, status.verdict)
     Console(file=sys.stderr).print(table)
 
 
@@ -158,9 +152,7 @@ def run(args: argparse.Namespace) -> int:
     measure = simulator_measure(base, requests, benchmark_load=benchmark_load)
     trials, verdict = tune(problem, measure, noise=args.noise, seed=args.noise_seed or 0)
     for i, trial in enumerate(trials):
-        status = trial_status(problem, i, trial)
-        print(json.dumps({"trial": i, "schedule": trial.schedule.model_dump(), "metrics": status.metrics,
-                          "verdict": status.verdict}), flush=True)
+        print(trial_status(problem, i, trial).model_dump_json(exclude_none=True), flush=True)
     print(json.dumps({"verdict": verdict.model_dump(mode="json")}))
     if sys.stderr.isatty():
         _table(problem, trials, verdict)

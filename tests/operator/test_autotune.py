@@ -21,9 +21,18 @@ from isvc_helpers import REPO, load_yaml
 
 from npuserve.engine_contract import ENGINE_PORT, HOT_SCHEDULE_FIELDS
 from npuserve.operator import autotune as at
-from npuserve.operator.api import CapacityStatus, InferenceService, Plan, ScheduleKnobs, TuningStatus, TuningTrial
+from npuserve.operator import capacity
+from npuserve.operator.api import (
+    CapacityStatus,
+    InferenceService,
+    LatencyStats,
+    Plan,
+    ScheduleKnobs,
+    TrialMetrics,
+    TuningStatus,
+    TuningTrial,
+)
 from npuserve.operator.planner import plan as plan_spec
-from npuserve.operator.tuner import LatencyStats, TrialMetrics
 
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
 TICK_S = 2.0  # the driver's loop interval (autotune_loop.LOOP_INTERVAL_S)
@@ -68,12 +77,13 @@ class FakeEngine:
         queued = 0 if users is None else max(0, users - batch)
         return self.ttft0 + self.ttft_per_req * self.running(batch, users) + self.queue_ms * queued
 
-    def metrics(self, batch: int, users: int | None = None, error_rate: float = 0.0) -> TrialMetrics:
+    def metrics(self, batch: int, users: int | None = None, error_rate: float = 0.0,
+                in_flight: float | None = None) -> TrialMetrics:
         tpot, ttft = self.tpot(batch, users), self.ttft(batch, users)
-        return TrialMetrics(output_tokens_per_s=self.running(batch, users) / tpot * 1000,
-                            ttft_ms=LatencyStats(mean=ttft, p90=1.3 * ttft, p99=1.6 * ttft),
-                            tpot_ms=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot),
-                            error_rate=error_rate, samples=self.samples)
+        return TrialMetrics(outputTokensPerSecond=self.running(batch, users) / tpot * 1000,
+                            ttftMs=LatencyStats(mean=ttft, p90=1.3 * ttft, p99=1.6 * ttft),
+                            tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot),
+                            errorRate=error_rate, samples=self.samples, inFlightPerPod=in_flight)
 
     def meets(self, slo: dict[str, Any], batch: int, users: int | None = None) -> bool:
         tpot_ms: float = slo.get("tpotMs", math.inf)
@@ -170,13 +180,14 @@ class Loop:
         if due is None:
             return None
         if not self.prometheus:
-            return at.Measurement(inconclusive="Prometheus unreachable: connection refused", unreachable=True)
+            return at.Measurement(inconclusive="Prometheus unreachable: connection refused",
+                                  reason="PrometheusUnreachable")
         if current is not None:
             batch, users = int(current["schedule"]["maxBatchSize"]), current.get("concurrency")
         else:
             batch, users = int(self.status["tuning"]["applied"]["maxBatchSize"]), None
         in_flight = self.engine.in_flight(batch) if self.isvc.spec.autotune.mode == "online" else None
-        return at.Measurement(metrics=self.engine.metrics(batch, users, self.error_rate), in_flight_per_pod=in_flight)
+        return at.Measurement(metrics=self.engine.metrics(batch, users, self.error_rate, in_flight))
 
     def run_until(self, done: Callable[[Loop], bool], limit: int = 1500) -> None:
         for _ in range(limit):
@@ -240,7 +251,7 @@ def trial_open(number: int) -> Callable[[Loop], bool]:
 
 
 def conclusive(history: list[TuningTrial]) -> list[TuningTrial]:
-    return [e for e in history if not e.verdict.startswith(at.INCONCLUSIVE)]
+    return [e for e in history if e.outcome != "inconclusive"]
 
 
 def hot(knobs: ScheduleKnobs) -> dict[str, Any]:
@@ -273,13 +284,17 @@ def test_decode_latency_converges_to_the_largest_batch_under_the_bound(baseline:
     assert t.best is not None
     best = t.best.schedule.maxBatchSize
     assert best is not None and abs(best - answer) <= TOLERANCE * answer
-    assert t.best.metrics["tpotMeanMs"] <= DECODE_SLO["tpotMs"]
+    assert t.best.metrics is not None and t.best.metrics.tpotMs.mean <= DECODE_SLO["tpotMs"]
+    assert t.verdict is not None and t.verdict.sloMet and t.verdict.maxBatchSize == best
+    assert t.verdict.pooled is not None and t.verdict.pooled.tpotMs.mean <= DECODE_SLO["tpotMs"]
+    assert t.verdict.trials and all(t.history[i].schedule == t.best.schedule for i in t.verdict.trials)
     assert t.best in t.history
     for entry in t.history:  # every trial measured and judged
-        assert entry.metrics["samples"] == loop.engine.samples and entry.verdict and entry.window
+        assert entry.metrics is not None and entry.outcome == "measured"
+        assert entry.metrics.samples == loop.engine.samples and entry.verdict and entry.window
         assert entry.schedule.maxBatchSize is not None
-        assert entry.metrics["tpotMeanMs"] == pytest.approx(loop.engine.tpot(entry.schedule.maxBatchSize))
-        assert ("<= 25" in entry.verdict) == (entry.metrics["tpotMeanMs"] <= 25)
+        assert entry.metrics.tpotMs.mean == pytest.approx(loop.engine.tpot(entry.schedule.maxBatchSize))
+        assert ("<= 25" in entry.verdict) == (entry.metrics.tpotMs.mean <= 25) == entry.sloMet
     # Conditions and phase.
     tuning, slo = loop.condition("Tuning"), loop.condition("SLOMet")
     assert (tuning["status"], tuning["reason"]) == ("False", "Converged")
@@ -295,7 +310,8 @@ def test_decode_latency_converges_to_the_largest_batch_under_the_bound(baseline:
         running = tuning_now["phase"] == "Running" or tuning_now.get("current") is not None
         assert tick.actions.status["phase"] == ("Tuning" if running else "Ready")
     # Each trial's knobs were applied once, when it opened; then the best, unless the last trial was it.
-    expected = [e.schedule for e in t.history]
+    # A repeat of the trial before it applies nothing new.
+    expected = [e.schedule for i, e in enumerate(t.history) if i == 0 or t.history[i - 1].schedule != e.schedule]
     if t.history[-1].schedule != t.best.schedule:
         expected.append(t.best.schedule)
     assert loop.applies() == expected
@@ -306,8 +322,11 @@ def test_decode_latency_converges_to_the_largest_batch_under_the_bound(baseline:
 
 def test_each_window_starts_a_quarter_window_after_the_apply_and_lasts_the_window(baseline: Loop) -> None:
     loop = baseline
-    opened = [(i, t) for i, t in enumerate(loop.ticks)
-              if t.actions.apply is not None and t.actions.status["tuning"].get("current") is not None]
+    def opens(t: Tick) -> bool:  # a trial's window opens (a repeat of the trial before applies nothing new)
+        now = t.actions.status["tuning"].get("current")
+        return now is not None and (t.current is None or t.current["trial"] != now["trial"])
+
+    opened = [(i, t) for i, t in enumerate(loop.ticks) if opens(t)]
     measured = [t for t in loop.ticks if t.due is not None]
     history = loop.tuning().history
     assert len(opened) == len(measured) == len(history)
@@ -348,7 +367,8 @@ def test_prometheus_down_mid_trial_is_inconclusive_then_measured_again(baseline:
     tick = loop.ticks[-1]
     assert tick.measurement is not None and tick.measurement.unreachable
     t = loop.tuning()
-    assert [e.verdict.startswith(at.INCONCLUSIVE) for e in t.history] == [False, True]
+    assert [e.outcome for e in t.history] == ["measured", "inconclusive"]
+    assert t.history[1].reason == "PrometheusUnreachable"
     assert t.history[1].schedule == schedule and not t.history[1].metrics
     assert "Prometheus unreachable" in t.history[1].verdict
     assert t.trial == 1  # the inconclusive window is no trial
@@ -396,9 +416,10 @@ def test_a_window_without_requests_is_measured_again_at_once(mode: str) -> None:
     assert first is not None
     for attempt in (1, 2):  # twice in a row: recorded once
         loop.tick_until_due()
-        loop.tick(at.Measurement(inconclusive="no request finished in the window"))
+        loop.tick(at.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
         t = loop.tuning()
-        assert [e.verdict for e in t.history] == [f"{at.INCONCLUSIVE}no request finished in the window"]
+        assert [(e.outcome, e.reason, e.verdict) for e in t.history] == [
+            ("inconclusive", "NoRequestFinished", "no request finished in the window")]
         assert t.current is not None and t.current.attempts == attempt and t.trial == 0
         assert t.current.schedule.maxBatchSize == first["schedule"]["maxBatchSize"]
         stretch = 1 + attempt  # each window measured again is longer: x2, x3, ...
@@ -423,7 +444,7 @@ def expected_rollback(loop: Loop, trial: int) -> dict[str, Any]:
     measured meeting the SLO."""
     if trial == 0:
         return plan_knobs(loop.plan)
-    meeting = [e for e in loop.tuning().history if e.metrics and e.metrics["tpotMeanMs"] <= DECODE_SLO["tpotMs"]]
+    meeting = [e for e in loop.tuning().history if e.metrics and e.metrics.tpotMs.mean <= DECODE_SLO["tpotMs"]]
     return hot(max(meeting, key=lambda e: e.schedule.maxBatchSize or 0).schedule)
 
 
@@ -431,7 +452,7 @@ def check_rolled_back(loop: Loop, failed_batch: int, rollback: dict[str, Any], w
     t = loop.tuning()
     tick = loop.ticks[-1]
     last = t.history[-1]
-    assert last.verdict.startswith("failed: ") and why in last.verdict, last.verdict
+    assert last.outcome == "failed" and why in last.verdict, last.verdict
     assert last.schedule.maxBatchSize == failed_batch
     assert t.current is None
     assert tick.actions.apply is not None and hot(tick.actions.apply) == rollback
@@ -472,7 +493,9 @@ def test_an_engine_pod_restarting_mid_trial_fails_it_and_rolls_back(trial: int, 
         loop.pods[0] = pod
     check_rolled_back(loop, current["schedule"]["maxBatchSize"],
                       rollback, "stopped being ready" if how == "unready" else "restarted")
-    assert loop.tuning().history[trial].metrics == {}
+    entry = loop.tuning().history[trial]
+    assert entry.metrics is None
+    assert entry.reason == {"restarts": "EngineRestarted", "uid": "EngineRestarted", "unready": "EngineNotReady"}[how]
 
 
 @pytest.mark.parametrize("trial", [0, 3])
@@ -485,8 +508,9 @@ def test_a_trial_with_errors_rolls_back_at_once(trial: int) -> None:
     loop.error_rate = 0.5
     loop.run_until(lambda lp: lp.ticks[-1].due is not None)
     loop.error_rate = 0.0
-    assert "error rate 50.0%" in loop.tuning().history[-1].verdict
-    assert loop.tuning().history[-1].metrics["errorRate"] == 0.5
+    last = loop.tuning().history[-1]
+    assert "error rate 50.0%" in last.verdict and (last.outcome, last.reason) == ("failed", "ErrorRate")
+    assert last.failing == ["errorRate"] and last.metrics is not None and last.metrics.errorRate == 0.5
     assert ("Warning", "TrialMeasured") in loop.events(len(loop.ticks) - 1)
     check_rolled_back(loop, current["schedule"]["maxBatchSize"], rollback, "error rate")
 
@@ -544,7 +568,8 @@ def test_benchmark_mode_loads_one_pod_with_a_job_per_trial() -> None:
         assert opened.actions.delete_job == previous  # the last trial's Job goes when the next opens
         assert reading.due is not None and reading.due.pods == (target.name,)
         # Measured at the guide's client concurrency: TPOT with maxBatchSize - 1 requests running.
-        assert entry.metrics["tpotMeanMs"] == pytest.approx(loop.engine.tpot(batch, batch - 1))
+        assert entry.metrics is not None
+        assert entry.metrics.tpotMs.mean == pytest.approx(loop.engine.tpot(batch, batch - 1))
         if reading is measured[-1]:
             assert reading.actions.delete_job == name  # the last one goes with the verdict
         previous = name
@@ -597,15 +622,15 @@ def test_capacity_probes_double_then_bisect_to_what_one_instance_holds(measured_
     holds = max(c for c in range(1, 3 * batch) if loop.engine.meets(CAPACITY_SLO, batch, c))
     assert holds == 6176  # 4096 + (1500 - 459.6) / 0.5
     assert cap.phase == "Measured" and cap.measuredConcurrencyPerReplica is not None
-    assert holds * (1 - at.CAPACITY_TOLERANCE) <= cap.measuredConcurrencyPerReplica <= holds
+    assert holds * (1 - capacity.CAPACITY_TOLERANCE) <= cap.measuredConcurrencyPerReplica <= holds
     # The probes: the best trial's load (a known pass), then doubling, then bisection, as next_capacity_probe says.
     probes = [(p.concurrency, p.passed) for p in cap.probes]
     assert probes[0] == (batch - 1, True)
     assert probes[1][0] == 2 * (batch - 1)
     for i in range(1, len(probes)):
-        assert probes[i][0] == at.next_capacity_probe(dict(probes[:i]), at.CAPACITY_LIMIT_FACTOR * batch)
+        assert probes[i][0] == capacity.next_capacity_probe(dict(probes[:i]), capacity.CAPACITY_LIMIT_FACTOR * batch)
         assert probes[i][1] == loop.engine.meets(CAPACITY_SLO, batch, probes[i][0])
-    assert at.next_capacity_probe(dict(probes), at.CAPACITY_LIMIT_FACTOR * batch) is None
+    assert capacity.next_capacity_probe(dict(probes), capacity.CAPACITY_LIMIT_FACTOR * batch) is None
     assert cap.measuredConcurrencyPerReplica == max(c for c, ok in probes if ok)
     # Each probe was a window of kind 'capacity' with its own Job at its concurrency, against the one pod.
     windows = [tick for tick in loop.ticks
@@ -654,7 +679,7 @@ def test_capacity_online_derives_from_the_best_trials_requests_in_flight() -> No
     t, cap = loop.tuning(), loop.capacity()
     assert t.best is not None and t.best.schedule.maxBatchSize is not None
     per_pod = loop.engine.in_flight(t.best.schedule.maxBatchSize)
-    assert t.best.metrics[at.IN_FLIGHT_KEY] == per_pod
+    assert t.best.metrics is not None and t.best.metrics.inFlightPerPod == per_pod
     assert cap.phase == "Measured" and cap.measuredConcurrencyPerReplica == math.floor(per_pod)
     assert cap.method.startswith("online") and not cap.probes
     assert all(tick.current is None or tick.current["kind"] == "trial" for tick in loop.ticks)
@@ -680,6 +705,7 @@ def test_a_pod_restarting_during_a_capacity_probe_discards_it_and_probes_again()
     probe = loop.current()
     assert probe is not None
     applied = loop.tuning().applied
+    trials = len(loop.tuning().history)
     pod = loop.pods[0]
     loop.pods[0] = replace(pod, restarts=1)
     loop.tick()
@@ -687,7 +713,7 @@ def test_a_pod_restarting_during_a_capacity_probe_discards_it_and_probes_again()
     assert actions.apply is None and actions.delete_job == probe["job"]  # the tuned schedule stays: no rollback
     assert ("Warning", "CapacityProbeDiscarded") in loop.events(len(loop.ticks) - 1)
     assert loop.current() is None and len(loop.capacity().probes) == 1 and loop.tuning().phase == "Converged"
-    assert len(loop.tuning().history) == 2  # no trial recorded
+    assert len(loop.tuning().history) == trials  # no trial recorded
     loop.tick()
     again = loop.current()
     assert again is not None and again["kind"] == "capacity" and again["concurrency"] == probe["concurrency"]
@@ -887,7 +913,7 @@ def test_waits_for_every_engine_pod_before_a_trial() -> None:
     ({20: True, 40: False, 30: False, 25: True}, 100, 27),
 ])
 def test_next_capacity_probe(passes: dict[int, bool], limit: int, expected: int | None) -> None:
-    assert at.next_capacity_probe(passes, limit) == expected
+    assert capacity.next_capacity_probe(passes, limit) == expected
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -910,12 +936,12 @@ def test_no_traffic_then_prometheus_down_are_two_inconclusive_entries() -> None:
     loop = Loop.start()
     loop.tick()
     loop.tick_until_due()
-    loop.tick(at.Measurement(inconclusive="no request finished in the window"))
+    loop.tick(at.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
     loop.tick_until_due()
     loop.prometheus = False
-    loop.tick(at.Measurement(inconclusive="ConnectError", unreachable=True))
-    verdicts = [e.verdict for e in loop.tuning().history]
-    assert verdicts == [f"{at.INCONCLUSIVE}no request finished in the window",
-                        f"{at.INCONCLUSIVE}Prometheus unreachable: ConnectError"]
+    loop.tick(at.Measurement(inconclusive="Prometheus unreachable: ConnectError", reason="PrometheusUnreachable"))
+    verdicts = [(e.outcome, e.reason, e.verdict) for e in loop.tuning().history]
+    assert verdicts == [("inconclusive", "NoRequestFinished", "no request finished in the window"),
+                        ("inconclusive", "PrometheusUnreachable", "Prometheus unreachable: ConnectError")]
     assert ("Warning", at.REASON_PROMETHEUS_DOWN) in [(e[0], e[1]) for e in loop.ticks[-1].actions.events]
     assert loop.condition("Tuning")["reason"] == at.REASON_PROMETHEUS_DOWN

@@ -22,20 +22,21 @@ def reading(finished: float, in_flight: float = 12.0, pods: float | Empty = 2.0)
 def test_a_window_becomes_metrics_with_the_per_pod_concurrency() -> None:
     m = measurement_of(reading(30))
     assert m.metrics is not None and m.inconclusive is None and not m.unreachable
-    assert (m.metrics.tpot_ms.mean, m.metrics.samples, m.metrics.output_tokens_per_s) == (40.0, 30, 300.0)
-    assert m.in_flight_per_pod == 6.0
+    assert (m.metrics.tpotMs.mean, m.metrics.samples, m.metrics.outputTokensPerSecond) == (40.0, 30, 300.0)
+    assert m.metrics.inFlightPerPod == 6.0
 
 
 def test_an_empty_window_is_inconclusive_and_an_unreachable_prometheus_says_so() -> None:
     empty = measurement_of(reading(0))
     assert empty.metrics is None and not empty.unreachable and "no requests finished" in (empty.inconclusive or "")
+    assert empty.reason == "NoRequestFinished"
     down = measurement_of(Unreachable("http://prom:9090", "ConnectError"))
-    assert down.unreachable and down.metrics is None
+    assert down.unreachable and down.metrics is None and down.reason == "PrometheusUnreachable"
     assert (down.inconclusive or "").startswith("Prometheus unreachable: ConnectError")
     no_pods = measurement_of(reading(30, in_flight=12.0, pods=0.0))
-    assert no_pods.metrics is not None and no_pods.in_flight_per_pod == 0.0
+    assert no_pods.metrics is not None and no_pods.metrics.inFlightPerPod == 0.0
     missing = measurement_of(reading(30, in_flight=12.0, pods=Empty("count")))
-    assert missing.metrics is not None and missing.in_flight_per_pod is None
+    assert missing.metrics is not None and missing.metrics.inFlightPerPod is None
 
 
 def _cond(type_: str, status: str, reason: str, t: str = "t0") -> dict[str, Any]:

@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve import engine_contract as contract
+from npuserve.operator.api import LatencyStats, TrialMetrics
 from npuserve.operator.prometheus import (
     Empty,
     NotANumber,
@@ -32,7 +33,6 @@ from npuserve.operator.prometheus import (
     window_queries,
 )
 from npuserve.operator.render import INSTANCE_LABEL
-from npuserve.operator.tuner import LatencyStats, TrialMetrics
 
 URL = "http://prometheus.test:9090"
 SEL = Selection(namespace="ns1", inference_service="tiny")
@@ -208,9 +208,9 @@ def test_a_busy_window_gives_the_tuners_metrics() -> None:
     assert reading.ttft_ms.samples == 100.0 and reading.requests_finished == 101.0  # counts rounded
     assert reading.error_rate == 1 / 101 and reading.in_flight_per_pod == 15.0
     assert reading.trial_metrics() == TrialMetrics(
-        output_tokens_per_s=512.5, ttft_ms=LatencyStats(mean=120, p90=200, p99=300),
-        tpot_ms=LatencyStats(mean=40, p90=50, p99=60), error_rate=1 / 101, samples=100, preemptions=0,
-        kv_exhausted=False)
+        outputTokensPerSecond=512.5, ttftMs=LatencyStats(mean=120, p90=200, p99=300),
+        tpotMs=LatencyStats(mean=40, p90=50, p99=60), errorRate=1 / 101, samples=100, preemptions=0,
+        kvExhausted=False, inFlightPerPod=15.0)
     assert reading.trial_metrics(min_requests=200) == "only 101 requests finished in the window (fewer than 200)"
 
 
@@ -224,9 +224,9 @@ def test_the_window_is_whole_seconds_from_the_end() -> None:
 
 def test_kv_exhausted_needs_full_blocks_and_preemptions() -> None:
     metrics = read(BUSY | {"kv_usage_max": "0.995", "preemptions": "7"}).trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and metrics.kv_exhausted and metrics.preemptions == 7
+    assert isinstance(metrics, TrialMetrics) and metrics.kvExhausted and metrics.preemptions == 7
     metrics = read(BUSY | {"kv_usage_max": "1"}).trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and not metrics.kv_exhausted
+    assert isinstance(metrics, TrialMetrics) and not metrics.kvExhausted
 
 
 def test_one_token_outputs_have_no_tpot() -> None:
@@ -234,7 +234,7 @@ def test_one_token_outputs_have_no_tpot() -> None:
                            "tpot_ms.p99": "NaN"})
     assert set(reading.missing) == {"tpot_ms.mean", "tpot_ms.p90", "tpot_ms.p99"}
     metrics = reading.trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and metrics.tpot_ms == LatencyStats(mean=0, p90=0, p99=0)
+    assert isinstance(metrics, TrialMetrics) and metrics.tpotMs == LatencyStats(mean=0, p90=0, p99=0)
 
 
 def test_an_idle_window_is_inconclusive() -> None:
@@ -258,7 +258,7 @@ def test_errors_before_any_token_fail_the_trial_not_stall_it() -> None:
         f"{p}.{s}": "NaN" for p in ("ttft_ms", "tpot_ms") for s in ("mean", "p90", "p99")} | {
         "ttft_ms.samples": "0", "tpot_ms.samples": "0"}
     metrics = read(all_errors).trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and metrics.error_rate == 1.0 and metrics.samples == 0
+    assert isinstance(metrics, TrialMetrics) and metrics.errorRate == 1.0 and metrics.samples == 0
     aborted = all_errors | {"errors": "0", "aborts": "10"}
     assert read(aborted).trial_metrics() == "10 requests finished, none with a first token (clients went away)"
 
@@ -411,8 +411,8 @@ def test_a_real_prometheus_reads_a_real_engine(stack: Stack) -> None:
     assert isinstance(reading.kv_usage_max, float) and 0 <= reading.kv_usage_max < 0.99
     metrics = reading.trial_metrics(min_requests=N_REQUESTS)
     assert isinstance(metrics, TrialMetrics), metrics
-    assert metrics.samples == N_REQUESTS and metrics.error_rate == 0 and not metrics.kv_exhausted
-    assert metrics.ttft_ms.p90 <= metrics.ttft_ms.p99 and metrics.tpot_ms.mean > 0
+    assert metrics.samples == N_REQUESTS and metrics.errorRate == 0 and not metrics.kvExhausted
+    assert metrics.ttftMs.p90 <= metrics.ttftMs.p99 and metrics.tpotMs.mean > 0
 
     # A window that ends between scrapes: `increase` extrapolates the slope it sampled to the window's edge, and
     # counts more requests than came (the flat tail after the load does not stop it).

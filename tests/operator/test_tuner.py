@@ -16,22 +16,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npuserve.operator.api import InferenceServiceSpec, PlanSchedule, SLOSpec
+from npuserve.operator.api import InferenceServiceSpec, LatencyStats, PlanSchedule, SLOSpec, TrialMetrics
 from npuserve.operator.planner import plan
-from npuserve.operator.tuner import (
-    LatencyStats,
-    NextTrial,
-    Trial,
-    TrialMetrics,
-    TunedSchedule,
-    TuningProblem,
-    Verdict,
-    failure_of,
-    next_step,
-    trial_from_status,
-    trial_status,
-    tuning_status,
-)
+from npuserve.operator.problem import TunedSchedule, TuningProblem
+from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_step
+from npuserve.operator.tuning_status import trial_from_status, trial_status, verdict_status
 
 # --- the analytic engine -------------------------------------------------------------------------------------------
 # Shaped on the MindIE guide's measurements (DESIGN.md 3.4). supportSelectBatch true: TPOT convex in the batch
@@ -66,10 +55,10 @@ def analytic_engine(noise: float = 0.0, seed: int = 0, kv_limit: int | None = No
         tput, ttft, tpot = analytic_truth(schedule.maxBatchSize, schedule.supportSelectBatch, knee)
         f = [1 + rng.uniform(-noise, noise) for _ in range(3)]
         exhausted = kv_limit is not None and schedule.maxBatchSize > kv_limit
-        return TrialMetrics(output_tokens_per_s=tput * f[0],
-                            ttft_ms=LatencyStats(mean=ttft * f[1], p90=1.3 * ttft * f[1], p99=1.6 * ttft * f[1]),
-                            tpot_ms=LatencyStats(mean=tpot * f[2], p90=1.2 * tpot * f[2], p99=1.5 * tpot * f[2]),
-                            samples=samples, kv_exhausted=exhausted)
+        return TrialMetrics(outputTokensPerSecond=tput * f[0],
+                            ttftMs=LatencyStats(mean=ttft * f[1], p90=1.3 * ttft * f[1], p99=1.6 * ttft * f[1]),
+                            tpotMs=LatencyStats(mean=tpot * f[2], p90=1.2 * tpot * f[2], p99=1.5 * tpot * f[2]),
+                            samples=samples, kvExhausted=exhausted)
 
     return measure
 
@@ -110,13 +99,13 @@ def drive(p: TuningProblem, engine: Engine, limit: int = 40,
             assert step.schedule not in [t.schedule for t in trials], "a schedule measured again, not as a repeat"
         else:
             assert trials[step.repeat_of].schedule == step.schedule
-        assert p.batch_min <= step.schedule.maxBatchSize <= p.batch_max
+        assert p.floor <= step.schedule.maxBatchSize <= p.batch_max
         trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))
         m = trials[-1].metrics
         assert m is not None
         failed = failure_of(p, trials[-1])
         print(f"  trial {len(trials) - 1}: maxBatchSize {step.schedule.maxBatchSize:4d}  "
-              f"{m.output_tokens_per_s:6.0f} tok/s  TTFT {m.ttft_ms.mean:7.0f} ms  TPOT {m.tpot_ms.mean:5.1f} ms  "
+              f"{m.outputTokensPerSecond:6.0f} tok/s  TTFT {m.ttftMs.mean:7.0f} ms  TPOT {m.tpotMs.mean:5.1f} ms  "
               f"{'FAILED: ' + failed + '  ' if failed else ''}({step.reason})")
     raise AssertionError(f"no verdict in {limit} steps")
 
@@ -155,8 +144,10 @@ def test_exact_measurements_converge_within_3_percent_in_5_trials(objective: str
     verdict, trials = drive(p, analytic_engine())
     assert verdict.reason == "converged"
     assert verdict.slo_met is True
-    assert error(p, verdict, trials) <= 0.03
-    assert len(trials) <= 5
+    assert error(p, verdict, trials) <= 0.03 + 1e-9
+    # The plan's minimum is no floor: where the answer sits at or below it (100 in 100-2000, 20-400 from 300 for
+    # firstTokenAndDecode), the search comes down to it from above, a trial more.
+    assert len(trials) <= (6 if optimum(p) <= 1.05 * p.batch_min or batch_range == (20, 400, 300) else 5)
 
 
 @pytest.mark.parametrize("objective", ["throughput", "decodeLatency"])
@@ -173,16 +164,23 @@ def test_a_tpot_knee_converges_as_fast(objective: str, batch_range: tuple[int, i
 
 @pytest.mark.parametrize("objective", list(GUIDE_SLO))
 @pytest.mark.parametrize("batch_range", RANGES[:3], ids=[f"{lo}-{hi}-from-{s}" for lo, hi, s in RANGES[:3]])
-def test_noisy_measurements_end_within_5_percent_in_8_trials_in_9_of_10_seeds(
+def test_noisy_measurements_never_claim_a_schedule_that_misses_and_stay_near_the_optimum(
         objective: str, batch_range: tuple[int, int, int]) -> None:
+    # +-5% per figure; the problem's prior says the same. The verdict is the chosen schedule's own windows: never
+    # more than 5% over a bound in truth, within 8 trials; the answer within 10% of the optimum in 9 of 10 seeds
+    # (the noise-table test on the simulator holds the tighter figures).
     p = problem(objective, batch_range, noise=0.05, max_trials=8)
+    select = p.schedule_for(p.batch_min).supportSelectBatch
     errors = []
     for seed in range(10):
         print(f"\n{objective}, seed {seed}; the sweep's optimum: {optimum(p)}")
         verdict, trials = drive(p, analytic_engine(noise=0.05, seed=seed))
         assert len(trials) <= 8
+        assert verdict.slo_met and verdict.schedule is not None
+        _, ttft, tpot = analytic_truth(verdict.schedule.maxBatchSize, select)
+        assert all(v <= 1.05 * b for v, b in ((ttft, p.ttft_ms or math.inf), (tpot, p.tpot_ms or math.inf)))
         errors.append(error(p, verdict, trials))
-    assert sum(e <= 0.05 for e in errors) >= 9, errors
+    assert sum(e <= 0.10 for e in errors) >= 9, errors
 
 
 def test_the_guide_plan_sets_up_the_problem_and_the_planners_rules() -> None:
@@ -250,13 +248,21 @@ def test_pinned_knobs_never_change_in_any_proposed_schedule() -> None:
     assert verdict.best is not None and trials[verdict.best].schedule.maxBatchSize > 120
 
 
-def test_an_unreachable_slo_reports_the_closest_trial() -> None:
-    p = problem("decodeLatency", (100, 400, 200), tpot_ms=35, noise=0.0)  # TPOT at 100 is 43 ms
+def test_a_latency_slo_below_the_plans_minimum_is_met_by_going_below_it() -> None:
+    p = problem("decodeLatency", (100, 400, 200), tpot_ms=35, noise=0.0)  # TPOT at 100 is 43 ms; 35 ms at 45
+    verdict, trials = drive(p, analytic_engine())
+    assert (verdict.reason, verdict.slo_met) == ("converged", True)
+    assert verdict.schedule is not None and 43 <= verdict.schedule.maxBatchSize <= 45
+    assert len(trials) <= 6
+
+
+def test_an_unreachable_slo_goes_down_to_one_and_reports_the_closest_trial() -> None:
+    p = problem("decodeLatency", (100, 400, 200), tpot_ms=25, noise=0.0)  # TPOT at 1 is 30.1 ms
     verdict, trials = drive(p, analytic_engine())
     assert (verdict.reason, verdict.slo_met) == ("sloUnreachable", False)
-    assert verdict.best is not None and trials[verdict.best].schedule.maxBatchSize == 100
-    assert "even the range minimum 100 misses the SLO" in verdict.message
-    assert len(trials) <= 3
+    assert verdict.best is not None and trials[verdict.best].schedule.maxBatchSize == 1
+    assert "even maxBatchSize 1, the smallest there is, misses the SLO" in verdict.message
+    assert len(trials) <= 6
 
 
 def test_a_failed_trial_backs_off_below_it() -> None:
@@ -266,31 +272,34 @@ def test_a_failed_trial_backs_off_below_it() -> None:
     assert isinstance(first, NextTrial) and first.schedule.maxBatchSize == 300
     failed = Trial(schedule=first.schedule, metrics=analytic_engine(kv_limit=250)(first.schedule))
     step = next_step(p, [failed])
-    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 225  # 300 x 0.75
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 150  # 300 x 0.5
     assert "backing off below maxBatchSize 300 (KV cache exhausted)" in step.reason
     verdict, trials = drive(p, analytic_engine(kv_limit=250))
-    assert verdict.reason == "converged" and verdict.best is not None
+    assert verdict.reason == "converged" and verdict.best is not None and verdict.limit == "failure"
     best = trials[verdict.best].schedule.maxBatchSize
     assert 243 <= best <= 250  # the largest batch below the failure, within 3%
     assert all(t.schedule.maxBatchSize < 300 for t in trials[1:])
 
 
-def test_a_trial_that_could_not_be_measured_counts_as_failed() -> None:
+def test_failures_at_the_smallest_batch_tried_send_the_search_lower_down_to_one() -> None:
     p = problem("decodeLatency", noise=0.0)
-    start = p.schedule_for(108)
-    step = next_step(p, [Trial(schedule=start, failure="pods not ready in 10m")])
-    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 90  # 108 x 0.75 = 81, held to the range
-    verdict = next_step(p, [Trial(schedule=start, failure="pods not ready in 10m"),
-                            Trial(schedule=p.schedule_for(90), failure="pods not ready in 10m")])
+    failures: list[Trial] = []
+    for expected in (108, 54, 27, 13, 6, 3, 1):
+        step = next_step(p, failures)
+        assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == expected, step
+        failures.append(Trial(schedule=step.schedule, failure="EngineNotReady", detail="pods not ready in 10m"))
+    verdict = next_step(p, failures)
     assert isinstance(verdict, Verdict) and verdict.reason == "allFailed" and verdict.best is None
+    assert "maxBatchSize 1, the smallest there is, failed (pods not ready in 10m)" in verdict.message
 
 
 def test_errors_and_preemption_storms_fail_a_trial() -> None:
     p = problem("throughput", noise=0.0)
     ok = analytic_engine()(p.schedule_for(108))
-    for bad in (ok.model_copy(update={"error_rate": 0.02}), ok.model_copy(update={"preemptions": 400})):
+    for bad, why in ((ok.model_copy(update={"errorRate": 0.02}), "error rate 2.0% above 1.0%"),
+                     (ok.model_copy(update={"preemptions": 400}), "preemption storm: 400 preemptions in 500 requests")):
         step = next_step(p, [Trial(schedule=p.schedule_for(108), metrics=bad)])
-        assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 90 and "backing off" in step.reason
+        assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 54 and why in step.reason
 
 
 def test_a_range_of_one_value_is_measured_once() -> None:
@@ -323,16 +332,17 @@ def test_too_few_samples_asks_for_a_repeat_and_the_repeats_pool() -> None:
 def test_a_measurement_inconsistent_with_its_neighbours_is_repeated() -> None:
     p = problem("decodeLatency", (50, 600, 200), noise=0.05)
     engine = analytic_engine()
-    trials = measured(p, engine, 200, 120)
-    # A third window whose TPOT is far below that of a smaller batch: TPOT never falls as the batch grows.
-    odd = engine(p.schedule_for(150)).model_copy(update={"tpot_ms": LatencyStats(mean=30, p90=36, p99=45)})
-    trials.append(Trial(schedule=p.schedule_for(150), metrics=odd))
+    trials = measured(p, engine, 200, 100)
+    trials += measured(p, engine, 100)  # 100 twice: 43 ms
+    # A window at 80 whose TPOT is far above that of a larger batch: TPOT never falls as the batch grows.
+    odd = engine(p.schedule_for(80)).model_copy(update={"tpotMs": LatencyStats(mean=55, p90=66, p99=82)})
+    trials.append(Trial(schedule=p.schedule_for(80), metrics=odd))
     step = next_step(p, trials)
-    assert isinstance(step, NextTrial) and step.repeat_of == 2 and step.schedule.maxBatchSize == 150
-    assert "TPOT 46.3 ms at 120 exceeds 30.0 ms at 150" in step.reason
-    # With exact measurements (noise 0) a repeat would say the same: none is asked.
+    assert isinstance(step, NextTrial) and step.repeat_of == 3 and step.schedule.maxBatchSize == 80
+    assert "80 misses the SLO (1.10x the bound) but 100 meets it" in step.reason
+    # With exact measurements (noise 0) a repeat would say the same: none is asked, and the miss caps the search.
     exact = next_step(p.model_copy(update={"noise": 0.0}), trials)
-    assert isinstance(exact, NextTrial) and exact.repeat_of is None
+    assert isinstance(exact, NextTrial) and exact.repeat_of is None and exact.schedule.maxBatchSize < 80
 
 
 def test_noisy_points_bunched_below_the_bound_do_not_send_the_next_trial_far() -> None:
@@ -341,7 +351,7 @@ def test_noisy_points_bunched_below_the_bound_do_not_send_the_next_trial_far() -
     p = problem("decodeLatency", (50, 600, 200), noise=0.05)
     window = analytic_engine()(p.schedule_for(120))
     trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
-        "tpot_ms": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
+        "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
         for b, tpot in ((120, 46.8), (122, 46.0), (124, 46.2), (126, 46.1))]
     step = next_step(p, trials)
     assert isinstance(step, NextTrial) and 130 <= step.schedule.maxBatchSize <= 160
@@ -384,28 +394,54 @@ def test_the_status_history_resumes_the_search_where_it_was() -> None:
         step = next_step(p, trials)
         assert isinstance(step, NextTrial)
         trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))
-    trials.append(Trial(schedule=p.schedule_for(400), failure="pods not ready"))
-    status = tuning_status(p, trials)
-    assert status.phase == "Running" and status.trial == 5 and len(status.history) == 5
-    assert status.history[4].verdict == "failed: pods not ready" and status.history[4].metrics == {}
-    assert status.history[0].schedule.maxBatchSize == 200
-    first = trials[0].metrics
-    assert first is not None and status.history[0].metrics["tpotMeanMs"] == pytest.approx(first.tpot_ms.mean)
+    trials.append(Trial(schedule=p.schedule_for(400), failure="EngineNotReady", detail="pods not ready"))
+    history = [trial_status(p, i, t) for i, t in enumerate(trials)]
+    assert [h.outcome for h in history] == ["measured"] * 4 + ["failed"]
+    assert (history[4].reason, history[4].verdict, history[4].metrics) == ("EngineNotReady", "pods not ready", None)
+    assert history[0].schedule.maxBatchSize == 200 and history[0].metrics == trials[0].metrics
     # Through JSON and back, as the operator reads status.tuning.history: the same trials, the same next step.
-    restored = [trial_from_status(type(h).model_validate_json(h.model_dump_json())) for h in status.history]
+    restored = [trial_from_status(type(h).model_validate_json(h.model_dump_json())) for h in history]
     assert restored == trials
-    assert next_step(p, restored) == next_step(p, trials)
+    assert next_step(p, [t for t in restored if t is not None]) == next_step(p, trials)
 
 
-def test_the_status_of_a_finished_search_names_its_best_trial() -> None:
+@pytest.mark.parametrize("change", [
+    {"kvExhausted": True}, {"errorRate": 0.5}, {"preemptions": 10_000}, {"outputTokensPerSecond": 0.0},
+    {"samples": 3}, {"inFlightPerPod": 7.5}, {"tpotMs": LatencyStats(mean=500, p90=600, p99=700)},
+], ids=lambda c: next(iter(c)))
+def test_every_kind_of_trial_round_trips_through_the_status_exactly(change: dict[str, Any]) -> None:
+    p = problem("decodeLatency", noise=0.05)
+    schedule = p.schedule_for(120)
+    trial = Trial(schedule=schedule, metrics=analytic_engine()(schedule).model_copy(update=change))
+    entry = trial_status(p, 0, trial)
+    back = trial_from_status(type(entry).model_validate_json(entry.model_dump_json()))
+    assert back == trial
+    assert failure_of(p, back) == failure_of(p, trial)
+    assert p.judge(back.metrics) == p.judge(trial.metrics)  # type: ignore[arg-type]
+    judged = p.judge(trial.metrics)  # type: ignore[arg-type]
+    assert entry.outcome == ("failed" if judged.failure else "measured") and entry.reason == judged.failure
+    assert entry.sloMet == judged.meets and entry.failing == list(judged.failing)
+
+
+@pytest.mark.parametrize("reason", ["EngineRestarted", "EngineGone", "EngineNotReady", "LoadJobFailed"])
+def test_failures_without_a_window_round_trip_with_their_reason(reason: str) -> None:
+    p = problem("decodeLatency", noise=0.05)
+    trial = Trial(schedule=p.schedule_for(150), failure=reason, detail=f"{reason} during the trial")  # type: ignore[arg-type]
+    entry = trial_status(p, 3, trial)
+    assert (entry.outcome, entry.reason, entry.metrics) == ("failed", reason, None)
+    assert trial_from_status(type(entry).model_validate_json(entry.model_dump_json())) == trial
+
+
+def test_the_verdict_in_the_status_names_its_evidence() -> None:
     p = problem("decodeLatency", noise=0.0)
     verdict, trials = drive(p, analytic_engine())
-    status = tuning_status(p, trials)
-    assert status.phase == "Converged" and status.best is not None and verdict.best is not None
-    assert status.best == trial_status(p, verdict.best, trials[verdict.best])
+    history = [trial_status(p, i, t) for i, t in enumerate(trials)]
+    status = verdict_status(verdict, history)
+    assert verdict.best is not None and status.sloMet is True and status.reason == "converged"
+    assert status.maxBatchSize == trials[verdict.best].schedule.maxBatchSize and status.limit == "slo"
+    assert status.trials == [verdict.best] and status.pooled == trials[verdict.best].metrics
     best = trials[verdict.best].metrics
-    assert best is not None and status.best.verdict.startswith(f"{best.output_tokens_per_s:.0f} tok/s; TPOT mean")
-    assert status.best.schedule.maxBatchSize == trials[verdict.best].schedule.maxBatchSize
+    assert best is not None and history[verdict.best].verdict.startswith(f"{best.outputTokensPerSecond:.0f} tok/s")
 
 
 def test_trials_of_another_problem_are_left_out() -> None:
@@ -440,5 +476,42 @@ def test_from_plan_reads_the_pinned_values_and_the_slo() -> None:
     p = TuningProblem.from_plan(plan(spec), SLOSpec(objective="throughput"))
     assert (p.batch_min, p.batch_start, p.batch_max) == (400, 435, 1088)
     assert p.schedule_for(400).maxPrefillBatchSize == 400
-    with pytest.raises(ValueError, match="batch_min 362 is below the pinned maxPrefillBatchSize"):
-        p.model_validate(p.model_dump() | {"batch_min": 362})
+    assert p.floor == 400  # no search goes below what the pinned knobs need
+    with pytest.raises(ValueError, match="batch_max 300 is below the pinned maxPrefillBatchSize"):
+        p.model_validate(p.model_dump() | {"batch_min": 300, "batch_max": 300, "batch_start": 300})
+
+
+# --- the verdict rests on the chosen schedule's own windows ----------------------------------------------------------
+
+
+def _windows(p: TuningProblem, *batch_tpots: tuple[int, float]) -> list[Trial]:
+    """Windows written out: (maxBatchSize, mean TPOT ms), 500 requests each."""
+    def at(batch: int, tpot: float) -> Trial:
+        m = TrialMetrics(outputTokensPerSecond=20.0 * batch, ttftMs=LatencyStats(mean=500, p90=600, p99=700),
+                         tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=500)
+        return Trial(schedule=p.schedule_for(batch), metrics=m)
+
+    return [at(b, t) for b, t in batch_tpots]
+
+
+def test_a_batch_that_meets_in_one_window_but_not_beyond_the_noise_is_measured_again_not_chosen() -> None:
+    # TPOT bound 50 ms. 100 meets by 10% in three windows that agree; 130 meets by 1% in one window.
+    p = problem("decodeLatency", noise=0.05, max_trials=20)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
+    step = next_step(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of == 3 and "leaves it uncertain" in step.reason
+    out_of_trials = next_step(p.model_copy(update={"max_trials": 4}), trials)
+    assert isinstance(out_of_trials, Verdict) and out_of_trials.reason == "maxTrials"
+    assert out_of_trials.schedule is not None and out_of_trials.schedule.maxBatchSize == 100
+    assert out_of_trials.slo_met is True and out_of_trials.evidence == (0, 1, 2)
+    assert out_of_trials.pooled is not None and out_of_trials.pooled.tpotMs.mean == pytest.approx(45.0)
+
+
+def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
+    # 120 misses (50.5 ms) and 130 meets (48.5 ms) in one window each: smoothed so that latency cannot fall, both sit
+    # at 49.5 ms, under the bound; measured, 120 misses, so 130 above it is no answer either. The verdict: 100.
+    p = problem("decodeLatency", noise=0.05, max_trials=5)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (120, 50.5), (130, 48.5))
+    verdict = next_step(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.schedule is not None
+    assert verdict.schedule.maxBatchSize == 100 and verdict.slo_met is True and verdict.evidence == (0, 1, 2)

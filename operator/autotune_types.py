@@ -1,0 +1,102 @@
+"""What the autotune driver observes and what the state machine asks of it: plain facts and requests, no decisions.
+
+The I/O modules (`kube.py`, `prometheus.py`, `autotune_loop.py`) build and read these; the pure state machine
+(`autotune.py`) and its capacity part (`capacity.py`) decide from them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from .api import InconclusiveReasonName, ScheduleKnobs, TrialMetrics
+from .status import Status
+
+Event = tuple[Literal["Normal", "Warning"], str, str]
+JobPhase = Literal["active", "succeeded", "failed", "missing"]
+
+# --- time ----------------------------------------------------------------------------------------------------------
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds of a Go duration as the CRD accepts it (`2m`, `1m30s`, `500ms`)."""
+    parts = re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def format_duration(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds < 120 else f"{seconds / 60:g}m"
+
+
+def rfc3339(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_rfc3339(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
+# --- what the driver observes --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    uid: str
+    ip: str | None
+    ready: bool
+    restarts: int
+
+    @property
+    def signature(self) -> str:
+        return f"{self.name}/{self.uid}/{self.restarts}"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One Prometheus window, as the driver read it: the window's figures, or why there are none."""
+
+    metrics: TrialMetrics | None = None
+    inconclusive: str | None = None
+    reason: InconclusiveReasonName | None = None  # with `inconclusive`: PrometheusUnreachable waits for Prometheus
+
+    @property
+    def unreachable(self) -> bool:
+        return self.reason == "PrometheusUnreachable"
+
+
+@dataclass(frozen=True)
+class Observation:
+    now: float
+    pods: Sequence[PodState]
+    measurement: Measurement | None = None  # given when `window_due` asked for it
+    prometheus: bool = True  # a Prometheus URL is configured and answers
+    prometheus_configured: bool = True
+    job: JobPhase | None = None  # the Job of the trial in progress
+    replica_limit: int | None = None  # the replicas the nodes' cards (or CPUs) hold
+
+
+@dataclass(frozen=True)
+class WindowRequest:
+    """A Prometheus window the driver must read before calling `advance`."""
+
+    start: float
+    end: float
+    pods: tuple[str, ...] | None  # None: every engine pod of the InferenceService
+
+
+@dataclass
+class Actions:
+    status: Status
+    apply: ScheduleKnobs | None = None  # to every engine (PUT /admin/schedule) and into the ConfigMap
+    create_job: dict[str, Any] | None = None
+    delete_job: str | None = None
+    scale: int | None = None
+    events: list[Event] = field(default_factory=list)

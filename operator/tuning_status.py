@@ -1,0 +1,87 @@
+"""The tuner's trials and verdict as `status.tuning` holds them, and back: typed both ways, nothing parsed from text.
+
+`trial_status` writes one trial as a `TuningTrial` (its outcome, the failure reason and failing figures, the metrics,
+the judge's word on the window, a one-line verdict for people); `trial_from_status` reads it back into exactly the
+trial it was, so an operator that restarts resumes the search where it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from npuserve.operator.api import FAILURE_REASONS, TuningStatus, TuningTrial, TuningVerdict
+
+from .problem import TunedSchedule, TuningProblem
+from .tuner import NextTrial, Trial, Verdict, next_step
+
+
+def trial_status(problem: TuningProblem, index: int, trial: Trial) -> TuningTrial:
+    """One trial as `status.tuning.history` holds it (`trial_from_status` reads it back)."""
+    m = trial.metrics
+    if m is None:
+        assert trial.failure is not None
+        return TuningTrial(trial=index, schedule=trial.schedule.knobs(), outcome="failed", reason=trial.failure,
+                           verdict=trial.detail or trial.failure)
+    judgement = problem.judge(m)
+    parts = [f"{m.outputTokensPerSecond:.0f} tok/s"]
+    for key, bound in problem.bounds().items():
+        value = problem.latency(m, key)
+        parts.append(f"{key.upper()} {problem.statistic} {value:.1f} ms {'<=' if value <= bound else '>'} {bound:g}")
+    if m.samples < problem.min_samples:
+        parts.append(f"only {m.samples} requests")
+    if judgement.failure is not None:
+        return TuningTrial(trial=index, schedule=trial.schedule.knobs(), outcome="failed", reason=judgement.failure,
+                           failing=list(judgement.failing), metrics=m, sloMet=False,
+                           verdict=f"failed: {judgement.why}; " + "; ".join(parts))
+    return TuningTrial(trial=index, schedule=trial.schedule.knobs(), outcome="measured", metrics=m,
+                       failing=list(judgement.failing), sloMet=judgement.meets, verdict="; ".join(parts))
+
+
+def trial_from_status(entry: TuningTrial) -> Trial | None:
+    """A trial back from `status.tuning.history`; None for an inconclusive window (the tuner never sees those)."""
+    if entry.outcome == "inconclusive":
+        return None
+    schedule = TunedSchedule.from_knobs(entry.schedule, f"tuning trial {entry.trial}")
+    if entry.metrics is not None:
+        return Trial(schedule=schedule, metrics=entry.metrics)
+    assert entry.reason in FAILURE_REASONS
+    return Trial(schedule=schedule, failure=entry.reason, detail=entry.verdict)
+
+
+def trials_of(history: Sequence[TuningTrial]) -> list[Trial]:
+    """The trials the tuner reads: every entry but the inconclusive windows, in order."""
+    return [t for t in (trial_from_status(e) for e in history) if t is not None]
+
+
+def conclusive(history: Sequence[TuningTrial]) -> list[TuningTrial]:
+    return [e for e in history if e.outcome != "inconclusive"]
+
+
+_PHASE: dict[str, Literal["Converged", "Stopped", "Failed"]] = {
+    "converged": "Converged", "maxTrials": "Stopped", "pinned": "Stopped", "sloUnreachable": "Stopped",
+    "allFailed": "Failed"}
+
+
+def phase_of(verdict: Verdict) -> Literal["Converged", "Stopped", "Failed"]:
+    return _PHASE[verdict.reason]
+
+
+def verdict_status(verdict: Verdict, history: Sequence[TuningTrial]) -> TuningVerdict:
+    """The verdict as status.tuning.verdict: its evidence named by the history's trial numbers."""
+    entries = conclusive(history)
+    return TuningVerdict(reason=verdict.reason, sloMet=verdict.slo_met,
+                         maxBatchSize=verdict.schedule.maxBatchSize if verdict.schedule else None,
+                         limit=verdict.limit, trials=[entries[i].trial for i in verdict.evidence],
+                         pooled=verdict.pooled, noise=verdict.noise, message=verdict.message)
+
+
+def tuning_status(problem: TuningProblem, trials: Sequence[Trial]) -> TuningStatus:
+    """`status.tuning` for a history: Running while there is a next trial, then the verdict's phase and best."""
+    step = next_step(problem, trials)
+    history = [trial_status(problem, i, t) for i, t in enumerate(trials)][-100:]
+    if isinstance(step, NextTrial):
+        return TuningStatus(phase="Running", trial=len(trials), history=history)
+    best = None if step.best is None else trial_status(problem, step.best, trials[step.best])
+    return TuningStatus(phase=phase_of(step), trial=len(trials), best=best, history=history,
+                        verdict=verdict_status(step, history))
