@@ -39,7 +39,8 @@ NAMESPACE = "default"
 CHART = REPO / "deploy" / "helm" / "npuserve"
 DEMO_DIR = REPO / ".demo"
 TIMEOUT_S = 1800
-TRIAL_COLUMNS = ("trial", "maxBatchSize", "TPOT ms", "TTFT ms", "tok/s", "requests", "verdict")
+TRIAL_COLUMNS = ("trial", "maxBatchSize", "TPOT ms", "TTFT ms", "tok/s", "requests", "SLO", "verdict")
+WIDTHS = (6, 12, 8, 8, 7, 8, 13, 0)
 
 
 def step(title: str) -> None:
@@ -53,13 +54,57 @@ def manifest(model: Path) -> dict[str, Any]:
     return obj
 
 
-def trial_row(entry: dict[str, Any]) -> str:
+def slo_cell(entry: dict[str, Any]) -> str:
+    """What the judge made of one window: met, missed (the figures over their bounds), failed or inconclusive."""
+    if entry.get("outcome") == "inconclusive":
+        return "inconclusive"
+    if entry.get("outcome") == "failed":
+        return "failed"
+    return "met" if entry.get("sloMet") else "missed"
+
+
+def trial_row(entry: dict[str, Any], mark: str = "") -> str:
     m = entry.get("metrics") or {}
-    cells = [str(entry["trial"]), str(entry["schedule"].get("maxBatchSize", "")),
-             f"{m['tpotMeanMs']:.1f}" if m else "-", f"{m['ttftMeanMs']:.0f}" if m else "-",
+    cells = [f"{entry['trial']}{mark}", str(entry["schedule"].get("maxBatchSize", "")),
+             f"{m['tpotMs']['mean']:.1f}" if m else "-", f"{m['ttftMs']['mean']:.0f}" if m else "-",
              f"{m['outputTokensPerSecond']:.1f}" if m else "-", f"{m['samples']:.0f}" if m else "-",
-             entry.get("verdict", "")]
-    return "  ".join(c.ljust(w) for c, w in zip(cells, (5, 12, 8, 8, 7, 8, 0), strict=True))
+             slo_cell(entry), entry.get("verdict", "")]
+    return "  ".join(c.ljust(w) for c, w in zip(cells, WIDTHS, strict=True))
+
+
+def table_header() -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(TRIAL_COLUMNS, WIDTHS, strict=True))
+
+
+def evidence(tuning: dict[str, Any]) -> set[int]:
+    """The trials the verdict rests on: the windows measured at the chosen schedule."""
+    return set((tuning.get("verdict") or {}).get("trials") or [])
+
+
+def verdict_contradiction(status: dict[str, Any], slo: dict[str, Any]) -> str | None:
+    """Why the final status contradicts its own measurements, or None: SLOMet=True while the windows measured at the
+    chosen schedule, pooled by requests (computed here from the history, not taken from the operator's figures),
+    miss a bound at the SLO's statistic."""
+    met = any(c.get("type") == "SLOMet" and c.get("status") == "True" for c in status.get("conditions") or [])
+    if not met:
+        return None
+    tuning = status.get("tuning") or {}
+    best = (tuning.get("best") or {}).get("schedule") or {}
+    windows = [e for e in tuning.get("history") or []
+               if e.get("outcome") == "measured" and e.get("metrics") and e["schedule"] == best]
+    if not windows:
+        return "SLOMet is True but no window was measured at the best schedule"
+    statistic = slo.get("statistic", "mean")
+    weights = [max(e["metrics"]["samples"], 1) for e in windows]
+    for figure, bound_key in (("tpotMs", "tpotMs"), ("ttftMs", "ttftMs")):
+        bound = slo.get(bound_key)
+        if bound is None:
+            continue
+        pooled = sum(e["metrics"][figure][statistic] * w for e, w in zip(windows, weights, strict=True)) / sum(weights)
+        if pooled > bound:
+            return (f"SLOMet is True but the {len(windows)} window(s) measured at maxBatchSize "
+                    f"{best.get('maxBatchSize')} give {figure} {statistic} {pooled:.1f} ms, over the bound {bound:g}")
+    return None
 
 
 def watch(cluster: localk8s.Cluster, name: str) -> dict[str, Any]:
@@ -85,8 +130,7 @@ def watch(cluster: localk8s.Cluster, name: str) -> dict[str, Any]:
         history = tuning.get("history") or []
         for entry in history[trials_seen:]:
             if trials_seen == 0:
-                print("   " + "  ".join(c.ljust(w) for c, w in zip(TRIAL_COLUMNS, (5, 12, 8, 8, 7, 8, 0),
-                                                                     strict=True)))
+                print(f"   {table_header()}")
             print(f"   {trial_row(entry)}", flush=True)
         trials_seen = len(history)
         probes = (status.get("capacity") or {}).get("probes") or []
@@ -108,33 +152,40 @@ def watch(cluster: localk8s.Cluster, name: str) -> dict[str, Any]:
                      ".cluster/ logs")
 
 
-def plot(history: list[dict[str, Any]], slo_tpot: float | None, path: Path) -> Path:
+def plot(tuning: dict[str, Any], slo_tpot: float | None, path: Path) -> Path:
+    """TPOT and throughput per measured trial: green met the SLO, red missed it, black crosses failed; the chosen
+    schedule's windows ringed in gold; numbers: trial order."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
+    history = tuning.get("history") or []
+    chosen = evidence(tuning)
     measured = [e for e in history if e.get("metrics")]
-    fig = Figure(figsize=(9, 4.5), layout="constrained")
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
     tpot_ax, tput_ax = fig.subplots(1, 2)
-    order = sorted(measured, key=lambda e: e["schedule"]["maxBatchSize"])
-    batches = [e["schedule"]["maxBatchSize"] for e in order]
-    # Points, not a line: a batch measured twice (a noisy window repeated) is two points at one x.
-    tpot_ax.plot(batches, [e["metrics"]["tpotMeanMs"] for e in order], "o", color="tab:blue")
-    for e in measured:
-        tpot_ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], e["metrics"]["tpotMeanMs"]),
-                         textcoords="offset points", xytext=(4, 4), fontsize=8)
+    style = {"met": ("o", "tab:green"), "missed": ("o", "tab:red"), "failed": ("x", "black")}
+    for ax, figure in ((tpot_ax, lambda m: m["tpotMs"]["mean"]), (tput_ax, lambda m: m["outputTokensPerSecond"])):
+        for kind, (marker, color) in style.items():
+            points = [e for e in measured if slo_cell(e) == kind]
+            if points:  # points, not a line: a batch measured again is several points at one x
+                ax.plot([e["schedule"]["maxBatchSize"] for e in points], [figure(e["metrics"]) for e in points],
+                        marker, color=color, linestyle="none", label=kind)
+        best = [e for e in measured if e["trial"] in chosen]
+        if best:
+            ax.plot([e["schedule"]["maxBatchSize"] for e in best], [figure(e["metrics"]) for e in best], "o",
+                    markersize=14, markerfacecolor="none", markeredgecolor="goldenrod", markeredgewidth=2,
+                    linestyle="none", label="chosen")
+        for e in measured:
+            ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], figure(e["metrics"])),
+                        textcoords="offset points", xytext=(5, 5), fontsize=8)
+        ax.grid(alpha=0.3)
     if slo_tpot is not None:
         tpot_ax.axhline(slo_tpot, color="tab:red", linestyle="--", label=f"SLO TPOT {slo_tpot:g} ms")
-        tpot_ax.legend()
-    tpot_ax.set(xlabel="maxBatchSize", ylabel="mean TPOT (ms)", title="TPOT per trial (numbers: trial order)")
-    tput_ax.plot(batches, [e["metrics"]["outputTokensPerSecond"] for e in order], "s", color="tab:green")
-    for e in measured:
-        tput_ax.annotate(str(e["trial"]), (e["schedule"]["maxBatchSize"], e["metrics"]["outputTokensPerSecond"]),
-                         textcoords="offset points", xytext=(4, 4), fontsize=8)
+    tpot_ax.set(xlabel="maxBatchSize", ylabel="mean TPOT (ms)", title="TPOT per trial")
     tput_ax.set(xlabel="maxBatchSize", ylabel="output tokens/s", title="throughput per trial")
-    for ax in (tpot_ax, tput_ax):
-        ax.grid(alpha=0.3)
+    tpot_ax.legend(fontsize=8)
     fig.savefig(path, dpi=110)
     return path
 
@@ -179,6 +230,7 @@ def main() -> int:
         operator = subprocess.Popen([npuserve, "operator", "--all-namespaces", "--prometheus-url",
                                      cluster.prometheus_url], env=env, stdout=log, stderr=subprocess.STDOUT)
     print(f"operator pid {operator.pid}, log {log_path}")
+    contradiction: str | None = None
     try:
         step(f"kubectl apply -f examples/{EXAMPLE.name}: plan, deploy, tune (a load-generator Job per trial)")
         cluster.kubectl("delete", "nisvc", name, "-n", NAMESPACE, "--ignore-not-found", "--wait=true", timeout=120)
@@ -190,7 +242,8 @@ def main() -> int:
         best = tuning.get("best") or {}
         slo = next((c for c in status.get("conditions") or [] if c["type"] == "SLOMet"), {})
         print(f"tuning: {tuning.get('phase')} after {tuning.get('trial')} trials: {tuning.get('message')}")
-        print(f"best: {json.dumps(best.get('schedule'))}")
+        print(f"best: {json.dumps(best.get('schedule'))}; what bounds it: "
+              f"{(tuning.get('verdict') or {}).get('limit', '-')}")
         print(f"SLOMet: {slo.get('status')} ({slo.get('message')})")
         print(f"observed: {json.dumps(status.get('observed'))}")
         if capacity:
@@ -199,9 +252,14 @@ def main() -> int:
                   f"{capacity.get('staticConcurrencyPerReplica')} per replica, {capacity.get('staticReplicas')} "
                   f"replicas")
             print(f"replicas: {capacity.get('replicas')} ({capacity.get('message')})")
+        chosen = evidence(tuning)
+        print(f"the trials (* the chosen schedule's windows, on which the verdict rests):\n   {table_header()}")
+        for entry in tuning.get("history") or []:
+            print(f"   {trial_row(entry, '*' if entry['trial'] in chosen else '')}")
         DEMO_DIR.mkdir(exist_ok=True)
-        png = plot(tuning.get("history") or [], obj["spec"]["slo"].get("tpotMs"), DEMO_DIR / "trials.png")
+        png = plot(tuning, obj["spec"]["slo"].get("tpotMs"), DEMO_DIR / "trials.png")
         print(f"trials plotted: {png}")
+        contradiction = verdict_contradiction(status, obj["spec"]["slo"])
         print(cluster.kubectl("get", "deployment,pods", "-n", NAMESPACE, "-o", "wide", "-l",
                               f"npuserve.io/inferenceservice={name},app.kubernetes.io/component=engine").rstrip())
         pods = cluster.kubectl_json("get", "pods", "-n", NAMESPACE, "-l",
@@ -213,6 +271,9 @@ def main() -> int:
     finally:
         operator.terminate()
         operator.wait(30)
+    if contradiction is not None:
+        print(f"\033[1;31mthe verdict contradicts its own measurements: {contradiction}\033[0m", file=sys.stderr)
+        return 1
     step(f"done in {time.monotonic() - started:.0f}s")
     print(f"The cluster keeps running: export KUBECONFIG={cluster.kubeconfig}; kubectl describe nisvc {name}")
     print("Remove it all with: make demo-down")

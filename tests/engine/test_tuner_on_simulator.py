@@ -7,8 +7,10 @@ simulator (issue 12): for each objective it must end within 3% of the sweep's an
 from __future__ import annotations
 
 import argparse
+import math
+import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -17,8 +19,9 @@ from npuserve.engine.simulated import tune_cli
 from npuserve.engine.simulated.engine import SimulationConfig
 from npuserve.engine.simulated.runner import SimRequest
 from npuserve.engine.simulated.simulate_cli import build_with_plan
-from npuserve.operator.api import SLOSpec
-from npuserve.operator.tuner import Trial, TrialMetrics, TunedSchedule, TuningProblem, Verdict
+from npuserve.operator.api import LatencyStats, SLOSpec, TrialMetrics
+from npuserve.operator.problem import TunedSchedule, TuningProblem
+from npuserve.operator.tuner import Trial, Verdict, next_step
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +127,7 @@ def _sweep(setup: Setup, problem: TuningProblem) -> dict[int, Trial]:
                 sweep[middle] = measure(middle)
                 low, high = (middle, high) if _meets(sweep[middle], problem) else (low, middle)
     else:
-        best = max(grid, key=lambda b: sweep[b].metrics.output_tokens_per_s)  # type: ignore[union-attr]
+        best = max(grid, key=lambda b: sweep[b].metrics.outputTokensPerSecond)  # type: ignore[union-attr]
         i = grid.index(best)
         for b in range(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)] + 1, max(1, best // 50)):
             sweep[b] = measure(b)
@@ -133,7 +136,7 @@ def _sweep(setup: Setup, problem: TuningProblem) -> dict[int, Trial]:
 
 def _meets(trial: Trial, problem: TuningProblem) -> bool:
     m = trial.metrics
-    return m is not None and all((m.ttft_ms if k == "ttft" else m.tpot_ms).of(problem.statistic) <= bound
+    return m is not None and all((m.ttftMs if k == "ttft" else m.tpotMs).of(problem.statistic) <= bound
                                  for k, bound in problem.bounds().items())
 
 
@@ -144,7 +147,7 @@ def _tune(setup: Setup, problem: TuningProblem, noise: float = 0.0, seed: int = 
         m = t.metrics
         assert m is not None
         print(f"  trial {i}: maxBatchSize {t.schedule.maxBatchSize} selectBatch {t.schedule.supportSelectBatch}: "
-              f"{m.output_tokens_per_s:.0f} tok/s, TTFT {m.ttft_ms.mean:.0f} ms, TPOT {m.tpot_ms.mean:.1f} ms")
+              f"{m.outputTokensPerSecond:.0f} tok/s, TTFT {m.ttftMs.mean:.0f} ms, TPOT {m.tpotMs.mean:.1f} ms")
     print(f"  verdict: {verdict.reason}: {verdict.message}")
     return trials, verdict
 
@@ -165,20 +168,20 @@ def _inner_bound(setup: Setup, problem: TuningProblem, key: str) -> float:
     1.25 x the range's minimum (higher up, under KV pressure, TPOT flattens and the answer would be ill-posed)."""
     m = setup.measure(problem)(round(problem.batch_min * 1.25)).metrics
     assert m is not None
-    return float((m.ttft_ms if key == "ttft" else m.tpot_ms).mean)
+    return float((m.ttftMs if key == "ttft" else m.tpotMs).mean)
 
 
 def test_throughput_ends_at_the_sweeps_peak(setup: Setup) -> None:
     problem = _problem(setup, "throughput")
     sweep = _sweep(setup, problem)
-    best = max(sweep, key=lambda b: sweep[b].metrics.output_tokens_per_s)  # type: ignore[union-attr]
-    best_tps = sweep[best].metrics.output_tokens_per_s  # type: ignore[union-attr]
+    best = max(sweep, key=lambda b: sweep[b].metrics.outputTokensPerSecond)  # type: ignore[union-attr]
+    best_tps = sweep[best].metrics.outputTokensPerSecond  # type: ignore[union-attr]
     print(f"\n{setup.name}, throughput: the sweep's best {best_tps:.0f} tok/s at maxBatchSize {best}")
     trials, verdict = _tune(setup, problem)
     chosen = trials[verdict.best or 0].metrics
     assert chosen is not None and verdict.slo_met
     assert len(trials) <= 5
-    assert chosen.output_tokens_per_s >= 0.97 * best_tps
+    assert chosen.outputTokensPerSecond >= 0.97 * best_tps
 
 
 def test_decode_latency_ends_at_the_largest_batch_meeting_tpot(setup: Setup) -> None:
@@ -212,37 +215,126 @@ def test_first_token_and_decode_ends_at_the_largest_batch_meeting_both(setup: Se
     assert abs(_chosen(verdict) - answer) <= 0.03 * answer + 1
 
 
-# firstTokenAndDecode is left out: on the guide's setup its answer (about 64) sits where the simulated TPOT barely
-# moves with the batch (prefill first, maxBatchSize - 1 users), so one +-5% window moves the estimate by +-15% and
-# 2 seeds in 10 end within 5% (all within 20%); the exact test above holds it to 3%.
-@pytest.mark.parametrize("objective", ["throughput", "decodeLatency"])
-def test_with_five_percent_noise_nine_seeds_in_ten_end_within_five_percent(objective: str) -> None:
-    guide = _setup("guide")
-    setup = Setup(guide.name, guide.problem, guide.base, guide.requests, objective == "firstTokenAndDecode")
-    setup.cache = guide.cache
-    bounds = {"throughput": {}, "decodeLatency": {"tpot_ms": 50.0},
-              "firstTokenAndDecode": {"ttft_ms": 8000.0, "tpot_ms": 50.0}}[objective]
-    exact = _problem(setup, objective, **bounds)
-    if objective == "firstTokenAndDecode":
-        exact = exact.model_copy(update={"batch_min": 40})  # as in the exact test above
-    noisy = exact.model_copy(update={"noise": 0.05})
-    sweep = _sweep(setup, exact)
-    if objective == "throughput":
-        best_tps = max(t.metrics.output_tokens_per_s for t in sweep.values())  # type: ignore[union-attr]
-    else:
-        answer = _largest_meeting(sweep, exact)
-    good = 0
-    for seed in range(10):
-        print(f"\nseed {seed}, {objective} with +-5% noise")
-        trials, verdict = _tune(setup, noisy, noise=0.05, seed=seed)
-        assert len(trials) <= 8
-        if verdict.schedule is None:
+# --- noise ---------------------------------------------------------------------------------------------------------
+# Each window's figures times a uniform factor in [1 - noise, 1 + noise] of their own, and the latencies times a
+# jitter fixed per batch (and seed) of up to +-3%, the throughput divided by it: a curve that is not monotone in the
+# batch, as a real engine's is not (some batches run faster kernels than their neighbours), which no repeat averages
+# away. The problem's prior noise stays at the operator's default (+-5%): the tuner must find the real one.
+
+JITTER = 0.03
+NOISE_SEEDS = 20
+BUDGET = {0.10: 8, 0.20: 12}
+FALSE_CLAIM = 1.05  # SLOMet=True for a schedule whose noise-free latency exceeds a bound by more than this
+
+
+def _noisy(setup: Setup, problem: TuningProblem, noise: float, seed: int) -> Callable[[TunedSchedule], TrialMetrics]:
+    rng = random.Random(seed)
+
+    def measure(schedule: TunedSchedule) -> TrialMetrics:
+        m = setup.cached(schedule)
+        jitter = 1 + JITTER * math.sin(2.399 * schedule.maxBatchSize + 1.7 * seed)
+
+        def f() -> float:
+            return 1 + rng.uniform(-noise, noise)
+
+        def stats(s: LatencyStats) -> LatencyStats:
+            return LatencyStats(mean=s.mean * f() * jitter, p90=s.p90 * f() * jitter, p99=s.p99 * f() * jitter)
+
+        return m.model_copy(update={"outputTokensPerSecond": m.outputTokensPerSecond * f() / jitter,
+                                    "ttftMs": stats(m.ttftMs), "tpotMs": stats(m.tpotMs)})
+
+    return measure
+
+
+def _noise_bounds(setup: Setup) -> dict[str, dict[str, float]]:
+    """The bounds of each objective: the guide's own (TPOT 50 ms, TTFT 8 s), else where the answer lies inside the
+    range (as the exact tests above)."""
+    if setup.name.endswith("(the guide)"):
+        return {"throughput": {}, "decodeLatency": {"tpot_ms": 50.0},
+                "firstTokenAndDecode": {"ttft_ms": 8000.0, "tpot_ms": 50.0}}
+    probe = _problem(setup, "firstTokenAndDecode", ttft_ms=1e9, tpot_ms=1e9)
+    tpot = _inner_bound(setup, _problem(setup, "throughput"), "tpot")
+    return {"throughput": {}, "decodeLatency": {"tpot_ms": tpot},
+            "firstTokenAndDecode": {"ttft_ms": _inner_bound(setup, probe, "ttft") * 1.5, "tpot_ms": tpot}}
+
+
+def _optimum(setup: Setup, problem: TuningProblem) -> float:
+    """The noise-free optimum's throughput: the most output tok/s of a batch meeting every bound, over a sweep
+    from 1 to the range's maximum (the plan's minimum is no floor)."""
+    measure = setup.measure(problem)
+    grid = _grid(1, problem.batch_max)
+    sweep = {b: measure(b) for b in grid}
+    if problem.bounds():
+        meeting = [b for b in grid if _meets(sweep[b], problem)]
+        assert meeting, "no batch meets the bounds"
+        low = max(meeting)
+        if low != grid[-1]:
+            high = grid[grid.index(low) + 1]
+            while high - low > 1:
+                middle = (low + high) // 2
+                sweep[middle] = measure(middle)
+                low, high = (middle, high) if _meets(sweep[middle], problem) else (low, middle)
+    return max(t.metrics.outputTokensPerSecond for t in sweep.values()  # type: ignore[union-attr]
+               if _meets(t, problem))
+
+
+@dataclass
+class NoiseRow:
+    setup: str
+    objective: str
+    noise: float
+    false_claims: int = 0
+    slo_met: int = 0
+    within_5: int = 0
+    trials: list[int] = field(default_factory=list)
+    chosen: list[int | None] = field(default_factory=list)
+
+    def line(self) -> str:
+        return (f"| {self.setup} | {self.objective} | {self.noise:.0%} | {self.false_claims} | {self.slo_met}/"
+                f"{NOISE_SEEDS} | {self.within_5}/{NOISE_SEEDS} | {max(self.trials)} | "
+                f"{sum(self.trials) / len(self.trials):.1f} |")
+
+
+def _noise_row(setup: Setup, objective: str, noise: float) -> NoiseRow:
+    if objective == "firstTokenAndDecode" and not setup.benchmark_load:  # as the exact test: TTFT in seconds
+        benchmark = Setup(setup.name, setup.problem, setup.base, setup.requests, True)
+        benchmark.cache = setup.cache
+        setup = benchmark
+    exact = _problem(setup, objective, **_noise_bounds(setup)[objective])
+    best_tps = _optimum(setup, exact)
+    noisy = exact.model_copy(update={"noise": 0.05, "max_trials": BUDGET[noise]})
+    row = NoiseRow(setup.name.split(" (")[0], objective, noise)
+    for seed in range(NOISE_SEEDS):
+        measure = _noisy(setup, noisy, noise, seed)
+        trials: list[Trial] = []
+        while not isinstance(step := next_step(noisy, trials), Verdict):
+            trials.append(Trial(schedule=step.schedule, metrics=measure(step.schedule)))
+        row.trials.append(len(trials))
+        row.chosen.append(step.schedule.maxBatchSize if step.schedule else None)
+        if not step.slo_met or step.schedule is None:
             continue
-        chosen = verdict.schedule.maxBatchSize
-        if objective == "throughput":
-            true_tps = sweep.get(chosen) or setup.measure(exact)(chosen)
-            good += true_tps.metrics is not None and true_tps.metrics.output_tokens_per_s >= 0.95 * best_tps
-        else:
-            good += abs(chosen - answer) <= 0.05 * answer
-    print(f"{objective}: {good}/10 seeds within 5%")
-    assert good >= 9
+        row.slo_met += 1
+        truth = setup.cached(step.schedule)
+        row.false_claims += any((truth.ttftMs if k == "ttft" else truth.tpotMs).of(exact.statistic) > FALSE_CLAIM * b
+                                for k, b in exact.bounds().items())
+        row.within_5 += truth.outputTokensPerSecond >= 0.95 * best_tps
+    print(row.line(), row.chosen)
+    return row
+
+
+@pytest.mark.parametrize("name", ["guide", "32b"])
+def test_under_noise_no_verdict_is_false_and_the_budget_holds(name: str) -> None:
+    """20 seeds at 10% and 20% noise with jitter, each objective: no run ends with SLOMet=True for a schedule whose
+    noise-free latency exceeds a bound by more than 5%; at most 8 trials at 10%, 12 at 20%. How close the verdicts
+    come to the noise-free optimum is printed (`pytest -s`); the throughput objective's on the guide is held to 18
+    of 20 within 5% at 10% noise."""
+    setup = _setup(name)
+    print("\n| setup | objective | noise | false SLOMet | SLOMet | within 5% of the optimum | max trials | "
+          "mean trials |")
+    rows = [_noise_row(setup, objective, noise) for objective in ("throughput", "decodeLatency",
+                                                                   "firstTokenAndDecode") for noise in BUDGET]
+    for row in rows:
+        assert row.false_claims == 0, row
+        assert max(row.trials) <= BUDGET[row.noise], row
+    if name == "guide":
+        assert rows[0].within_5 >= 18, rows[0]

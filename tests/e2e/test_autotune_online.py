@@ -1,0 +1,204 @@
+"""Closed-loop tuning in online mode on the local cluster: no benchmark Job, live traffic that the test drives itself
+(`npuserve bench` processes against the two engine pods), the operator tuning from what Prometheus scraped of it.
+
+The bound is calibrated on this machine first (with autotune off): the mean TPOT at 2 and at 24 users per pod, both
+pods loaded at once as they are later; the SLO is their geometric mean. Then, in order:
+1. 2 users per pod: every maxBatchSize meets the bound, so tuning converges at the plan's memory bound (64), with
+   SLOMet=True from the windows measured there; `status.observed` keeps being refreshed window by window;
+2. 24 users per pod: the tuned batch now runs 24 requests per engine and misses the bound; after consecutive missed
+   windows the operator starts a new round and converges again, at a batch whose own windows meet the bound.
+
+Also here: benchmark mode with a CPU hog started beside the engine mid-tuning (one busy core for a bounded time):
+the verdict may be conservative, never false.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import demo
+import localk8s
+import pytest
+import yaml
+from models import create_dummy_for
+from operator_harness import REPO, Operator, helm_install, running_operator, scratch_namespace, wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
+
+WINDOW = "20s"
+LIGHT, HEAVY = 2, 24  # users per pod
+NPUSERVE = str(Path(sys.executable).parent / "npuserve")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())["spec"]
+    return create_dummy_for(spec, tmp_path_factory.mktemp("models") / "demo")
+
+
+@pytest.fixture(scope="module")
+def operator(k8s_cluster: localk8s.Cluster) -> Iterator[Operator]:
+    helm_install(k8s_cluster)
+    with running_operator(k8s_cluster) as op:
+        yield op
+
+
+def manifest(namespace: str, name: str, model: Path, **autotune: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())
+    obj["metadata"] = {"name": name, "namespace": namespace}
+    spec = obj["spec"]
+    spec["model"]["weights"] = {"hostPath": {"path": str(model)}}
+    spec.pop("capacity")
+    spec["autotune"] = {"window": WINDOW, "maxTrials": 8, "minSamples": 10, **autotune}
+    return obj
+
+
+def status(cluster: localk8s.Cluster, namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = cluster.kubectl_json("get", "nisvc", name, "-n", namespace).get("status") or {}
+    return found
+
+
+def ready_pod_ips(cluster: localk8s.Cluster, namespace: str, name: str) -> list[str]:
+    pods = cluster.kubectl_json("get", "pods", "-n", namespace, "-l",
+                                f"npuserve.io/inferenceservice={name},app.kubernetes.io/component=engine")["items"]
+    assert isinstance(pods, list)
+    return sorted(p["status"]["podIP"] for p in pods if not p["metadata"].get("deletionTimestamp")
+                  and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions") or []))
+
+
+class Traffic:
+    """Live traffic: one closed-loop `npuserve bench` per engine pod, `users` each, bounded by `duration_s`."""
+
+    def __init__(self, ips: list[str], users: int, duration_s: float, model: Path) -> None:
+        self.procs = [subprocess.Popen(
+            [NPUSERVE, "bench", "--base-url", f"http://{ip}:8000", "--model", "demo", "--tokenizer", str(model),
+             "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "64", "--ignore-eos",
+             "--max-concurrency", str(users), "--duration", f"{duration_s:g}", "--num-prompts", "100000",
+             "--format", "json", "--request-timeout", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for ip in ips]
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+    def reports(self) -> list[dict[str, Any]]:
+        out = []
+        for p in self.procs:
+            stdout, _ = p.communicate(timeout=120)
+            out.append(json.loads(stdout))
+        return out
+
+
+def calibrate(ips: list[str], model: Path, users: int) -> float:
+    """Mean TPOT (ms) with `users` per pod on every pod at once, for 15 s."""
+    traffic = Traffic(ips, users, 15, model)
+    reports = traffic.reports()
+    tpots = [r["metrics"]["tpot_ms"]["mean"] for r in reports]
+    return sum(tpots) / len(tpots)
+
+
+def converged(cluster: localk8s.Cluster, namespace: str, name: str, round_: int) -> dict[str, Any] | None:
+    st = status(cluster, namespace, name)
+    tuning = st.get("tuning") or {}
+    if tuning.get("round") == round_ and tuning.get("phase") in ("Converged", "Stopped", "Failed") \
+            and not tuning.get("current"):
+        return st
+    return None
+
+
+def slo_met(st: dict[str, Any]) -> bool:
+    return any(c["type"] == "SLOMet" and c["status"] == "True" for c in st.get("conditions") or [])
+
+
+def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
+        k8s_cluster: localk8s.Cluster, operator: Operator, model_dir: Path) -> None:
+    name = "online"
+    with scratch_namespace(k8s_cluster, "e2e-online-") as ns:
+        obj = manifest(ns, name, model_dir, enabled=False, mode="online")
+        obj["spec"]["replicas"] = 2
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+        ips = wait_for("two engine pods Ready", lambda: (lambda i: i if len(i) == 2 else None)(
+            ready_pod_ips(k8s_cluster, ns, name)), timeout=300)
+        light, heavy = calibrate(ips, model_dir, LIGHT), calibrate(ips, model_dir, HEAVY)
+        bound = math.sqrt(light * heavy)
+        print(f"\ncalibrated: TPOT {light:.1f} ms at {LIGHT} users per pod, {heavy:.1f} ms at {HEAVY}; "
+              f"the SLO: {bound:.1f} ms")
+        assert heavy > 1.3 * light, "the load must raise TPOT for the test to mean anything"
+
+        traffic = Traffic(ips, LIGHT, 1500, model_dir)
+        try:
+            k8s_cluster.kubectl("patch", "nisvc", name, "-n", ns, "--type=merge", "-p", json.dumps(
+                {"spec": {"slo": {"objective": "decodeLatency", "tpotMs": round(bound, 1)},
+                          "autotune": {"enabled": True}}}))
+            st = wait_for("round 1 to converge", lambda: converged(k8s_cluster, ns, name, 1), timeout=900,
+                          interval=2)
+            tuning = st["tuning"]
+            print("round 1:", tuning["message"])
+            assert tuning["phase"] == "Converged" and slo_met(st), tuning["message"]
+            assert tuning["verdict"]["sloMet"] and tuning["verdict"]["limit"] == "memory"
+            assert tuning["verdict"]["maxBatchSize"] == st["plan"]["maxBatchSize"]["max"]
+            assert demo.verdict_contradiction(st, {"tpotMs": round(bound, 1)}) is None
+            assert not k8s_cluster.kubectl_json("get", "jobs", "-n", ns)["items"], "online mode: no Job"
+            first_batch = tuning["verdict"]["maxBatchSize"]
+            # status.observed stays current: a later window replaces it.
+            seen = st["observed"]["measuredAt"]
+            st = wait_for("status.observed refreshed", lambda: (lambda s: s if s["observed"]["measuredAt"] != seen
+                                                                else None)(status(k8s_cluster, ns, name)),
+                          timeout=120, interval=2)
+            assert st["observed"]["sloMet"] is True and st["observed"]["samples"] >= 1
+        finally:
+            traffic.stop()
+
+        traffic = Traffic(ips, HEAVY, 1500, model_dir)
+        try:
+            st = wait_for("round 2 to start", lambda: (lambda s: s if (s.get("tuning") or {}).get("round") == 2
+                                                       else None)(status(k8s_cluster, ns, name)),
+                          timeout=600, interval=2)
+            events = k8s_cluster.kubectl("get", "events", "-n", ns, "--field-selector", "reason=TuningRestarted")
+            assert "TuningRestarted" in events
+            st = wait_for("round 2 to converge", lambda: converged(k8s_cluster, ns, name, 2), timeout=1200,
+                          interval=2)
+            tuning = st["tuning"]
+            print("round 2:", tuning["message"])
+            assert tuning["phase"] == "Converged" and slo_met(st), tuning["message"]
+            assert tuning["verdict"]["sloMet"] and tuning["verdict"]["maxBatchSize"] < first_batch
+            assert demo.verdict_contradiction(st, {"tpotMs": round(bound, 1)}) is None
+        finally:
+            traffic.stop()
+
+
+def test_a_cpu_hog_mid_tuning_makes_the_verdict_conservative_never_false(
+        k8s_cluster: localk8s.Cluster, operator: Operator, model_dir: Path) -> None:
+    name = "hog"
+    with scratch_namespace(k8s_cluster, "e2e-hog-") as ns:
+        obj = manifest(ns, name, model_dir, enabled=True, mode="benchmark", maxTrials=6)
+        k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
+        wait_for("the first measured trial", lambda: [e for e in (status(k8s_cluster, ns, name).get("tuning") or {})
+                                                      .get("history") or [] if e["outcome"] == "measured"],
+                 timeout=600, interval=2)
+        # One core kept busy for at most 150 s, beside the engine (2 cores in all), from the second trial on.
+        hog = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 150\n"
+                                "while time.monotonic() < end:\n    pass\n"])
+        try:
+            st = wait_for("tuning to finish", lambda: converged(k8s_cluster, ns, name, 1), timeout=1200, interval=2)
+        finally:
+            hog.kill()
+            hog.wait()
+        tuning = st["tuning"]
+        print("\nwith a CPU hog:", tuning["message"])
+        slo = obj["spec"]["slo"]
+        assert demo.verdict_contradiction(st, slo) is None, tuning["message"]
+        if slo_met(st):
+            assert tuning["verdict"]["sloMet"] and tuning["verdict"]["pooled"]["tpotMs"]["mean"] <= slo["tpotMs"]
