@@ -188,7 +188,7 @@ async def list_models(request: Request) -> ModelList:
     state = get_state(request)
     engine = state.engine.engine
     card = ModelCard(id=state.served_model_name, created=now_seconds(), root=str(engine.model_dir),
-                     max_model_len=engine.config.deploy.maxSeqLen)
+                     max_model_len=state.max_model_len())
     return ModelList(data=[card])
 
 
@@ -310,8 +310,8 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
             if want_logprobs and ids:
                 logprobs = completion_logprobs(state.token_text, ids, lps, tops, offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs.tokens)
-            if not text and not output.finished and logprobs is None:
-                continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
+            if not text and not ids and not output.finished:
+                continue  # nothing new (a token whose text is held back still gets its chunk, with text "")
             usage = Usage.of(list(latest.values())) if body.continuous_usage else None
             choice = CompletionChoice(index=p_index * body.n + output.index, text=text, logprobs=logprobs,
                                       finish_reason=finish_reason(output))
@@ -510,7 +510,8 @@ class _StreamedTools:
     def delta(self, new_text: str, finished: bool) -> ChatDelta:
         mode = self.setup.mode
         if mode in ("off", "none"):
-            return ChatDelta(content=new_text or None)
+            # one chunk per token, as vLLM: "" while a partial UTF-8 character or a possible stop string is held
+            return ChatDelta(content=new_text)
         if mode == "named":
             first = self.num_calls == 0
             self.num_calls = 1

@@ -323,6 +323,15 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+class _Typed(BaseModel):
+    """A response object whose `object` field names its type. Streams are serialised with exclude_unset (a chunk
+    carries only what it was given), so `object` is marked as given here: every chunk and response carries it, as
+    OpenAI and vLLM send them (aiperf drops chunks without it; the `openai` client reads it as `chunk.object`)."""
+
+    def model_post_init(self, context: Any, /) -> None:
+        self.__pydantic_fields_set__.add("object")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -357,7 +366,7 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None  # vLLM extension, when asked
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Typed):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -400,7 +409,7 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Typed):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -440,7 +449,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None  # likewise
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Typed):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -453,7 +462,7 @@ class ChatCompletionChunk(BaseModel):
 # --- models ----------------------------------------------------------------------------------------------------
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Typed):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -462,7 +471,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
-class ModelList(BaseModel):
+class ModelList(_Typed):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 

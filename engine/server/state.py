@@ -27,6 +27,13 @@ T = TypeVar("T")
 
 RETRY_AFTER_SECONDS = 1
 
+# Where each request limit is set in the server's MindIE config.json (named in the refusals).
+CONFIG_FIELDS = {
+    "maxSeqLen": "BackendConfig.ModelDeployConfig.maxSeqLen in the server's config.json",
+    "maxInputTokenLen": "BackendConfig.ModelDeployConfig.maxInputTokenLen in the server's config.json",
+    "maxIterTimes": "BackendConfig.ScheduleConfig.maxIterTimes in the server's config.json, or PUT /admin/schedule",
+}
+
 
 @dataclass
 class ServerState:
@@ -48,26 +55,38 @@ class ServerState:
         except RequestError as e:
             raise APIError(400, str(e), param=field) from e
 
+    def max_model_len(self) -> int:
+        """The longest context (prompt + output) a request can have here, which `/v1/models` reports: maxSeqLen,
+        within maxInputTokenLen + maxIterTimes (live) and the whole KV cache (a longer request can never run)."""
+        engine = self.engine.engine
+        deploy = engine.config.deploy
+        kv_tokens = engine.kv_plan.num_blocks * engine.kv_plan.block_size
+        return min(deploy.maxSeqLen, deploy.maxInputTokenLen + engine.snapshot.schedule.maxIterTimes, kv_tokens)
+
     def resolve_max_tokens(self, requested: int | None, prompt_len: int, field: str) -> int:
-        """The output limit: at most maxIterTimes, and the prompt plus output within maxSeqLen (checked live)."""
+        """The output limit: at most maxIterTimes (the live value: it is hot), and the prompt plus output within
+        maxSeqLen. A request over a limit is refused naming the limit and the config field that sets it."""
         config = self.engine.engine.config
         max_seq_len = config.deploy.maxSeqLen
-        max_iter = config.schedule.maxIterTimes
+        max_iter = self.engine.engine.snapshot.schedule.maxIterTimes
         max_input = config.deploy.maxInputTokenLen
         if prompt_len > max_input:
             if not config.deploy.truncation:
                 raise APIError(400, f"the prompt has {prompt_len} tokens; this server takes at most {max_input} "
-                               "(maxInputTokenLen)", param="prompt" if field == "max_tokens" else "messages")
+                               f"(maxInputTokenLen, {CONFIG_FIELDS['maxInputTokenLen']})",
+                               param="prompt" if field == "max_tokens" else "messages")
             prompt_len = max_input  # the engine keeps the last maxInputTokenLen tokens
         room = max_seq_len - prompt_len
         if requested is None:
             return max(1, min(max_iter, room))
         if requested > max_iter:
             raise APIError(400, f"{field} is {requested}; this server generates at most {max_iter} tokens per "
-                           "request (maxIterTimes)", param=field)
+                           f"request (maxIterTimes, {CONFIG_FIELDS['maxIterTimes']}; its context is "
+                           f"{self.max_model_len()} tokens, max_model_len in /v1/models)", param=field)
         if requested > room:
-            raise APIError(400, f"this model's maximum context length is {max_seq_len} tokens (maxSeqLen); the "
-                           f"prompt has {prompt_len} and {field} asks for {requested}", param=field)
+            raise APIError(400, f"this model's maximum context length is {max_seq_len} tokens (maxSeqLen, "
+                           f"{CONFIG_FIELDS['maxSeqLen']}); the prompt has {prompt_len} and {field} asks for "
+                           f"{requested}", param=field)
         return requested
 
     async def compile_grammar(self, given: tuple[str, GuidedSpec] | None) -> CompiledGrammar | None:

@@ -90,6 +90,25 @@ def test_non_final_chunks_carry_null_finish_reason_and_logprobs(small_blocks: Ru
     assert "npuserve" in last
 
 
+def test_every_chunk_names_its_object_and_every_token_gets_its_own_chunk(small_blocks: RunningServer) -> None:
+    """aiperf drops chunks without `object` ("No responses with actual content"); clients that time inter-token
+    latency per chunk (vLLM's benchmark, aiperf, guidellm) need one chunk per token, even while a token's text is
+    held back (a partial UTF-8 character): with the tiny model, greedy, ignore_eos, 32 tokens."""
+    client = openai.OpenAI(base_url=small_blocks.url + "/v1", api_key="x")
+    model = _model(small_blocks)
+    completion = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=32,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert [c.object for c in completion] == ["text_completion"] * 32
+    assert all(c.model == model and c.created > 0 and c.id == completion[0].id for c in completion)
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=32, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert [c.object for c in chat] == ["chat.completion.chunk"] * 33  # the role chunk, then one per token
+    assert all(c.choices[0].delta.content is not None for c in chat)
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).object == "text_completion"
+    assert client.models.list().data[0].object == "model"
+
+
 def test_continuous_usage_stats_puts_usage_in_every_chunk(small_blocks: RunningServer) -> None:
     client = openai.OpenAI(base_url=small_blocks.url + "/v1", api_key="x")
     stream = client.completions.create(model=_model(small_blocks), prompt="count with me", max_tokens=8, stream=True,
