@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Annotated, TypeVar
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
@@ -19,6 +21,7 @@ from npuserve.engine.server.async_engine import (
     EngineOverloaded,
     RequestStream,
     is_engine_failure,
+    is_shutdown_cut,
 )
 from npuserve.engine.server.chat_template import ChatTemplate
 from npuserve.engine.server.errors import APIError
@@ -35,25 +38,50 @@ CONFIG_FIELDS = {
 }
 
 
+# Tokenization, chat templating and grammar compilation run in this many threads, never on the asyncio loop: a
+# 15 MB prompt takes seconds to tokenize, and on the loop it held every other request and the probes for as long.
+PREPROCESS_THREADS = 4
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
     served_model_name: str
     chat_template: ChatTemplate | None
     admin_token: str | None
+    preprocess: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        PREPROCESS_THREADS, thread_name_prefix="npuserve-preprocess"))
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn` in the bounded preprocessing pool (the asyncio loop stays free for other requests and probes)."""
+        return await asyncio.get_running_loop().run_in_executor(self.preprocess, partial(fn, *args, **kwargs))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.served_model_name}`.",
                            param="model", code="model_not_found")
 
-    def tokenize(self, prompt: str | list[int], field: str) -> list[int]:
-        if isinstance(prompt, list):
-            return prompt
-        try:
-            return self.engine.engine.encode(prompt)
-        except RequestError as e:
-            raise APIError(400, str(e), param=field) from e
+    async def tokenize(self, prompt: str | list[int], field: str, truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (text tokenized off the loop); `truncate` (vLLM's truncate_prompt_tokens) keeps
+        the last k, -1 as many as the server takes (maxInputTokenLen). A prompt over maxInputTokenLen without
+        truncation is refused here with its length (only the ids that can be used come back from the tokenizer)."""
+        deploy = self.engine.engine.config.deploy
+        max_input = deploy.maxInputTokenLen
+        keep = max_input if truncate == -1 else truncate
+        if isinstance(prompt, str):
+            limit = keep if keep is not None else max_input if deploy.truncation else max_input + 1
+            try:
+                ids, total = await self.off_loop(self.engine.engine.encode_tail, prompt, limit)
+            except RequestError as e:
+                raise APIError(400, str(e), param=field) from e
+        else:
+            ids, total = prompt, len(prompt)
+        if keep is not None:
+            return ids[len(ids) - keep :] if keep > 0 else []
+        if total > max_input and not deploy.truncation:
+            raise APIError(400, f"the prompt has {total} tokens; this server takes at most {max_input} "
+                           f"(maxInputTokenLen, {CONFIG_FIELDS['maxInputTokenLen']})", param=field)
+        return ids
 
     def max_model_len(self) -> int:
         """The longest context (prompt + output) a request can have here, which `/v1/models` reports: maxSeqLen,
@@ -96,7 +124,7 @@ class ServerState:
             return None
         field, spec = given
         try:
-            return await asyncio.to_thread(self.engine.engine.compile_grammar, spec)
+            return await self.off_loop(self.engine.engine.compile_grammar, spec)
         except GrammarError as e:
             raise APIError(400, f"{field}: {e}", param=field) from e
 
@@ -117,10 +145,12 @@ class ServerState:
 
 
 def error_status(output: RequestOutput) -> int | None:
-    """None for a normal ending; 500 when a step crashed; 400 when the request itself could not be served
-    (e.g. longer than the whole KV cache)."""
+    """None for a normal ending; 500 when a step crashed; 503 when the drain at shutdown cut it; 400 when the
+    request itself could not be served (e.g. longer than the whole KV cache)."""
     if output.finish_reason is not FinishReason.ERROR or not output.error:
         return None
+    if is_shutdown_cut(output):
+        return 503
     return 500 if is_engine_failure(output) else 400
 
 
