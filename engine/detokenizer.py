@@ -35,9 +35,9 @@ class Tokenizer:
     @classmethod
     def dummy(cls, vocab_size: int) -> Tokenizer:
         """The byte-level tokenizer `create-dummy` writes, for random-weight models that ship none."""
-        from npuserve.engine.model.dummy_tokenizer import TOKENIZER_MAX_VOCAB, build_tokenizer
+        from npuserve.engine.model.dummy_tokenizer import build_tokenizer
 
-        return cls(hf_tokenizer=build_tokenizer(min(vocab_size, TOKENIZER_MAX_VOCAB)))
+        return cls(hf_tokenizer=build_tokenizer(vocab_size))
 
     def encode(self, text: str) -> list[int]:
         # The batch call releases the GIL while it works (`encode` holds it: a 15 MB prompt stalled every thread
