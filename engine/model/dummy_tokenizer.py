@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import string
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -68,18 +67,24 @@ def _trained(vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
+# Filler words are made of capitals the corpus never uses, so no learned merge applies inside them: with their own
+# merges (each word = its prefix + its last letter), a filler word re-encodes to exactly its one token.
+FILLER_LETTERS = "BCDEGIJKOQRUVXZ"
+
+
 def _filler_words() -> Iterator[str]:
-    """Words for the ids the corpus leaves: a space and two, three, four... lowercase letters, in byte-level BPE's
+    """Words for the ids the corpus leaves: a space and one, two, three... of FILLER_LETTERS, in byte-level BPE's
     spelling ("Ġ" is the space)."""
-    for length in itertools.count(2):
-        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+    for length in itertools.count(1):
+        for letters in itertools.product(FILLER_LETTERS, repeat=length):
             yield "Ġ" + "".join(letters)
 
 
 def build_tokenizer(vocab_size: int) -> Tokenizer:
     """A byte-level BPE tokenizer with exactly `vocab_size` entries (specials and the 256 bytes included), so that
     every id the model can sample decodes to text: the merges learned from the corpus, then filler words for the
-    rest of the ids (decoded as " ab", " abc", ...; never produced by encoding, which the corpus' merges do)."""
+    rest of the ids (" B", " C", ..., " BB", ...), each with the merge that makes it, so the text of a filler token
+    encodes back to that one token (a client that counts tokens by re-encoding the text counts them right)."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size {vocab_size} cannot hold the 256 byte tokens and {len(SPECIAL_TOKENS)} specials")
     tokenizer = _trained(vocab_size)
@@ -87,10 +92,12 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
         return tokenizer
     data = json.loads(tokenizer.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list[list[str]] = data["model"]["merges"]
     next_id = max(vocab.values()) + 1
     for word in _filler_words():
         if next_id >= vocab_size:
             break
+        merges.append([word[:-1], word[-1]])
         if word not in vocab:
             vocab[word] = next_id
             next_id += 1
