@@ -109,6 +109,19 @@ def test_every_chunk_names_its_object_and_every_token_gets_its_own_chunk(small_b
     assert client.models.list().data[0].object == "model"
 
 
+def test_an_event_is_one_line_whatever_splits_lines() -> None:
+    """Token text may hold NEL or U+2028/U+2029, which JSON leaves raw but str.splitlines() breaks at (guidellm
+    split an event in two and failed the request on it)."""
+    from npuserve.engine.server.openai_api import sse
+    from npuserve.engine.server.protocol import CompletionChoice, CompletionResponse
+
+    text = "a\x85b\u2028c\u2029d\n"
+    event = sse(CompletionResponse(id="x", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]))
+    lines = event.splitlines()
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+
+
 def test_continuous_usage_stats_puts_usage_in_every_chunk(small_blocks: RunningServer) -> None:
     client = openai.OpenAI(base_url=small_blocks.url + "/v1", api_key="x")
     stream = client.completions.create(model=_model(small_blocks), prompt="count with me", max_tokens=8, stream=True,

@@ -26,9 +26,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.test_serve_process import _free_port
+from tests.serve_process import serve_process
 
-SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
 BUDGET_S = 0.100
 KUBELET_TIMEOUT_S = 1.0
 
@@ -80,23 +79,8 @@ def _judge(seen: list[tuple[str, float, int]], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir: Path) -> Iterator[int]:
-    port = _free_port()
-    proc = subprocess.Popen([*SERVE, "--model", str(tiny_model_dir), "--host", "127.0.0.1", "--port", str(port),
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with serve_process("--model", str(tiny_model_dir), "--log-level", "warning") as (base, _):
+        yield int(base.rsplit(":", 1)[1])
 
 
 def _words(num_bytes: int) -> str:

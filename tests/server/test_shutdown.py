@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -14,9 +13,7 @@ from pathlib import Path
 import httpx
 
 from npuserve.engine.engine import make_config
-from tests.server.test_serve_process import _free_port
-
-SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
+from tests.serve_process import serve_process
 
 
 def _read_stream(url: str, body: dict[str, object], events: list[str]) -> None:
@@ -30,23 +27,10 @@ def test_streams_running_past_the_drain_timeout_end_with_an_error_event(tiny_mod
                                                                         tmp_path: Path) -> None:
     config = make_config(tiny_model_dir, max_seq_len=8192, max_input_len=64, maxIterTimes=8000)
     config.save(tmp_path / "config.json")
-    port = _free_port()
-    proc = subprocess.Popen([*SERVE, "--config", str(tmp_path / "config.json"), "--host", "127.0.0.1", "--port",
-                             str(port), "--drain-timeout", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    base = f"http://127.0.0.1:{port}"
     streams: list[list[str]] = [[] for _ in range(4)]
     readers = []
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+    with serve_process("--config", str(tmp_path / "config.json"), "--drain-timeout", "1",
+                       stdout=subprocess.PIPE) as (base, proc):
         for i, events in enumerate(streams):
             path, body = (("/v1/completions", {"prompt": "hi"}) if i % 2 == 0 else
                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}))
@@ -62,10 +46,6 @@ def test_streams_running_past_the_drain_timeout_end_with_an_error_event(tiny_mod
         for reader in readers:
             reader.join(60)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 0, out
     for events in streams:
         assert events[-1] == "[DONE]"
