@@ -169,17 +169,25 @@ State = Annotated[ServerState, Depends(get_state)]
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Runs `work`; if the client goes away first, cancels it (which aborts its requests and frees their blocks)."""
+    """Runs `work`; if the client goes away first, cancels it (which aborts its requests and frees their blocks).
+
+    The disconnect is awaited, not polled: once the body is read, the server's next ASGI message for the request is
+    `http.disconnect`. (Polling every 0.2 s cost the loop 20,000 wake-ups a second with 4,000 requests waiting.)"""
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.2)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                # 499 (nginx's "client closed request"): nobody reads it, but it keeps the log free of tracebacks.
-                raise APIError(499, "client disconnected")
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        # 499 (nginx's "client closed request"): nobody reads it, but it keeps the log free of tracebacks.
+        raise APIError(499, "client disconnected")
     finally:
+        gone.cancel()
         if not task.done():
             task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
