@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,10 +36,21 @@ def _chat_template(engine: AsyncEngine) -> ChatTemplate | None:
     return template
 
 
+def system_fingerprint(engine: AsyncEngine) -> str:
+    """vLLM's `system_fingerprint` form: `npuserve-<version>-<hash8>`, the hash of the configuration the engine
+    started with (the model, dtype, device, worldSize and the MindIE config): a client sees when it changes."""
+    llm = engine.engine
+    identity = {"model": llm.spec.model_dump(mode="json"), "dtype": str(llm.dtype), "device": llm.backend.name,
+                "config": llm.config.to_dict()}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return f"npuserve-{__version__}-{digest}"
+
+
 def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_path: Path | None = None,
               drain_timeout: float = 30.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     state = ServerState(engine=engine, served_model_name=engine.engine.model_name,
-                        chat_template=_chat_template(engine), admin_token=admin_token)
+                        chat_template=_chat_template(engine), admin_token=admin_token,
+                        fingerprint=system_fingerprint(engine))
     watcher = admin.ConfigWatcher(state, config_path) if config_path is not None else None
 
     @contextlib.asynccontextmanager

@@ -281,6 +281,7 @@ async def create_completion(body: CompletionRequest, request: Request,
             finals.append(output)
         timings.append(RequestTimings.from_engine(chosen[0].metrics))
     return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
+                              system_fingerprint=state.fingerprint,
                               npuserve=timings[0] if len(timings) == 1 else timings)
 
 
@@ -346,7 +347,8 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
         else:
             if body.include_usage:
                 usage = Usage.of(list(latest.values()))
-                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage,
+                                             system_fingerprint=state.fingerprint))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
@@ -522,6 +524,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         finals.append(final)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
+                                  system_fingerprint=state.fingerprint,
                                   npuserve=RequestTimings.from_engine(finals[0].metrics))
 
 
@@ -613,5 +616,6 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, setup: _
         else:
             if latest and body.include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=Usage.of(list(latest.values()))))
+                                              usage=Usage.of(list(latest.values())),
+                                              system_fingerprint=state.fingerprint))
         yield "data: [DONE]\n\n"

@@ -399,6 +399,7 @@ class CompletionResponse(_Typed):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | list[RequestTimings] | None = None
 
 
@@ -442,6 +443,7 @@ class ChatCompletionResponse(_Typed):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | None = None
 
 
@@ -482,6 +484,7 @@ class ChatCompletionChunk(_Typed):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | None = None
 
 

@@ -51,6 +51,7 @@ class ServerState:
     admin_token: str | None
     preprocess: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         PREPROCESS_THREADS, thread_name_prefix="npuserve-preprocess"))
+    fingerprint: str = ""  # system_fingerprint: the server's version and configuration, as vLLM sends it
 
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn` in the bounded preprocessing pool (the asyncio loop stays free for other requests and probes)."""

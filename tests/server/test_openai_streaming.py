@@ -105,8 +105,19 @@ def test_every_chunk_names_its_object_and_every_token_gets_its_own_chunk(small_b
                                                extra_body={"ignore_eos": True}))
     assert [c.object for c in chat] == ["chat.completion.chunk"] * 33  # the role chunk, then one per token
     assert all(c.choices[0].delta.content is not None for c in chat)
-    assert client.completions.create(model=model, prompt="hi", max_tokens=2).object == "text_completion"
+    answer = client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert answer.object == "text_completion"
     assert client.models.list().data[0].object == "model"
+    # system_fingerprint where vLLM sends it: whole responses and a stream's usage chunk, one value per server
+    fingerprint = answer.system_fingerprint
+    assert fingerprint is not None and fingerprint.startswith("npuserve-")
+    chat_answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)
+    assert chat_answer.system_fingerprint == fingerprint
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert [c.system_fingerprint for c in streamed] == [None] * (len(streamed) - 1) + [fingerprint]
 
 
 def test_an_event_is_one_line_whatever_splits_lines() -> None:
