@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.npuserve-installed
 DEMO_DIR := .demo
 
-.PHONY: setup test lint typecheck unit demo demo-down demo-offline clean
+.PHONY: setup test lint typecheck unit conformance demo demo-down demo-offline clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ unit: setup
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
+
+# vLLM's own `vllm bench serve` against the engine, beside `npuserve bench` (tests/thirdparty/test_conformance.py).
+# vLLM is a multi-GB install: it goes into a cached virtualenv of its own on the first run, never into make test.
+conformance: setup
+	NPUSERVE_CONFORMANCE=1 $(BIN)/pytest -q -s -m conformance tests/thirdparty
 
 # The main job: a local cluster with Prometheus, helm install, the operator, an InferenceService served by real
 # engine processes and tuned from their measured TTFT/TPOT.

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 class TokenizerLike(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class Tokenizer:
@@ -35,15 +35,28 @@ class Tokenizer:
     @classmethod
     def dummy(cls, vocab_size: int) -> Tokenizer:
         """The byte-level tokenizer `create-dummy` writes, for random-weight models that ship none."""
-        from npuserve.engine.model.dummy_tokenizer import TOKENIZER_MAX_VOCAB, build_tokenizer
+        from npuserve.engine.model.dummy_tokenizer import build_tokenizer
 
-        return cls(hf_tokenizer=build_tokenizer(min(vocab_size, TOKENIZER_MAX_VOCAB)))
+        return cls(hf_tokenizer=build_tokenizer(vocab_size))
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text).ids)
+        # The batch call releases the GIL while it works (`encode` holds it: a 15 MB prompt stalled every thread
+        # of the server, the asyncio loop included, for its 15 s); `_fast` skips the offsets nobody reads.
+        return self.encode_tail(text, None)[0]
 
-    def decode(self, ids: list[int]) -> str:
-        return str(self._tok.decode(ids, skip_special_tokens=True))
+    def encode_tail(self, text: str, limit: int | None) -> tuple[list[int], int]:
+        """The last `limit` token ids (all with None) and the prompt's whole length: a 15 MB prompt's millions of
+        ids are counted, never made into a Python list (which holds the GIL for a third of a second)."""
+        encoding = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)([text])[0]
+        total = len(encoding)
+        if limit is not None and total > limit:
+            if limit <= 0:
+                return [], total
+            encoding.truncate(limit, direction="left")
+        return list(encoding.ids), total
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def to_json(self) -> str:
         """The tokenizer.json text (for the grammar library's view of the vocabulary)."""
@@ -51,11 +64,19 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """One request's output text, grown token by token."""
+    """One request's output text, grown token by token. vLLM's options: `skip_special_tokens` (default: special
+    tokens are left out of the text), `include_stop_str_in_output` (the stop string found ends the text instead of
+    being cut), `min_tokens` (stop strings are looked for only once more output tokens than that are out).
+    `spaces_between_special_tokens` needs nothing here: like transformers' fast tokenizers (and vLLM with them), the
+    `tokenizers` library never puts spaces between special tokens, so both values decode alike."""
 
-    def __init__(self, tokenizer: TokenizerLike, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: TokenizerLike, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.text = ""  # everything decoded so far (stable part)
         self.emitted = 0  # chars of `text` already handed out
@@ -68,8 +89,8 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset = self.read_offset
@@ -77,13 +98,14 @@ class IncrementalDetokenizer:
         if self.stop:
             longest = max(len(s) for s in self.stop)
             search_from = max(0, self.emitted - longest + 1)
-            cut = -1
-            for s in self.stop:
-                at = self.text.find(s, search_from)
-                if at != -1 and (cut == -1 or at < cut):
-                    cut = at
+            cut, found = -1, ""
+            if len(self.ids) > self.min_tokens:
+                for s in self.stop:
+                    at = self.text.find(s, search_from)
+                    if at != -1 and (cut == -1 or at < cut):
+                        cut, found = at, s
             if cut != -1:
-                self.text = self.text[:cut]
+                self.text = self.text[: cut + (len(found) if self.include_stop else 0)]
                 self.stopped = True
                 return self.flush()
             # Hold back a tail that may start a stop string.
@@ -101,8 +123,11 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The request ended: the rest of the text, including a held-back tail or an unfinished character."""
         if not self.stopped:
-            self.text = self.tokenizer.decode(self.ids)
+            self.text = self._decode(self.ids)
         return self.flush()
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def flush(self) -> str:
         """Everything decoded and not handed out yet."""

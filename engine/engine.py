@@ -228,6 +228,13 @@ class LLMEngine:
             raise RequestError(f"the model folder {self.model_dir} has no tokenizer.json; send token ids")
         return self.tokenizer.encode(prompt)
 
+    def encode_tail(self, prompt: str, limit: int | None) -> tuple[list[int], int]:
+        """The prompt's last `limit` token ids and its whole length in tokens (blocking: call it off the loop)."""
+        if isinstance(self.tokenizer, Tokenizer):
+            return self.tokenizer.encode_tail(prompt, limit)
+        ids = self.encode(prompt)
+        return (ids if limit is None else ids[len(ids) - limit :] if limit > 0 else []), len(ids)
+
     def add_request(
         self,
         request_id: str,
@@ -253,6 +260,12 @@ class LLMEngine:
             raise RequestError(f"at most {MAX_LOGPROBS} logprobs per position")
         if any(t < 0 or t >= self.spec.vocab_size for t in ids):
             raise RequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        if any(not 0 <= t < self.spec.vocab_size for t, _ in params.logit_bias):
+            raise RequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
+        if params.min_tokens > params.max_tokens:
+            raise RequestError(f"min_tokens ({params.min_tokens}) is above max_tokens ({params.max_tokens})")
+        if params.min_tokens:
+            params.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)
         with self._lock:
             if request_id in self._request_ids or any(r.request_id == request_id for r in self._inbox):

@@ -72,17 +72,23 @@ class OutputProcessor:
         tracked = self._by_seq.get(seq_id)
         return tracked.seq if tracked is not None else None
 
+    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        sp = seq.sampling
+        return IncrementalDetokenizer(self.tokenizer, sp.stop, skip_special_tokens=sp.skip_special_tokens,
+                                      include_stop_str_in_output=sp.include_stop_str_in_output,
+                                      min_tokens=sp.min_tokens)
+
     def track(self, request_id: str, seq: Sequence) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.sampling.stop) if self.tokenizer is not None else None
-        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, detok, _Group(seq.num_samples))
+        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, self._detokenizer(seq), _Group(seq.num_samples))
 
     def track_fork(self, parent: Sequence, child: Sequence) -> str | None:
         """Track a child forked from `parent` as another choice of its request; returns the request id."""
         tracked = self._by_seq.get(parent.seq_id)
         if tracked is None:
             return None
-        detok = IncrementalDetokenizer(self.tokenizer, child.sampling.stop) if self.tokenizer is not None else None
-        self._by_seq[child.seq_id] = _Tracked(tracked.request_id, child, detok, tracked.group)
+        self._by_seq[child.seq_id] = _Tracked(tracked.request_id, child, self._detokenizer(child), tracked.group)
         return tracked.request_id
 
     def process(self, ended: Iterable[Sequence], stepped: Iterable[Sequence]) -> list[RequestOutput]:

@@ -29,6 +29,7 @@ from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.decode_graphs import DecodeGraphs
 from npuserve.engine.guided_mask import GuidedMasker
+from npuserve.engine.logits_processors import needs_history
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
 from npuserve.engine.sampler import Sampler, SamplerOutput
@@ -260,7 +261,10 @@ class ModelRunner:
                 seeds.append(s.sample_seed(s.index + j))
         if len(rows) != len(seqs):  # a forking prefill: its (masked) row once per choice
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        out = self.sampler(logits, params, positions, seeds)
+        history = None
+        if needs_history(params):  # penalties, min_tokens, logit_bias read each row's tokens
+            history = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rows]
+        out = self.sampler(logits, params, positions, seeds, history)
         out.prompt_logprobs = prompt_logprobs
         return out
 

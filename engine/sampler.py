@@ -1,15 +1,17 @@
 """Sampling on the device: only the chosen ids (and, when asked, logprobs) leave it.
 
-An all-greedy batch is one fused argmax. Otherwise each row is scaled by its temperature, cut by its top-k and
-top-p, and drawn with the exponential-race trick (`argmax(p / E)`, E ~ Exp(1), is a draw from p) so the whole
-batch samples in one pass; rows with a seed draw their noise from a generator seeded by (seed, position), so a
-seeded request gives the same tokens whatever batch it runs in. Greedy rows inside a mixed batch are still argmax.
+An all-greedy batch is one fused argmax. A row asking for vLLM's logits processors (logit_bias, min_tokens,
+penalties: `logits_processors.py`) has them applied first, greedy or not. Otherwise each row is scaled by its
+temperature, cut by its min_p, top-k and top-p, and drawn with the exponential-race trick (`argmax(p / E)`,
+E ~ Exp(1), is a draw from p) so the whole batch samples in one pass; rows with a seed draw their noise from a
+generator seeded by (seed, position), so a seeded request gives the same tokens whatever batch it runs in. Greedy
+rows inside a mixed batch are still argmax.
 
 Logprobs (vLLM's `logprobs_mode`): `processed_logprobs` (the default) are those of the distribution actually
-sampled from: the logits after temperature, top-k and top-p, log-softmaxed (a token cut by top-k or top-p has
--inf, sent as -9999.0 as vLLM does); a greedy row has no temperature or cut, so its processed logprobs are the raw
-ones. `raw_logprobs` are the model's raw distribution. The top k of them are found on the device with one `topk`:
-only k ids and values per row leave it.
+sampled from: the logits after the logits processors, temperature, min_p, top-k and top-p, log-softmaxed (a token
+cut has -inf, sent as -9999.0 as vLLM does); a greedy row has no temperature or cut, so its processed logprobs are
+the raw ones, or those after its logits processors. `raw_logprobs` are the model's raw distribution. The top k of
+them are found on the device with one `topk`: only k ids and values per row leave it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from npuserve.engine import logits_processors
+from npuserve.engine.logits_processors import History, needs_history
 from npuserve.engine.sequence import PromptLogprob, SamplingParams, TopLogprobs
 from npuserve.mindie_config import LogprobsMode
 
@@ -40,20 +44,25 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, params: Seq[SamplingParams], positions: Seq[int],
-        seeds: Seq[int | None] | None = None,
+        seeds: Seq[int | None] | None = None, history: Seq[History] | None = None,
     ) -> SamplerOutput:
         """logits: (rows, vocab); positions: each row's token index and seeds its seed (for seeded noise; default:
-        each row's `params.seed`)."""
+        each row's `params.seed`); history: each row's prompt and output tokens, needed when a row asks for a
+        logits processor (`logits_processors.needs_history`)."""
         seeds = [p.seed for p in params] if seeds is None else seeds
+        raw = logits
+        if needs_history(params):  # bias, min_tokens, penalties: greedy rows take the argmax after them
+            logits = logits_processors.adjust(logits.float(), params, history)
         processed: torch.Tensor | None = None
         if all(p.greedy for p in params):
             chosen = logits.argmax(dim=-1)
+            processed = None if logits is raw else logits
         else:
             processed = self._process(logits, params)
             chosen = self._sample(logits, processed, params, positions, seeds)
         if not any(p.wants_logprobs for p in params):
             return SamplerOutput(token_ids=chosen.tolist(), logprobs=None)
-        source = logits if processed is None or self.logprobs_mode == "raw_logprobs" else processed
+        source = raw if processed is None or self.logprobs_mode == "raw_logprobs" else processed
         lp = torch.log_softmax(source.float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
         chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
         k = max(p.top_logprobs for p in params)
@@ -67,11 +76,12 @@ class Sampler:
 
     @staticmethod
     def _process(logits: torch.Tensor, params: Seq[SamplingParams]) -> torch.Tensor:
-        """The logits each row samples from: scaled by temperature, cut by top-k and top-p (greedy rows: raw)."""
+        """The logits each row samples from: scaled by temperature, cut by min_p, top-k and top-p (greedy rows: as
+        given)."""
         device = logits.device
         logits = logits.float()
         temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        scaled = logits / temps.unsqueeze(1)
+        scaled = logits_processors.min_p_cut(logits / temps.unsqueeze(1), params)
         vocab = scaled.shape[1]
         top_ks = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]
         top_ps = [1.0 if p.greedy else p.top_p for p in params]

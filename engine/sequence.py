@@ -45,6 +45,17 @@ class SamplingParams:
     n: int = 1  # sequences sampled from one prefill (best_of when given): the prompt's KV blocks are shared
     priority: int = 0  # lower is served first under the `priority` policy
     guided: CompiledGrammar | None = None  # structured output: each sequence gets its own guide from it
+    # vLLM's request extensions (logits_processors.py; the detokenizer for the last three)
+    repetition_penalty: float = 1.0  # > 0; 1 = off: prompt and output tokens' logits divided (or multiplied) by it
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once for each token in the output
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted times each token's count in the output
+    min_p: float = 0.0  # tokens below min_p x the most likely one's probability are cut
+    min_tokens: int = 0  # no stop (EOS, stop_token_ids, stop strings) before this many output tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    eos_token_ids: tuple[int, ...] = ()  # the model's, set by the engine: what min_tokens holds back with stop ids
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -53,6 +64,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logits processor (bias, min_tokens, penalties) applies to this request's rows."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0)
+
+    @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """The tokens min_tokens holds back: the model's EOS (unless ignore_eos) and stop_token_ids."""
+        return (() if self.ignore_eos else self.eos_token_ids) + self.stop_token_ids
 
 
 _ids = itertools.count()

@@ -38,10 +38,13 @@ class ProgressCounter:
     def tokens_per_second(self) -> float:
         return self.tokens / max(time.monotonic() - self.started, 1e-9)
 
-    def line(self) -> str:
+    def line(self, final: bool = False) -> str:
+        """The counts, and while the run goes on the live output rate (so far, from the first send: warm-up and the
+        tail included). The last line has no rate: the report's output throughput (over the measured phase) is the
+        one figure of it a run prints."""
         total = f"/{self.total}" if self.total else ""
-        return (f"{self.done}{total} requests, {self.errors} errors, {self.rate_limited} rate-limited (429), "
-                f"{self.tokens_per_second():.1f} output tok/s")
+        counts = f"{self.done}{total} requests, {self.errors} errors, {self.rate_limited} rate-limited (429)"
+        return counts if final else f"{counts}, {self.tokens_per_second():.1f} output tok/s so far"
 
 
 @contextmanager
@@ -78,4 +81,4 @@ def progress(total: int | None, *, label: str = "bench", stream: TextIO | None =
 
     counter.listener = log
     yield counter
-    print(f"{label}: {counter.line()}", file=stream, flush=True)
+    print(f"{label}: {counter.line(final=True)}", file=stream, flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,40 @@ STEP_TITLES = {
 }
 
 
+# The flag that sets each spec field: errors and warnings name the flag the user typed, not the spec path.
+FLAG_OF = {
+    "spec.model.preset": "--preset", "spec.model.name": "--name", "spec.accelerator.type": "--accelerator",
+    "spec.accelerator.cards": "--cards", "spec.accelerator.memoryGiB": "--card-memory-gib",
+    "spec.accelerator.reservedGiB": "--reserved-gib", "spec.accelerator.memoryFraction": "--memory-fraction",
+    "spec.workload.avgInputTokens": "--avg-input-tokens", "spec.workload.avgOutputTokens": "--avg-output-tokens",
+    "spec.workload.maxOutputTokens": "--max-output-tokens", "spec.workload.maxInputTokens": "--max-input-tokens",
+    "spec.slo.objective": "--objective", "spec.slo.ttftMs": "--ttft-ms", "spec.slo.tpotMs": "--tpot-ms",
+    "spec.capacity.targetConcurrentUsers": "--target-concurrent-users", "spec.replicas": "--replicas",
+    "spec.engine.schedule.cacheBlockSize": "--block-size",
+}
+_SPEC_PATH = re.compile(r"\bspec(?:\.[A-Za-z]+)+")
+REQUIRED = "required without --from-file"
+
+
+def in_user_terms(message: str, args: argparse.Namespace) -> str:
+    """`message` with each spec path the user set by a flag named by that flag (every field, without --from-file:
+    the flags and their defaults make the whole spec)."""
+
+    def name(match: re.Match[str]) -> str:
+        path = match.group(0)
+        flag = FLAG_OF.get(path)
+        if flag is None or (args.from_file and getattr(args, flag[2:].replace("-", "_"), None) is None):
+            return path
+        return flag
+
+    return _SPEC_PATH.sub(name, message)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--from-file", metavar="ISVC_YAML", help="an InferenceService manifest (or just its spec)")
-    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model architecture from the catalog")
+    parser.add_argument("--from-file", metavar="ISVC_YAML", help="an InferenceService manifest (or just its spec); "
+                        "flags given beside it override its values")
+    parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), help=f"model architecture from the catalog "
+                        f"({REQUIRED})")
     parser.add_argument("--name", help="served model name (default: the preset)")
     parser.add_argument("--accelerator", choices=sorted(ACCELERATORS),
                         help=f"card type (default without --from-file: {DEFAULT_ACCELERATOR}, the guide's card)")
@@ -44,8 +76,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card-memory-gib", type=float, help="memory per card (default: the catalog's)")
     parser.add_argument("--reserved-gib", type=float, help="memory a card holds at idle (default: the catalog's)")
     parser.add_argument("--memory-fraction", type=float, help="NPU_MEMORY_FRACTION (default 0.8)")
-    parser.add_argument("--avg-input-tokens", type=int)
-    parser.add_argument("--avg-output-tokens", type=int)
+    parser.add_argument("--avg-input-tokens", type=int, help=f"mean prompt length ({REQUIRED})")
+    parser.add_argument("--avg-output-tokens", type=int, help=f"mean output length ({REQUIRED})")
     parser.add_argument("--max-output-tokens", type=int, help="default 512")
     parser.add_argument("--max-input-tokens", type=int, help="default 2048")
     parser.add_argument("--objective", choices=["throughput", "decodeLatency", "firstTokenAndDecode"])
@@ -81,7 +113,7 @@ def build_spec(args: argparse.Namespace) -> InferenceServiceSpec:
         missing = [flag for flag, value in (("--preset", args.preset), ("--avg-input-tokens", args.avg_input_tokens),
                                             ("--avg-output-tokens", args.avg_output_tokens)) if value is None]
         if missing:
-            raise ValueError(f"{', '.join(missing)} required (or --from-file)")
+            raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (or --from-file)")
         data = {"model": {"weights": {"loadFormat": "dummy"}}, "accelerator": {"type": DEFAULT_ACCELERATOR}}
     if args.preset:
         data.setdefault("model", {}).pop("architecture", None)
@@ -127,7 +159,7 @@ def _number(value: float | int | bool) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def print_table(result: Plan) -> None:
+def print_table(result: Plan, warnings: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -163,7 +195,7 @@ def print_table(result: Plan) -> None:
         f"{result.cpuMemSizeGiB} GiB; {result.replicas} replica(s)",
         highlight=False,
     )
-    for warning in result.warnings:
+    for warning in result.warnings if warnings is None else warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
 
@@ -172,13 +204,13 @@ def run(args: argparse.Namespace) -> int:
         spec = build_spec(args)
         result = plan(spec)
     except ValidationError as e:
-        print(f"npuserve plan: invalid spec:\n{format_validation_error(e)}", file=sys.stderr)
+        print(f"npuserve plan: invalid spec:\n{in_user_terms(format_validation_error(e), args)}", file=sys.stderr)
         return 2
     except (PlanError, ValueError, OSError, yaml.YAMLError) as e:
-        print(f"npuserve plan: {e}", file=sys.stderr)
+        print(f"npuserve plan: {in_user_terms(str(e), args)}", file=sys.stderr)
         return 2
     if args.format == "json":
         sys.stdout.write(json.dumps(result.model_dump(mode="json"), indent=2) + "\n")
     else:
-        print_table(result)
+        print_table(result, [in_user_terms(w, args) for w in result.warnings])
     return 0

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
+from pydantic import ValidationError
+
 from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
 from npuserve.catalog.models import get_model_preset
 from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV, SCHEDULE_FIELD_BY_NAME, unservable
@@ -260,9 +262,12 @@ class _Planner:
                 f"spec.accelerator.cards: {total} KV blocks cannot hold one request of maximum length "
                 f"({bpr.max} blocks); use more cards or lower spec.workload.maxOutputTokens"
             )
+        longest = math.ceil(w.maxInputTokens / b) + math.ceil(w.maxOutputTokens / b)
         self.add(4, "maxBatchSize.min", mbs.min, "floor(totalBlocks / blocksPerRequest.max)", "requests",
-                 "every request at its maximum length fits, no preemption; not a floor: a latency SLO may need a "
-                 "smaller batch, and the tuner goes below it down to 1", totalBlocks=total, blocksPerRequestMax=bpr.max)
+                 "every request at the average input and its maximum output, no preemption (at the maximum input "
+                 f"too, {w.maxInputTokens} + {w.maxOutputTokens} tokens: {total // longest}); not a floor: a latency "
+                 "SLO may need a smaller batch, and the tuner goes below it down to 1",
+                 totalBlocks=total, blocksPerRequestMax=bpr.max)
         self.add(4, "maxBatchSize.avg", mbs.avg, "floor(totalBlocks / blocksPerRequest.avg)", "requests",
                  "the starting point", totalBlocks=total, blocksPerRequestAvg=bpr.avg)
         self.add(4, "maxBatchSize.max", mbs.max, "floor(totalBlocks / blocksPerRequest.min)", "requests",
@@ -295,11 +300,41 @@ class _Planner:
             explain=sorted(self.explain, key=lambda e: e.step), warnings=self.warnings,
         )
         _check_schedule(plan)
+        plan.warnings.extend(self.slo_warnings(ws, weights))
         why = servability(plan)
         if why is not None:
             plan.warnings.append(f"engine: {why}; the operator writes this plan to the status and deploys nothing "
                                  f"(condition Deployed=False, reason EngineCannotServe)")
         return plan
+
+    def slo_warnings(self, world_size: int, weights: Fraction) -> list[str]:
+        """SLOs below what the cards can physically do: a decode step reads every weight once (TPOT at least the
+        weights over the cards' memory bandwidth), a prefill computes 2 x parameters FLOPs per prompt token (TTFT at
+        least that over their peak compute). Published figures, else the catalog's fitted ones (named)."""
+        acc, slo, warnings = self.accelerator, self.spec.slo, []
+        bandwidth, bw_kind = acc.memory_bandwidth_gbps, "published"
+        if bandwidth is None:
+            bandwidth, bw_kind = acc.fitted_memory_bandwidth_gbps, "fitted"
+        if slo.tpotMs is not None and bandwidth:
+            floor_ms = float(weights) * GIB / (bandwidth * 1e9 * world_size) * 1000
+            if slo.tpotMs < floor_ms:
+                warnings.append(
+                    f"spec.slo.tpotMs {slo.tpotMs:g} ms is below {floor_ms:.2f} ms, the time one decode step takes to "
+                    f"read the {_gib(weights):g} GiB of weights once at {bandwidth:g} GB/s ({bw_kind}) on each of "
+                    f"{world_size} card(s): no batch size can meet it")
+        tflops, fl_kind = acc.peak_tflops_16bit, "published"
+        if tflops is None:
+            tflops, fl_kind = acc.fitted_tflops_16bit, "fitted"
+        if slo.ttftMs is not None and tflops:
+            params = float(weights) * GIB / self.model.dtype_bytes
+            tokens = self.spec.workload.avgInputTokens
+            floor_ms = 2 * params * tokens / (tflops * 1e12 * world_size) * 1000
+            if slo.ttftMs < floor_ms:
+                warnings.append(
+                    f"spec.slo.ttftMs {slo.ttftMs:g} ms is below {floor_ms:.2f} ms, the time the prefill of an average "
+                    f"prompt ({tokens} tokens) takes at {tflops:g} TFLOP/s ({fl_kind}) on each of {world_size} "
+                    "card(s): no schedule can meet it")
+        return warnings
 
     # --- step 5: the schedule ----------------------------------------------------------------------------------
 
@@ -371,11 +406,14 @@ class _Planner:
             values[name] = value
             self.add(6, f"schedule.{name}", value, f"spec.engine.schedule.{name}" if name in self.pinned else
                      "MindIE default", "", pinned_note if name in self.pinned else "")
-        return PlanSchedule(
-            cacheBlockSize=self.block_size, maxBatchSize=max_batch, maxPrefillBatchSize=prefill_batch,
-            maxPrefillTokens=prefill_tokens, maxIterTimes=max_iter, maxPreemptCount=0, supportSelectBatch=select,
-            **values,
-        )
+        try:
+            return PlanSchedule(
+                cacheBlockSize=self.block_size, maxBatchSize=max_batch, maxPrefillBatchSize=prefill_batch,
+                maxPrefillTokens=prefill_tokens, maxIterTimes=max_iter, maxPreemptCount=0, supportSelectBatch=select,
+                **values,
+            )
+        except ValidationError as e:  # a derived value out of MindIE's range: name the spec field it comes from
+            raise PlanError(_derived_error(e)) from e
 
     # --- step 6: swap ------------------------------------------------------------------------------------------
 
@@ -424,8 +462,9 @@ class _Planner:
         else:
             concurrency = min(schedule.maxBatchSize, mbs.min)
             self.add(7, "concurrencyPerReplica", concurrency, "min(schedule.maxBatchSize, maxBatchSize.min)",
-                     "requests", "requests one replica holds with every request at its maximum length "
-                     "(the guide's capacity planning)", maxBatchSize=schedule.maxBatchSize, maxBatchSizeMin=mbs.min)
+                     "requests", "requests one replica holds with every request at the average input and its "
+                     "maximum output (the guide's capacity planning)", maxBatchSize=schedule.maxBatchSize,
+                     maxBatchSizeMin=mbs.min)
         if spec.replicas is not None:
             replicas = spec.replicas
             self.add(7, "replicas", replicas, "spec.replicas", "replicas",
@@ -508,6 +547,25 @@ def _check_schedule(plan: Plan) -> None:
         )
     if s.maxIterTimes > plan.maxSeqLen:  # pragma: no cover - maxSeqLen includes maxOutputTokens
         raise PlanError("maxIterTimes exceeds maxSeqLen")
+
+
+# The spec field each planned ScheduleConfig value comes from (an error names it, not the internal value).
+DERIVED_FROM = {
+    "maxPrefillTokens": "spec.workload.maxInputTokens (maxPrefillTokens is raised to the longest prompt)",
+    "maxIterTimes": "spec.workload.maxOutputTokens (maxIterTimes)",
+    "maxBatchSize": "spec.engine.schedule.maxBatchSize, or the KV memory (spec.accelerator)",
+    "maxPrefillBatchSize": "spec.engine.schedule.maxPrefillBatchSize",
+}
+
+
+def _derived_error(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        name = str(item["loc"][0]) if item["loc"] else ""
+        source = DERIVED_FROM.get(name, f"spec.engine.schedule.{name}")
+        parts.append(f"{source}: the planned {name} {item.get('input')!r} is out of range: "
+                     f"{item['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
 
 
 def plan(spec: InferenceServiceSpec) -> Plan:

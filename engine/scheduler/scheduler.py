@@ -41,9 +41,9 @@ Rules:
   the engine copies right after `update`), lists them in `out.forked` and gives each its own first token. From
   then on every sequence of the group is scheduled, preempted (swapped or recomputed) and ended on its own.
 - max_tokens 0 (prompt logprobs only): the prefill runs and the request ends LENGTH with no output token.
-- Ends: EOS (unless ignore_eos) or a stop token -> STOP; max_tokens, maxIterTimes (output tokens) or maxSeqLen
-  (prompt + output) -> LENGTH. A prompt that can never fit the whole cache, or leaves no room under maxSeqLen,
-  ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
+- Ends: EOS (unless ignore_eos) or a stop token, once min_tokens are out -> STOP; max_tokens, maxIterTimes (output
+  tokens) or maxSeqLen (prompt + output) -> LENGTH. A prompt that can never fit the whole cache, or leaves no room
+  under maxSeqLen, ends with ERROR; a request that outgrows the whole cache while decoding ends with LENGTH.
 - Chunked prefill (`chunked_prefill`, MindIE's SplitFuse, npuserve.chunkedPrefill): no stage choice; every step
   is MIXED: the running requests decode first (one token each, with the decode step's preemption rules), then
   prompts already admitted continue by chunks, then waiting requests are admitted (blocks for the whole prompt at
@@ -475,7 +475,7 @@ class Scheduler:
                     seq.output_top_logprobs.append(top_logprobs[r])
                 n = len(tokens)
                 num_out = n - len(seq.prompt_token_ids)
-                if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                if ((token in eos and not sp.ignore_eos) or token in sp.stop_token_ids) and num_out >= sp.min_tokens:
                     reason = FinishReason.STOP
                 elif num_out >= sp.max_tokens or num_out >= max_iter or n >= max_seq_len:
                     reason = FinishReason.LENGTH

@@ -18,13 +18,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header
 
 from npuserve.engine.server.errors import APIError
+from npuserve.engine.server.json_body import StrictJSONRoute
 from npuserve.engine.server.protocol import ScheduleUpdate
 from npuserve.engine.server.state import ServerState, State
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ADMIN_TOKEN_ENV, RESTART_SCHEDULE_FIELDS
 from npuserve.mindie_config import MindIEConfig, MindIEConfigError
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 # Besides the table's restart-only fields, MindIE's template names select the step template (only Standard runs).
 RESTART_ONLY_FIELDS = (*sorted(RESTART_SCHEDULE_FIELDS), "templateType", "templateName")

@@ -29,11 +29,17 @@ _DELAY_POLL_SECONDS = 0.0005  # requests wait out maxQueueDelayMicroseconds: pol
 
 
 ENGINE_FAILURE_PREFIX = "engine step failed: "
+SHUTDOWN_PREFIX = "the server is shutting down"
 
 
 def is_engine_failure(output: RequestOutput) -> bool:
     """The request ended because a step crashed (the server's fault), not because of the request itself."""
     return output.error is not None and output.error.startswith(ENGINE_FAILURE_PREFIX)
+
+
+def is_shutdown_cut(output: RequestOutput) -> bool:
+    """The request was still running when the drain after SIGTERM ran out of time, and was cut."""
+    return output.error is not None and output.error.startswith(SHUTDOWN_PREFIX)
 
 
 class EngineOverloaded(RuntimeError):
@@ -64,6 +70,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.draining = False
         self.step_error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[bool] | None = None
         self._publish_state(engine.snapshot)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -73,6 +81,8 @@ class AsyncEngine:
         return self.engine.ready and self._thread is not None and self._thread.is_alive() and not self.draining
 
     def start(self) -> None:
+        """Starts the step thread; called on the asyncio loop, whose outputs it then serves."""
+        self._loop = asyncio.get_running_loop()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="npuserve-step-loop", daemon=True)
             self._thread.start()
@@ -88,12 +98,45 @@ class AsyncEngine:
             return len(self._streams)
 
     async def drain(self, timeout: float) -> bool:
-        """Stop taking requests and wait for the running ones; True if all finished in time."""
+        """Stop taking requests and wait for the running ones; those still running after `timeout` are cut (their
+        clients get an error, streams a last error event). True if all finished in time."""
         self.draining = True
         deadline = time.monotonic() + timeout
         while self.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return self.num_in_flight() == 0
+        if self.num_in_flight() == 0:
+            return True
+        self.cut_in_flight(f"{SHUTDOWN_PREFIX} and its drain timeout ({timeout:g} s) has passed: the request was "
+                           "cut before it finished; send it again")
+        return False
+
+    def begin_drain(self, timeout: float) -> None:
+        """SIGTERM (any thread, a signal handler included): stop taking requests now and drain on the loop, so the
+        requests still running at the timeout are cut before the HTTP server gives up on their connections."""
+        if self.draining and self._drain_task is not None:
+            return
+        self.draining = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+
+        def start() -> None:
+            self._drain_task = loop.create_task(self.drain(timeout))
+
+        loop.call_soon_threadsafe(start)
+
+    def cut_in_flight(self, message: str) -> None:
+        """Ends every request in flight with `message` (an error its client is sent: 503), aborting it in the
+        engine (its blocks are freed at the next step); one log line per request. On the asyncio loop."""
+        with self._lock:
+            cut, self._streams = list(self._streams.items()), {}
+        for rid, stream in cut:
+            self.engine.abort(rid)
+            stream.queue.put_nowait(RequestOutput(
+                request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
+                num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=message))
+            log.warning("request %s cut at shutdown: still running when the drain timeout passed", rid)
+        self._wake.set()
 
     # --- requests ----------------------------------------------------------------------------------------------
 

@@ -17,7 +17,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    """The model has no chat template, or the template refused the messages."""
+    """The model has no chat template, or the template refused the messages (or the request's
+    chat_template_kwargs: `kwargs_at_fault`)."""
+
+    def __init__(self, message: str, kwargs_at_fault: bool = False) -> None:
+        super().__init__(message)
+        self.kwargs_at_fault = kwargs_at_fault
 
 
 def _raise_exception(message: str) -> None:
@@ -55,10 +60,20 @@ class ChatTemplate:
         return cls(str(template), _token_text(config.get("bos_token")), _token_text(config.get("eos_token")))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict[str, Any]] | None = None) -> str:
-        extra: dict[str, Any] = {"tools": tools} if tools else {}
+               tools: list[dict[str, Any]] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """`extra`: vLLM's chat_template_kwargs, more variables for the template (e.g. enable_thinking); they cannot
+        replace the ones set here."""
+        variables: dict[str, Any] = {"tools": tools} if tools else {}
+        clash = sorted(set(extra or {}) & {"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
+        if clash:
+            raise ChatTemplateError(f"chat_template_kwargs cannot set {', '.join(clash)}: the request's own fields "
+                                    "set them", kwargs_at_fault=True)
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
+            return self._template.render(**(extra or {}), **variables, messages=messages,
+                                         add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                                         eos_token=self.eos_token)
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template failed: {e}") from e
+        except (TypeError, ValueError, ArithmeticError, LookupError) as e:  # a kwarg of the wrong type, say
+            raise ChatTemplateError(f"the chat template failed: {type(e).__name__}: {e}",
+                                    kwargs_at_fault=bool(extra)) from e

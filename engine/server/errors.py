@@ -56,7 +56,9 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     ctx = first.get("ctx")
     cause = ctx.get("error") if isinstance(ctx, dict) else None
     field = getattr(cause, "field", None)  # protocol.UnsupportedField, refused by name
-    if isinstance(field, str):
+    if isinstance(field, str) and param.rsplit(".", 1)[-1] == field:  # a field's own validator: it is named
+        message = str(cause)
+    elif isinstance(field, str):
         message = str(cause) if param == "body" else f"{param}.{cause}"
         param = field if param == "body" else f"{param}.{field}"
     elif first.get("type") == "extra_forbidden":
@@ -72,3 +74,9 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
         message = f"{param}: {first.get('msg')}"
     status = 422 if request.url.path.startswith("/admin/") else 400
     return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+async def body_error_handler(_: Request, exc: Exception) -> JSONResponse:
+    """A body that is not UTF-8 JSON text (json_body.BodyError): 400 naming the field."""
+    message, param = getattr(exc, "message", str(exc)), getattr(exc, "param", "body")
+    return JSONResponse(error_body(400, message, param), status_code=400)

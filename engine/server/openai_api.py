@@ -19,9 +19,11 @@ from npuserve.engine.guided import CompiledGrammar, GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams, TopLogprobs
 from npuserve.engine.server import tool_calls
+from npuserve.engine.server.admission import admitted
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.chat_template import ChatTemplateError
 from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.json_body import StrictJSONRoute
 from npuserve.engine.server.logprobs import (
     best_of,
     chat_logprobs,
@@ -64,7 +66,7 @@ from npuserve.engine.server.state import (
 )
 from npuserve.engine_contract import TIMINGS_FIELD, RequestTimings
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -79,10 +81,24 @@ def sampling_params(state: ServerState, body: SamplingFields, max_tokens: int, l
                        param="priority")
     if body.user is not None:
         log.info("request from user %r", body.user)
+    vocab = state.engine.engine.spec.vocab_size
+    bias = body.logit_bias_pairs
+    outside = [t for t, _ in bias if not 0 <= t < vocab]
+    if outside:
+        raise APIError(400, f"logit_bias names token {outside[0]}; this model's token ids are 0..{vocab - 1}",
+                       param="logit_bias")
+    if body.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({body.min_tokens}) is above the output limit ({max_tokens})",
+                       param="min_tokens")
     return SamplingParams(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(0, body.top_k),
         seed=body.seed, stop=body.stop_list, stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos, logprobs=logprobs, priority=body.priority, guided=guided,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=bias,
+        skip_special_tokens=body.skip_special_tokens,
+        spaces_between_special_tokens=body.spaces_between_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
     )
 
 
@@ -94,11 +110,16 @@ def guided_of(body: SamplingFields) -> tuple[str, GuidedSpec] | None:
         raise APIError(400, str(e), param=e.field) from e
 
 
+# Characters JSON leaves as they are but Python's str.splitlines() breaks lines at: a client that splits the stream
+# that way (guidellm) read half an event. Escaped, the event is the same JSON on one line whatever splits it.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel | dict[str, Any]) -> str:
     """One event. Fields given explicitly are sent, null included (a chunk's `finish_reason` and `logprobs`, as in
     OpenAI's schema); fields left at their default are not."""
     data = payload.model_dump_json(exclude_unset=True) if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {data.translate(_LINE_BREAKS)}\n\n"
 
 
 def _final_extras(output: RequestOutput, usage: Usage | None) -> dict[str, Any]:
@@ -188,7 +209,7 @@ async def list_models(request: Request) -> ModelList:
     state = get_state(request)
     engine = state.engine.engine
     card = ModelCard(id=state.served_model_name, created=now_seconds(), root=str(engine.model_dir),
-                     max_model_len=engine.config.deploy.maxSeqLen)
+                     max_model_len=state.max_model_len())
     return ModelList(data=[card])
 
 
@@ -200,7 +221,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                             state: State) -> CompletionResponse | StreamingResponse:
     state.check_model(body.model)
     sources = body.prompts()
-    prompts = [state.tokenize(p, "prompt") for p in sources]
+    prompts = [await state.tokenize(p, "prompt", body.truncate_prompt_tokens) for p in sources]
     if any(not p for p in prompts):
         raise APIError(400, "prompt is empty", param="prompt")
     n, best = body.n, body.best_of or body.n
@@ -232,6 +253,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         for s in streams:
             s.close()
         raise
+    admitted(request.scope)
     echoes = [(src if isinstance(src, str) else _decode(state, ids)) if body.echo else ""
               for src, ids in zip(sources, prompts, strict=True)]
     rid, created, model = new_id("cmpl"), now_seconds(), state.served_model_name
@@ -259,6 +281,7 @@ async def create_completion(body: CompletionRequest, request: Request,
             finals.append(output)
         timings.append(RequestTimings.from_engine(chosen[0].metrics))
     return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
+                              system_fingerprint=state.fingerprint,
                               npuserve=timings[0] if len(timings) == 1 else timings)
 
 
@@ -310,8 +333,8 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
             if want_logprobs and ids:
                 logprobs = completion_logprobs(state.token_text, ids, lps, tops, offsets.get(key, 0))
                 offsets[key] = offsets.get(key, 0) + sum(len(t) for t in logprobs.tokens)
-            if not text and not output.finished and logprobs is None:
-                continue  # a token whose text is held back (partial UTF-8 or a possible stop string)
+            if not text and not ids and not output.finished:
+                continue  # nothing new (a token whose text is held back still gets its chunk, with text "")
             usage = Usage.of(list(latest.values())) if body.continuous_usage else None
             choice = CompletionChoice(index=p_index * body.n + output.index, text=text, logprobs=logprobs,
                                       finish_reason=finish_reason(output))
@@ -324,7 +347,8 @@ async def _completion_events(state: ServerState, body: CompletionRequest, stream
         else:
             if body.include_usage:
                 usage = Usage.of(list(latest.values()))
-                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage))
+                yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[], usage=usage,
+                                             system_fingerprint=state.fingerprint))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
@@ -407,16 +431,21 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     return message
 
 
-def _chat_prompt(state: ServerState, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> list[int]:
-    if state.chat_template is None:
+async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
+                       tools: list[dict[str, Any]] | None) -> list[int]:
+    """The conversation through the chat template and the tokenizer, both off the asyncio loop."""
+    template = state.chat_template
+    if template is None:
         raise APIError(400, "this model has no chat template in tokenizer_config.json; use /v1/completions",
                        param="messages")
     messages = [_template_message(m) for m in body.messages]
     try:
-        text = state.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+        text = await state.off_loop(template.render, messages, add_generation_prompt=body.add_generation_prompt,
+                                    tools=tools, extra=body.chat_template_kwargs)
     except ChatTemplateError as e:
-        raise APIError(400, str(e), param="messages") from e
-    return state.tokenize(text, "messages")
+        param = "chat_template_kwargs" if body.chat_template_kwargs and e.kwargs_at_fault else "messages"
+        raise APIError(400, str(e), param=param) from e
+    return await state.tokenize(text, "messages", body.truncate_prompt_tokens)
 
 
 def _chat_logprobs(state: ServerState, output: RequestOutput) -> ChatChoiceLogprobs:
@@ -459,7 +488,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     _check_choices(state, body.n, body.n)
     setup, given = _tool_setup(state, body)
-    prompt = _chat_prompt(state, body, setup.tools)
+    prompt = await _chat_prompt(state, body, setup.tools)
     field_name = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = state.resolve_max_tokens(body.output_limit, len(prompt), field_name)
     guided = await state.compile_grammar(given)
@@ -467,6 +496,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     params.top_logprobs = (body.top_logprobs or 0) if body.logprobs else 0
     params.n = body.n
     stream = state.submit(prompt, params, "messages")
+    admitted(request.scope)
     rid, created, model = new_id("chatcmpl"), now_seconds(), state.served_model_name
     if body.stream:
         return StreamingResponse(_chat_events(state, body, setup, stream, rid, created, model),
@@ -494,6 +524,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         choices.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason))
         finals.append(final)
     return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=Usage.of(finals),
+                                  system_fingerprint=state.fingerprint,
                                   npuserve=RequestTimings.from_engine(finals[0].metrics))
 
 
@@ -510,7 +541,8 @@ class _StreamedTools:
     def delta(self, new_text: str, finished: bool) -> ChatDelta:
         mode = self.setup.mode
         if mode in ("off", "none"):
-            return ChatDelta(content=new_text or None)
+            # one chunk per token, as vLLM: "" while a partial UTF-8 character or a possible stop string is held
+            return ChatDelta(content=new_text)
         if mode == "named":
             first = self.num_calls == 0
             self.num_calls = 1
@@ -584,5 +616,6 @@ async def _chat_events(state: ServerState, body: ChatCompletionRequest, setup: _
         else:
             if latest and body.include_usage:
                 yield sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=[],
-                                              usage=Usage.of(list(latest.values()))))
+                                              usage=Usage.of(list(latest.values())),
+                                              system_fingerprint=state.fingerprint))
         yield "data: [DONE]\n\n"

@@ -81,9 +81,26 @@ class SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     priority: int = Field(default=0, description="lower is served first under the `priority` policy")
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted once for each "
+                                    "token already in the output")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="OpenAI's: subtracted times each "
+                                     "token's count in the output")
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100], added "
+                                                "to its logit")
+    # vLLM's sampling extensions (logits_processors.py) and its detokenization options
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0, description="vLLM: logits of tokens in the "
+                                      "prompt or output divided (positive) or multiplied (negative) by it; 1 = off")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="vLLM: cut tokens below min_p x the top one's "
+                         "probability")
+    min_tokens: int = Field(default=0, ge=0, description="vLLM: no EOS, stop token or stop string before this many "
+                            "output tokens")
+    skip_special_tokens: bool = Field(default=True, description="vLLM: leave special tokens out of the text")
+    spaces_between_special_tokens: bool = Field(default=True, description="vLLM: the tokenizers here (fast, as "
+                                                "transformers') put no spaces between special tokens either way")
+    include_stop_str_in_output: bool = Field(default=False, description="vLLM: keep the stop string that ended the "
+                                             "output")
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="vLLM: keep the prompt's last k "
+                                               "tokens (-1: as many as the server takes, maxInputTokenLen)")
     user: str | None = Field(default=None, max_length=256, description="the end user; written to the request log")
     # vLLM's structured output (one of them at most): the output is held to it by a token mask before sampling
     guided_json: str | dict[str, Any] | None = Field(default=None, description="vLLM: a JSON schema")
@@ -91,11 +108,19 @@ class SamplingFields(_Request):
     guided_choice: list[str] | None = Field(default=None, min_length=1, description="vLLM: one of these strings")
     guided_grammar: str | None = Field(default=None, description="vLLM: a context-free grammar (Lark or GBNF)")
 
-    UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        "presence_penalty": (0.0, "penalties are not implemented"),
-        "frequency_penalty": (0.0, "penalties are not implemented"),
-        "logit_bias": ({}, "logit_bias is not implemented"),
-    }
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise InvalidField("logit_bias", f"logit_bias keys are token ids; {key!r} is not one")
+            if not -100.0 <= bias <= 100.0:
+                raise InvalidField("logit_bias", f"logit_bias[{key}] is {bias}; biases are within [-100, 100]")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     def guided_spec(self) -> tuple[str, GuidedSpec] | None:
         """The output constraint and the field that set it (None: unconstrained). More than one is a 400."""
@@ -151,7 +176,6 @@ class CompletionRequest(SamplingFields):
                                         "token's logprob and the top k")
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        **SamplingFields.UNSUPPORTED,
         "suffix": ("", "the models served here have no fill-in-the-middle template"),
     }
 
@@ -260,7 +284,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = Field(default=True, description="vLLM: end the prompt with the template's "
+                                        "assistant header")
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="vLLM: extra variables for the "
+                                                        "chat template (e.g. enable_thinking)")
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -280,7 +307,6 @@ class ChatCompletionRequest(SamplingFields):
     safety_identifier: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
-        **SamplingFields.UNSUPPORTED,
         "functions": ([], "the deprecated functions API is not implemented; use tools"),
         "function_call": ("none", "the deprecated functions API is not implemented"),
         "modalities": (["text"], "the models served here produce text only"),
@@ -323,6 +349,15 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
+class _Typed(BaseModel):
+    """A response object whose `object` field names its type. Streams are serialised with exclude_unset (a chunk
+    carries only what it was given), so `object` is marked as given here: every chunk and response carries it, as
+    OpenAI and vLLM send them (aiperf drops chunks without it; the `openai` client reads it as `chunk.object`)."""
+
+    def model_post_init(self, context: Any, /) -> None:
+        self.__pydantic_fields_set__.add("object")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -357,13 +392,14 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, PromptLogprobEntry] | None] | None = None  # vLLM extension, when asked
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Typed):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | list[RequestTimings] | None = None
 
 
@@ -400,13 +436,14 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Typed):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | None = None
 
 
@@ -440,20 +477,21 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None  # likewise
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Typed):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    system_fingerprint: str | None = None  # as vLLM: responses and a stream's usage chunk
     npuserve: RequestTimings | None = None
 
 
 # --- models ----------------------------------------------------------------------------------------------------
 
 
-class ModelCard(BaseModel):
+class ModelCard(_Typed):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -462,7 +500,7 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
-class ModelList(BaseModel):
+class ModelList(_Typed):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
@@ -498,7 +536,8 @@ class GenerateParameters(_Request):
     decoder_input_details: bool = False
     ignore_eos: bool = False
     best_of: int | None = None
-    repetition_penalty: float | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0, description="transformers' (as TGI): "
+                                             "prompt and output tokens' logits divided (or multiplied) by it")
     frequency_penalty: float | None = None
     return_full_text: bool | None = None
     top_n_tokens: int | None = None
@@ -511,8 +550,8 @@ class GenerateParameters(_Request):
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, str]]] = {
         "decoder_input_details": (False, "prompt token details are not implemented"),
         "best_of": (1, "best_of is not implemented"),
-        "repetition_penalty": (1.0, "penalties are not implemented"),
-        "frequency_penalty": (0.0, "penalties are not implemented"),
+        "frequency_penalty": (0.0, "TGI's frequency penalty (counts over prompt and output, divided by their "
+                              "length) is not implemented; /v1/completions takes OpenAI's"),
         "return_full_text": (False, "the response holds the generated text only"),
         "top_n_tokens": (0, "top-n token logprobs are not implemented"),
         "truncate": (0, "set ModelDeployConfig.truncation in the server's config instead"),

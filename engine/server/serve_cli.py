@@ -26,6 +26,12 @@ from npuserve.engine_contract import (
     FLAG_PORT,
 )
 
+CUT_GRACE_SECONDS = 5  # after the drain timeout, for the cut requests to send their last event
+# The listening socket's queue of connections not yet accepted (the kernel caps it at net.core.somaxconn, 4096 by
+# default): uvicorn's 2048 overflowed under a burst of 4,000 users, and a probe whose SYN is dropped then waits the
+# kernel's 1 s retransmission, past the kubelet's timeout.
+LISTEN_BACKLOG = 16384
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(FLAG_MODEL, help="HF model folder (default: the config's modelWeightPath)")
@@ -43,7 +49,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help="request bodies over this many bytes get 413 before they are read (default 16 MiB)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds to finish running requests after SIGTERM")
+                        help="seconds to finish running requests after SIGTERM; those still running then get an error "
+                        "(streams: a last error event and [DONE])")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--seed", type=int, default=0)
 
@@ -129,11 +136,14 @@ def run(args: argparse.Namespace) -> int:
         """On SIGTERM/SIGINT: readiness turns false and new requests get 503 while running ones finish."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            engine.draining = True
+            engine.begin_drain(args.drain_timeout)  # at the timeout, what still runs is cut with an error event
             super().handle_exit(sig, frame)
 
+    # uvicorn cancels the connections still open past its own timeout (a traceback each, streams cut without a
+    # word): it gets a few seconds more than the drain, in which the cut requests send their error and [DONE].
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=int(args.drain_timeout)))
+                                           backlog=LISTEN_BACKLOG,
+                                           timeout_graceful_shutdown=int(args.drain_timeout) + CUT_GRACE_SECONDS))
     # uvicorn re-raises the signal it caught once it has shut down; with a Python handler in place that re-raise
     # is a no-op, so a drained SIGTERM ends with exit status 0 (what Kubernetes records as a clean stop).
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

@@ -17,13 +17,15 @@ from npuserve import engine_contract as contract
 from npuserve.engine.guided import CompiledGrammar
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import SamplingParams
+from npuserve.engine.server.admission import admitted
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.errors import APIError, error_body
+from npuserve.engine.server.json_body import StrictJSONRoute
 from npuserve.engine.server.openai_api import SSE_HEADERS, sse
 from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse, InvalidField
 from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, error_status, raise_for_error
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 def _params(body: GenerateRequest, max_tokens: int, guided: CompiledGrammar | None = None) -> SamplingParams:
@@ -33,12 +35,12 @@ def _params(body: GenerateRequest, max_tokens: int, guided: CompiledGrammar | No
         max_tokens=max_tokens,
         temperature=0.0 if greedy else (p.temperature or 1.0),
         top_p=p.top_p or 1.0, top_k=p.top_k or 0, seed=p.seed, stop=tuple(p.stop), ignore_eos=p.ignore_eos,
-        logprobs=p.details, guided=guided,
+        logprobs=p.details, guided=guided, repetition_penalty=p.repetition_penalty or 1.0,
     )
 
 
 async def _start(state: ServerState, body: GenerateRequest) -> RequestStream:
-    prompt = state.tokenize(body.inputs, "inputs")
+    prompt = await state.tokenize(body.inputs, "inputs")
     max_tokens = state.resolve_max_tokens(body.parameters.max_new_tokens, len(prompt), "parameters.max_new_tokens")
     grammar = body.parameters.grammar
     guided = None
@@ -83,6 +85,7 @@ def timing_headers(output: RequestOutput) -> dict[str, str]:
 @router.post("/generate", response_model=GenerateResponse)
 async def generate(body: GenerateRequest, request: Request, state: State) -> JSONResponse:
     stream = await _start(state, body)
+    admitted(request.scope)
     tokens: list[dict[str, Any]] = []
 
     async def collect() -> RequestOutput:
@@ -107,8 +110,9 @@ async def generate(body: GenerateRequest, request: Request, state: State) -> JSO
 
 
 @router.post("/generate_stream")
-async def generate_stream(body: GenerateRequest, state: State) -> StreamingResponse:
+async def generate_stream(body: GenerateRequest, request: Request, state: State) -> StreamingResponse:
     stream = await _start(state, body)
+    admitted(request.scope)
     return StreamingResponse(_events(state, body, stream), media_type="text/event-stream", headers=SSE_HEADERS)
 
 

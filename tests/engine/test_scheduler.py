@@ -526,6 +526,19 @@ def test_eos_stops_unless_ignored() -> None:
     assert a.block_table == [] and kv.num_used_blocks == len(b.block_table)
 
 
+def test_no_stop_before_min_tokens() -> None:
+    """vLLM's min_tokens: EOS and stop tokens end nothing until that many tokens are out (the sampler also holds
+    them back; this holds when a token comes anyway, e.g. the only one a grammar allows)."""
+    sched, _, _ = make()
+    a = req(sched, 3, stop_token_ids=(42,))
+    a.sampling.min_tokens = 3
+    for token in (EOS, 42):
+        _, finished = step(sched, token=token)
+        assert finished == [] and a.status is SequenceStatus.RUNNING
+    _, finished = step(sched, token=42)
+    assert finished == [a] and a.finish_reason is FinishReason.STOP and a.output_token_ids == [EOS, 42, 42]
+
+
 def test_stop_token_ids_stop_even_with_ignore_eos() -> None:
     sched, _, _ = make()
     a = req(sched, 3, ignore_eos=True, stop_token_ids=(42,))

@@ -65,6 +65,16 @@ def test_vllm_summary_and_saved_result(engine: RunningServer, capsys: pytest.Cap
         assert key in saved, key
 
 
+def test_one_output_throughput_is_printed(engine: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """The closing progress line gave the rate from the first send (warm-up and tail included), the report the
+    measured phase's: two figures 6% apart. The report's is the one (vLLM's peak, the most tokens in a second, is
+    another quantity)."""
+    code, out, err = _bench(capsys, *_small_load(engine.url))
+    assert code == 0
+    figures = [line for line in (out + err).splitlines() if "tok/s" in line and "utput" in line and "Peak" not in line]
+    assert len(figures) == 1 and figures[0].startswith("Output token throughput"), figures
+
+
 def test_mindie_tables_carry_the_engine_timings(engine: RunningServer, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _bench(capsys, *_small_load(engine.url), "--format", "mindie")
     assert code == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -130,11 +131,16 @@ def test_accelerator_and_auto_world_size(capsys: pytest.CaptureFixture[str]) -> 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--preset", "llama3-8b", "--avg-input-tokens", "10"], "--avg-output-tokens required"),
+    (["--preset", "llama3-8b", "--avg-input-tokens", "10"], "--avg-output-tokens is required"),
     (["--preset", "llama3-8b", "--avg-input-tokens", "10", "--avg-output-tokens", "10", "--cards", "3"],
-     "spec.accelerator.cards (3) must divide the 32 attention heads"),
+     "--cards (3) must divide the 32 attention heads"),
     (["--preset", "llama3-8b", "--avg-input-tokens", "10", "--avg-output-tokens", "10", "--objective",
-      "decodeLatency"], "spec.slo.tpotMs is required"),
+      "decodeLatency"], "--tpot-ms is required"),
+    # the flags the user typed, not the spec paths nor a planned value (maxPrefillTokens) they never set
+    (["--preset", "llama3-8b", "--avg-input-tokens", "5000", "--avg-output-tokens", "10"],
+     "--avg-input-tokens must not exceed --max-input-tokens"),
+    (["--preset", "llama3-8b", "--avg-input-tokens", "10", "--avg-output-tokens", "10", "--max-input-tokens",
+      "500000"], "npuserve plan: --max-input-tokens (maxPrefillTokens is raised to the longest prompt)"),
     (["--preset", "llama3-70b", "--avg-input-tokens", "10", "--avg-output-tokens", "10", "--cards", "1"],
      "leave no memory for the KV cache"),
 ])
@@ -143,6 +149,50 @@ def test_errors_exit_2_and_name_the_field(argv: list[str], message: str, capsys:
     captured = capsys.readouterr()
     assert captured.out == ""
     assert message in captured.err
+
+
+def test_a_file_spec_keeps_its_paths_and_a_flag_beside_it_is_named(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("model: {preset: llama3-8b, name: m, weights: {loadFormat: dummy}}\n"
+                    "accelerator: {type: ascend-910b4}\nworkload: {avgInputTokens: 10, avgOutputTokens: 10}\n")
+    assert main(["plan", "--from-file", str(spec), "--cards", "3"]) == 2
+    assert "--cards (3) must divide" in capsys.readouterr().err
+    spec.write_text(spec.read_text().replace("ascend-910b4}", "ascend-910b4, cards: 3}"))
+    assert main(["plan", "--from-file", str(spec)]) == 2
+    assert "spec.accelerator.cards (3) must divide" in capsys.readouterr().err
+
+
+def test_slos_too_small_to_be_physical_get_a_warning(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["plan", "--preset", "llama3-8b", "--avg-input-tokens", "186", "--avg-output-tokens", "346",
+            "--objective", "firstTokenAndDecode"]
+    assert main([*base, "--tpot-ms", "0.5", "--ttft-ms", "1"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "warning: --tpot-ms 0.5 ms is below" in out and "no batch size can meet it" in out
+    assert "warning: --ttft-ms 1 ms is below" in out
+    assert main([*base, "--tpot-ms", "50", "--ttft-ms", "2000"]) == 0
+    assert "is below" not in capsys.readouterr().out
+    data = run_json(capsys, *base, "--tpot-ms", "0.5", "--ttft-ms", "2000", "--format", "json")
+    assert [w for w in data["warnings"] if "spec.slo.tpotMs 0.5 ms is below" in w]  # the status keeps spec paths
+
+
+def test_help_marks_the_flags_required_without_a_file(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, what in (("--preset", "model architecture from the catalog"), ("--avg-input-tokens", "mean prompt "
+                       "length"), ("--avg-output-tokens", "mean output length")):
+        assert f"{flag.upper().lstrip('-').replace('-', '_')} {what} (required without --from-file)" in help_text \
+            or f"}} {what} (required without --from-file)" in help_text, flag
+
+
+def test_the_maximum_length_note_counts_the_maximum_input(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "plan", "--preset", "llama3-8b", "--avg-input-tokens", "186", "--avg-output-tokens",
+                    "346", "--max-input-tokens", "2048", "--max-output-tokens", "512")
+    entry = next(e for e in data["explain"] if e["name"] == "maxBatchSize.min")
+    longest = -(-2048 // 128) + -(-512 // 128)
+    assert f"2048 + 512 tokens: {data['totalBlocks'] // longest})" in entry["note"]
+    assert "average input" in entry["note"]
 
 
 def _modules_after(code: str) -> set[str]:

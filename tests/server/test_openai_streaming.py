@@ -90,6 +90,49 @@ def test_non_final_chunks_carry_null_finish_reason_and_logprobs(small_blocks: Ru
     assert "npuserve" in last
 
 
+def test_every_chunk_names_its_object_and_every_token_gets_its_own_chunk(small_blocks: RunningServer) -> None:
+    """aiperf drops chunks without `object` ("No responses with actual content"); clients that time inter-token
+    latency per chunk (vLLM's benchmark, aiperf, guidellm) need one chunk per token, even while a token's text is
+    held back (a partial UTF-8 character): with the tiny model, greedy, ignore_eos, 32 tokens."""
+    client = openai.OpenAI(base_url=small_blocks.url + "/v1", api_key="x")
+    model = _model(small_blocks)
+    completion = list(client.completions.create(model=model, prompt="The capital of France is", max_tokens=32,
+                                                temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert [c.object for c in completion] == ["text_completion"] * 32
+    assert all(c.model == model and c.created > 0 and c.id == completion[0].id for c in completion)
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=32, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+    assert [c.object for c in chat] == ["chat.completion.chunk"] * 33  # the role chunk, then one per token
+    assert all(c.choices[0].delta.content is not None for c in chat)
+    answer = client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert answer.object == "text_completion"
+    assert client.models.list().data[0].object == "model"
+    # system_fingerprint where vLLM sends it: whole responses and a stream's usage chunk, one value per server
+    fingerprint = answer.system_fingerprint
+    assert fingerprint is not None and fingerprint.startswith("npuserve-")
+    chat_answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)
+    assert chat_answer.system_fingerprint == fingerprint
+    streamed = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=2, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert [c.system_fingerprint for c in streamed] == [None] * (len(streamed) - 1) + [fingerprint]
+
+
+def test_an_event_is_one_line_whatever_splits_lines() -> None:
+    """Token text may hold NEL or U+2028/U+2029, which JSON leaves raw but str.splitlines() breaks at (guidellm
+    split an event in two and failed the request on it)."""
+    from npuserve.engine.server.openai_api import sse
+    from npuserve.engine.server.protocol import CompletionChoice, CompletionResponse
+
+    text = "a\x85b\u2028c\u2029d\n"
+    event = sse(CompletionResponse(id="x", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]))
+    lines = event.splitlines()
+    assert lines == [lines[0], ""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:])["choices"][0]["text"] == text
+
+
 def test_continuous_usage_stats_puts_usage_in_every_chunk(small_blocks: RunningServer) -> None:
     client = openai.OpenAI(base_url=small_blocks.url + "/v1", api_key="x")
     stream = client.completions.create(model=_model(small_blocks), prompt="count with me", max_tokens=8, stream=True,

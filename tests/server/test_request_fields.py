@@ -40,12 +40,16 @@ CHAT_FIELDS: dict[str, Any] = {
     "top_logprobs": 2, "top_p": 1e-9, "user": "alice", "verbosity": "low",
     "web_search_options": {"search_context_size": "low"}, "prompt_cache_key": "k", "safety_identifier": "s",
 }
-# vLLM's extensions this server honours, checked below like the rest.
-EXTENSIONS = {"top_k": 1, "ignore_eos": True, "stop_token_ids": [5], "priority": 1}
+# vLLM's extensions this server honours, checked below like the rest (vLLM's `bench serve` sends
+# repetition_penalty with every request).
+EXTENSIONS = {"top_k": 1, "ignore_eos": True, "stop_token_ids": [5], "priority": 1, "repetition_penalty": 1.5,
+              "min_p": 0.1, "min_tokens": 2, "skip_special_tokens": False, "spaces_between_special_tokens": False,
+              "include_stop_str_in_output": True, "truncate_prompt_tokens": 2}
+CHAT_EXTENSIONS = {"chat_template_kwargs": {"persona": "x"}, "add_generation_prompt": False}
 
-REFUSED_COMPLETION = {"frequency_penalty", "logit_bias", "presence_penalty", "suffix"}
-REFUSED_CHAT = {"audio", "frequency_penalty", "function_call", "functions", "logit_bias", "metadata", "modalities",
-                "prediction", "presence_penalty", "reasoning_effort", "service_tier", "store", "verbosity",
+REFUSED_COMPLETION = {"suffix"}
+REFUSED_CHAT = {"audio", "function_call", "functions", "metadata", "modalities",
+                "prediction", "reasoning_effort", "service_tier", "store", "verbosity",
                 "web_search_options", "prompt_cache_key", "safety_identifier"}
 
 
@@ -108,10 +112,18 @@ def test_the_field_lists_cover_the_schemas() -> None:
     """Every field is either refused (above) or has a behaviour check (below)."""
     checked = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "seed", "stop", "stream",
                "stream_options", "temperature", "top_p", "user", "logprobs", "response_format", "tools",
-               "tool_choice", "parallel_tool_calls", "n", "best_of", "echo", "top_logprobs"}
+               "tool_choice", "parallel_tool_calls", "n", "best_of", "echo", "top_logprobs", "logit_bias",
+               "presence_penalty", "frequency_penalty", *EXTENSIONS, *CHAT_EXTENSIONS}
     assert set(COMPLETION_FIELDS) <= REFUSED_COMPLETION | checked
     assert set(CHAT_FIELDS) <= REFUSED_CHAT | checked
     assert not REFUSED_COMPLETION & checked - {"logprobs"} and not REFUSED_CHAT & checked
+    from npuserve.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    # every field the schemas declare is in the lists (so a field added without a check fails here)
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    vllm_structured = {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}  # test_structured_output
+    assert declared <= set(COMPLETION_FIELDS) | set(CHAT_FIELDS) | checked | vllm_structured | {
+        "prompt_logprobs"}  # tests/server/test_openai_choices_logprobs.py
 
 
 def test_unknown_fields_are_refused_by_name(server: RunningServer) -> None:
@@ -228,3 +240,77 @@ def test_tools_need_a_template_that_takes_them(server: RunningServer) -> None:
     for field in ("tools", "tool_choice", "parallel_tool_calls"):
         response = _post(server, "/v1/chat/completions", base | {field: CHAT_FIELDS[field]})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, response.text
+
+
+@pytest.mark.parametrize("call", [_complete, _chat])
+def test_logit_bias_and_openai_penalties_are_honoured(server: RunningServer,
+                                                      call: Callable[..., dict[str, Any]]) -> None:
+    """In depth against transformers and the formula: tests/engine/test_logits_processors.py."""
+    forced = call(server, temperature=0.0, max_tokens=5, logit_bias={"300": 100}, logprobs=0 if call is _complete
+                  else True)
+    tokens = (forced["choices"][0]["logprobs"]["tokens"] if call is _complete
+              else [e["token"] for e in forced["choices"][0]["logprobs"]["content"]])
+    assert len(set(tokens)) == 1 and _text(forced) == tokens[0] * 5
+    greedy = _text(call(server, temperature=0.0, max_tokens=12))
+    assert _text(call(server, temperature=0.0, max_tokens=12, presence_penalty=2.0)) != greedy
+    assert _text(call(server, temperature=0.0, max_tokens=12, frequency_penalty=2.0)) != greedy
+    assert _text(call(server, temperature=0.0, max_tokens=12, repetition_penalty=100.0)) != greedy
+    # min_p 1 keeps only the likeliest token: sampling becomes greedy
+    assert _text(call(server, temperature=1.0, min_p=1.0, max_tokens=12)) == greedy
+    refused = _post(server, "/v1/completions", {"prompt": PROMPT, "logit_bias": {"99999": 1}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
+    refused = _post(server, "/v1/completions", {"prompt": PROMPT, "logit_bias": {"5": 101}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
+
+
+def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(server: RunningServer, eos_model: Path) -> None:
+    eos = json.loads((eos_model / "generation_config.json").read_text())["eos_token_id"]
+    assert _complete(server, temperature=0.0, ignore_eos=False)["usage"]["completion_tokens"] == 1  # EOS at once
+    held = _complete(server, temperature=0.0, ignore_eos=False, min_tokens=3, max_tokens=8)
+    assert held["usage"]["completion_tokens"] >= 3
+    held = _complete(server, temperature=0.0, ignore_eos=True, stop_token_ids=[eos], min_tokens=3, max_tokens=8)
+    assert held["usage"]["completion_tokens"] >= 3
+    refused = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 3})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "min_tokens"
+
+
+def test_vllm_detokenization_options_are_honoured(server: RunningServer, eos_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    special = {"logit_bias": {"3": 100}, "temperature": 0.0, "max_tokens": 3}  # <|im_start|>, a special token
+    assert _text(_complete(server, **special)) == ""
+    kept = _text(_complete(server, **special, skip_special_tokens=False))
+    reference = AutoTokenizer.from_pretrained(eos_model)
+    for spaces in (True, False):
+        assert _text(_complete(server, **special, skip_special_tokens=False,
+                               spaces_between_special_tokens=spaces)) == kept
+        assert kept == reference.decode([3, 3, 3], skip_special_tokens=False,
+                                        spaces_between_special_tokens=spaces)
+    tokens = _complete(server, temperature=0.0, max_tokens=6, logprobs=0)["choices"][0]["logprobs"]["tokens"]
+    stop = next(t for t in tokens[1:] if t.strip())
+    cut = _text(_complete(server, temperature=0.0, max_tokens=6, stop=[stop]))
+    kept_stop = _text(_complete(server, temperature=0.0, max_tokens=6, stop=[stop], include_stop_str_in_output=True))
+    assert kept_stop == cut + stop and kept_stop.endswith(stop)
+
+
+@pytest.mark.parametrize("call", [_complete, _chat])
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server: RunningServer,
+                                                      call: Callable[..., dict[str, Any]]) -> None:
+    assert call(server, truncate_prompt_tokens=2)["usage"]["prompt_tokens"] == 2
+    assert call(server, truncate_prompt_tokens=-1)["usage"]["prompt_tokens"] == call(server)["usage"]["prompt_tokens"]
+
+
+def test_chat_template_kwargs_and_add_generation_prompt_are_honoured(eos_model: Path,
+                                                                     tmp_path: Path) -> None:
+    folder = tmp_path / "persona"
+    shutil.copytree(eos_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if persona %}[{{ persona }}]{% endif %}" + config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with running_server(folder, max_seq_len=256, maxIterTimes=64) as s:
+        plain = _chat(s)["usage"]["prompt_tokens"]
+        assert _chat(s, chat_template_kwargs={"persona": "pirate"})["usage"]["prompt_tokens"] > plain
+        assert _chat(s, add_generation_prompt=False)["usage"]["prompt_tokens"] < plain
+        refused = _post(s, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                    "chat_template_kwargs": {"messages": []}})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
