@@ -630,6 +630,7 @@ class TrialMetrics(_Model):
     kvExhausted: bool = Field(default=False, description="the KV cache ran full and requests were preempted")
     inFlightPerPod: float | None = Field(default=None, ge=0,
                                          description="mean requests in flight per engine pod (Little's law)")
+    e2eMeanMs: float | None = Field(default=None, ge=0, description="mean request latency, first byte to last")
 
 
 TrialOutcome = Literal["measured", "failed", "inconclusive"]

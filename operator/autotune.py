@@ -10,8 +10,9 @@ restarts resumes where it was, and the pure tuner (`tuner.next_step`) decides ev
 simulator's tests drive it.
 
 One trial: the tuner's schedule goes to every engine (PUT /admin/schedule) and into the ConfigMap (a restarted pod
-keeps it; the pod template's hash leaves hot fields out, so nothing rolls). The first quarter of `autotune.window`
-settles and is dropped; the window after it is read from Prometheus. In benchmark mode a load-generator Job drives
+keeps it; the pod template's hash leaves hot fields out, so nothing rolls). A settling time is dropped (a quarter of
+`autotune.window`, or twice the last window's mean request latency when that is longer: requests admitted before the
+change run on under the old schedule); the window after it is read from Prometheus. In benchmark mode a load-generator Job drives
 one engine pod at the guide's client concurrency (maxBatchSize - 1) for that time and only that pod is measured.
 A window that Prometheus could not answer, or that holds no finished request, is inconclusive: recorded once, and
 measured again (after Prometheus is back). An engine pod that restarts, goes away or stops being ready during a
@@ -61,6 +62,10 @@ from .tuner import NextTrial, Trial, Verdict, best_so_far, next_step
 from .tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
 
 SETTLE_FRACTION = 0.25  # of autotune.window: settles after a change and is not measured
+# Settling also lasts this many times the last window's mean request latency: requests admitted under the schedule
+# before keep running under it after a live change (online traffic waits for its answers), and a window that counts
+# them measures the old schedule.
+SETTLE_REQUEST_LATENCIES = 2.0
 MISSED_WINDOWS = 3  # consecutive windows missing the SLO after tuning that start a new round
 JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 MAX_STRETCH = 4  # a window measured again grows to at most this many times autotune.window
@@ -283,7 +288,7 @@ class _Step:
         # A window measured again is longer (x2, x3, x4): requests longer than the window never finish inside it, and
         # a new benchmark Job starts its load over.
         stretch = 1 + min(attempts, MAX_STRETCH - 1)
-        settle, window = _settle_s(self.isvc) * stretch, _window_s(self.isvc) * stretch
+        settle, window = max(_settle_s(self.isvc) * stretch, self.draining_s()), _window_s(self.isvc) * stretch
         ready = sorted((p for p in self.obs.pods if p.ready and p.ip), key=lambda p: p.name)
         benchmark = self.isvc.spec.autotune.mode == "benchmark"
         target = ready[0] if benchmark else None
@@ -311,6 +316,14 @@ class _Step:
             self.condition("Tuning", True, REASON_MEASURING, message)
             self.event("Normal", "TrialStarted", message)
         return message
+
+    def draining_s(self) -> float:
+        """How long the requests in flight at a change may take to finish: SETTLE_REQUEST_LATENCIES times the mean
+        request latency of the last window measured (0 before any), at most the window itself."""
+        last = next((e.metrics for e in reversed(self.tuning.history) if e.metrics is not None), None)
+        if last is None or last.e2eMeanMs is None:
+            return 0.0
+        return min(SETTLE_REQUEST_LATENCIES * last.e2eMeanMs / 1000, _window_s(self.isvc))
 
     def open_probe(self, number: int, concurrency: int) -> str:
         assert self.tuning.applied is not None

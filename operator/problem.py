@@ -148,11 +148,13 @@ def pooled(windows: Sequence[TrialMetrics]) -> TrialMetrics:
         return LatencyStats(**{s: avg([getattr(getattr(m, name), s) for m in windows]) for s in ("mean", "p90", "p99")})
 
     in_flight = [m.inFlightPerPod for m in windows if m.inFlightPerPod is not None]
+    e2e = [m.e2eMeanMs for m in windows if m.e2eMeanMs is not None]
     return TrialMetrics(
         outputTokensPerSecond=avg([m.outputTokensPerSecond for m in windows]), ttftMs=stats("ttftMs"),
         tpotMs=stats("tpotMs"), errorRate=avg([m.errorRate for m in windows]), samples=sum(m.samples for m in windows),
         preemptions=sum(m.preemptions for m in windows), kvExhausted=any(m.kvExhausted for m in windows),
-        inFlightPerPod=sum(in_flight) / len(in_flight) if in_flight else None)
+        inFlightPerPod=sum(in_flight) / len(in_flight) if in_flight else None,
+        e2eMeanMs=sum(e2e) / len(e2e) if e2e else None)
 
 
 # The one-sided confidence with which a claim holds: the Student-t quantile at the noise estimate's degrees of freedom.

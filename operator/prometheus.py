@@ -292,6 +292,7 @@ class WindowReading:
             preemptions=round(v["preemptions"]),
             kvExhausted=v["kv_usage_max"] >= KV_EXHAUSTED_USAGE and v["preemptions"] > 0,
             inFlightPerPod=per_pod if isinstance(per_pod, float) else None,
+            e2eMeanMs=self.e2e_mean_ms if isinstance(self.e2e_mean_ms, float) else None,
         )
 
 

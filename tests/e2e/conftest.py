@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # operator_harness, sh
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # models: the demo's model folders
 
 import localk8s
+import yaml
+from models import create_dummy_for
+from operator_harness import REPO, Operator, helm_install, running_operator
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -38,3 +41,18 @@ def k8s_cluster() -> Iterator[localk8s.Cluster]:
         yield cluster
     finally:
         localk8s.release()
+
+
+@pytest.fixture(scope="module")
+def demo_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's model: random weights and a tokenizer, the architecture examples/demo.yaml declares."""
+    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())["spec"]
+    return create_dummy_for(spec, tmp_path_factory.mktemp("models") / "demo")
+
+
+@pytest.fixture(scope="module")
+def tuning_operator(k8s_cluster: localk8s.Cluster) -> Iterator[Operator]:
+    """The chart installed and the operator running (its autotune loop reading the cluster's Prometheus)."""
+    helm_install(k8s_cluster)
+    with running_operator(k8s_cluster) as op:
+        yield op

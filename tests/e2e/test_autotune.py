@@ -25,8 +25,7 @@ import httpx
 import localk8s
 import pytest
 import yaml
-from models import create_dummy_for
-from operator_harness import REPO, Operator, helm_install, running_operator, scratch_namespace, wait_for
+from operator_harness import REPO, Operator, scratch_namespace, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -34,20 +33,6 @@ NAME = "tune"
 INSTANCE_LABEL = "npuserve.io/inferenceservice"
 CONFIG_HASH = "npuserve.io/config-hash"
 WINDOW = "20s"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's model: random weights and a tokenizer, the architecture examples/demo.yaml declares."""
-    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())["spec"]
-    return create_dummy_for(spec, tmp_path_factory.mktemp("models") / "demo")
-
-
-@pytest.fixture(scope="module")
-def operator(k8s_cluster: localk8s.Cluster) -> Iterator[Operator]:
-    helm_install(k8s_cluster)
-    with running_operator(k8s_cluster) as op:
-        yield op
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +116,8 @@ def _watch_current_trial(cluster: localk8s.Cluster, namespace: str) -> dict[str,
 
 
 def test_the_service_comes_up_and_its_first_trial_runs_through_admin_schedule(
-        k8s_cluster: localk8s.Cluster, operator: Operator, namespace: str, model_dir: Path) -> None:
-    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(namespace, model_dir)))
+        k8s_cluster: localk8s.Cluster, tuning_operator: Operator, namespace: str, demo_model_dir: Path) -> None:
+    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(namespace, demo_model_dir)))
     (pod,) = wait_for("the engine pod Ready", lambda: [p for p in engine_pods(k8s_cluster, namespace) if ready(p)],
                       timeout=300)
     Seen.pod_uid = pod["metadata"]["uid"]
@@ -155,7 +140,7 @@ def test_the_service_comes_up_and_its_first_trial_runs_through_admin_schedule(
 
 
 def test_prometheus_down_mid_trial_is_inconclusive_and_tuning_resumes(
-        k8s_cluster: localk8s.Cluster, operator: Operator, namespace: str) -> None:
+        k8s_cluster: localk8s.Cluster, tuning_operator: Operator, namespace: str) -> None:
     wait_for("an open trial", lambda: current(status(k8s_cluster, namespace)), timeout=120, interval=1)
     measured = len(conclusive(status(k8s_cluster, namespace)))
     assert localk8s.stop_prometheus(k8s_cluster)
@@ -180,7 +165,7 @@ def _kill_engine(cluster: localk8s.Cluster, namespace: str, pod: str) -> None:
 
 
 def test_an_engine_killed_mid_trial_fails_the_trial_and_rolls_back(
-        k8s_cluster: localk8s.Cluster, operator: Operator, namespace: str) -> None:
+        k8s_cluster: localk8s.Cluster, tuning_operator: Operator, namespace: str) -> None:
     st = wait_for("an open trial", lambda: (lambda s: s if current(s) and current(s)["kind"] == "trial" else None)(
         status(k8s_cluster, namespace)), timeout=240, interval=1)
     trial = current(st)
@@ -205,7 +190,7 @@ def test_an_engine_killed_mid_trial_fails_the_trial_and_rolls_back(
 
 
 def test_tuning_converges_with_history_best_and_slo_met_without_restarting_pods(
-        k8s_cluster: localk8s.Cluster, operator: Operator, namespace: str) -> None:
+        k8s_cluster: localk8s.Cluster, tuning_operator: Operator, namespace: str) -> None:
     st = wait_for("tuning to finish",
                   lambda: (lambda s: s if (s.get("tuning") or {}).get("phase") in ("Converged", "Stopped")
                            and current(s) is None else None)(
@@ -234,7 +219,7 @@ def test_tuning_converges_with_history_best_and_slo_met_without_restarting_pods(
     assert tuning["phase"] in table and "True" in table
 
 
-def test_capacity_is_measured_and_sets_the_replicas(k8s_cluster: localk8s.Cluster, operator: Operator,
+def test_capacity_is_measured_and_sets_the_replicas(k8s_cluster: localk8s.Cluster, tuning_operator: Operator,
                                                     namespace: str) -> None:
     st = wait_for("the capacity measured",
                   lambda: (lambda s: s if (s.get("capacity") or {}).get("phase") in ("Measured", "Failed")
@@ -252,7 +237,7 @@ def test_capacity_is_measured_and_sets_the_replicas(k8s_cluster: localk8s.Cluste
              lambda: len([p for p in engine_pods(k8s_cluster, namespace) if ready(p)]) == want, timeout=300)
 
 
-def test_deleting_it_mid_trial_leaves_no_engine_or_job(k8s_cluster: localk8s.Cluster, operator: Operator,
+def test_deleting_it_mid_trial_leaves_no_engine_or_job(k8s_cluster: localk8s.Cluster, tuning_operator: Operator,
                                                        namespace: str) -> None:
     # A new SLO is a new tuning problem: a new round starts, with a Job.
     k8s_cluster.kubectl("patch", "nisvc", NAME, "-n", namespace, "--type=merge", "-p",

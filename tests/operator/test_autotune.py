@@ -945,3 +945,47 @@ def test_no_traffic_then_prometheus_down_are_two_inconclusive_entries() -> None:
                         ("inconclusive", "PrometheusUnreachable", "Prometheus unreachable: ConnectError")]
     assert ("Warning", at.REASON_PROMETHEUS_DOWN) in [(e[0], e[1]) for e in loop.ticks[-1].actions.events]
     assert loop.condition("Tuning")["reason"] == at.REASON_PROMETHEUS_DOWN
+
+
+def test_engines_losing_readiness_at_the_smallest_batch_tried_send_the_search_lower_not_to_all_failed() -> None:
+    # A burst the engines cannot take makes them blip (readiness lost mid-trial) at each batch tried: the search halves
+    # the batch, below the plan's minimum (512) if it must, instead of ending `allFailed` at the range's end.
+    loop = Loop.start(mode="benchmark")
+    assert loop.plan.maxBatchSize.min == 512
+    failed: list[int] = []
+    for trial in range(3):
+        loop.run_until(trial_open(trial))
+        for _ in range(3):
+            loop.tick()
+        current = loop.current()
+        assert current is not None
+        failed.append(current["schedule"]["maxBatchSize"])
+        pod = loop.pods[0]
+        loop.pods[0] = replace(pod, ready=False)
+        loop.tick()
+        loop.pods[0] = pod
+        entry = loop.tuning().history[-1]
+        assert (entry.outcome, entry.reason) == ("failed", "EngineNotReady")
+    assert failed == [2048, 1024, 512]
+    loop.run_until(trial_open(3))
+    current = loop.current()
+    assert current is not None and current["schedule"]["maxBatchSize"] == 256 < loop.plan.maxBatchSize.min
+    assert loop.tuning().phase == "Running"
+
+
+def test_a_window_settles_until_the_requests_in_flight_at_the_change_have_finished() -> None:
+    # Online traffic waits for its answers: requests admitted under the last schedule run on under it. After a window
+    # whose requests took 8 s on average, the next trial settles 16 s (twice that), not a quarter window (5 s); at most
+    # a whole window.
+    slow = FakeEngine()
+    loop = Loop.start(engine=slow)
+    loop.run_until(trial_open(0))
+    loop.tick_until_due()
+    reading = loop.read(at.window_due(loop.isvc, loop.status, loop.now), loop.current())
+    assert reading is not None and reading.metrics is not None
+    loop.tick(at.Measurement(metrics=reading.metrics.model_copy(update={"e2eMeanMs": 8000.0})))
+    current = loop.current()
+    assert current is not None and current["trial"] == 1
+    opened = loop.ticks[-1].now
+    assert at.parse_rfc3339(current["measureFrom"]) == opened + 2 * 8
+    assert at.parse_rfc3339(current["measureUntil"]) == opened + 2 * 8 + WINDOW_S

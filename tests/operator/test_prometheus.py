@@ -210,7 +210,7 @@ def test_a_busy_window_gives_the_tuners_metrics() -> None:
     assert reading.trial_metrics() == TrialMetrics(
         outputTokensPerSecond=512.5, ttftMs=LatencyStats(mean=120, p90=200, p99=300),
         tpotMs=LatencyStats(mean=40, p90=50, p99=60), errorRate=1 / 101, samples=100, preemptions=0,
-        kvExhausted=False, inFlightPerPod=15.0)
+        kvExhausted=False, inFlightPerPod=15.0, e2eMeanMs=5000.0)
     assert reading.trial_metrics(min_requests=200) == "only 101 requests finished in the window (fewer than 200)"
 
 
