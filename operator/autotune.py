@@ -12,8 +12,9 @@ simulator's tests drive it.
 One trial: the tuner's schedule goes to every engine (PUT /admin/schedule) and into the ConfigMap (a restarted pod
 keeps it; the pod template's hash leaves hot fields out, so nothing rolls). A settling time is dropped (a quarter of
 `autotune.window`, or twice the last window's mean request latency when that is longer: requests admitted before the
-change run on under the old schedule); the window after it is read from Prometheus. In benchmark mode a load-generator Job drives
-one engine pod at the guide's client concurrency (maxBatchSize - 1) for that time and only that pod is measured.
+change run on under the old schedule); the window after it is read from Prometheus. In benchmark mode a
+load-generator Job drives one engine pod at the guide's client concurrency (maxBatchSize - 1) for that time and only
+that pod is measured.
 A window that Prometheus could not answer, or that holds no finished request, is inconclusive: recorded once, and
 measured again (after Prometheus is back). An engine pod that restarts, goes away or stops being ready during a
 trial, a failed Job, or a window the judge fails (errors, KV exhausted, a preemption storm) fails the trial and rolls
