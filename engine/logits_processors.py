@@ -80,8 +80,11 @@ def _penalties(logits: torch.Tensor, params: Seq[SamplingParams], history: Seq[H
     repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = seen_in_output | (_counts([h[0] for h in history], vocab, device) > 0)
-        penalty = torch.where(seen, repetition, torch.ones_like(repetition))
-        logits = torch.where(logits > 0, logits / penalty, logits * penalty)
+        # A penalty too small for float32 (the API takes any > 0) is its smallest normal, not 0, and what overflows
+        # is its largest finite value: -inf * 0 and softmax over +inf are NaN, which no client can be sent.
+        finfo = torch.finfo(logits.dtype)
+        penalty = torch.where(seen, repetition.clamp(min=finfo.tiny), torch.ones_like(repetition))
+        logits = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(max=finfo.max)
     frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
     presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
     return logits - frequency * output_counts - presence * seen_in_output.to(logits.dtype)

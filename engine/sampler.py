@@ -2,8 +2,9 @@
 
 An all-greedy batch is one fused argmax. A row asking for vLLM's logits processors (logit_bias, min_tokens,
 penalties: `logits_processors.py`) has them applied first, greedy or not. Otherwise each row is scaled by its
-temperature, cut by its min_p, top-k and top-p, and drawn with the exponential-race trick (`argmax(p / E)`,
-E ~ Exp(1), is a draw from p) so the whole batch samples in one pass; rows with a seed draw their noise from a
+temperature (vLLM's bounds: below 1e-5 greedy, below 0.01 raised to 0.01), cut by its min_p, top-k and top-p,
+and drawn with the exponential-race trick (`argmax(p / E)`, E ~ Exp(1), is a draw from p) so the whole batch
+samples in one pass; rows with a seed draw their noise from a
 generator seeded by (seed, position), so a seeded request gives the same tokens whatever batch it runs in. Greedy
 rows inside a mixed batch are still argmax.
 
@@ -23,7 +24,7 @@ import torch
 
 from npuserve.engine import logits_processors
 from npuserve.engine.logits_processors import History, needs_history
-from npuserve.engine.sequence import PromptLogprob, SamplingParams, TopLogprobs
+from npuserve.engine.sequence import MIN_SAMPLED_TEMPERATURE, PromptLogprob, SamplingParams, TopLogprobs
 from npuserve.mindie_config import LogprobsMode
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -80,7 +81,8 @@ class Sampler:
         given)."""
         device = logits.device
         logits = logits.float()
-        temps = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        temps = torch.tensor([max(p.temperature, MIN_SAMPLED_TEMPERATURE) if not p.greedy else 1.0 for p in params],
+                             device=device)
         scaled = logits_processors.min_p_cut(logits / temps.unsqueeze(1), params)
         vocab = scaled.shape[1]
         top_ks = [p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params]

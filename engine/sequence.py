@@ -29,10 +29,16 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the request could not be served (e.g. longer than the whole KV cache)
 
 
+# vLLM's: a temperature below 1e-5 is greedy, and one below 0.01 is sampled at 0.01 (logits over a smaller one
+# overflow float32 and sample NaN)
+GREEDY_TEMPERATURE = 1e-5
+MIN_SAMPLED_TEMPERATURE = 1e-2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy (a fused argmax on the device)
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE = greedy (a fused argmax on the device)
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -63,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def adjusts_logits(self) -> bool:

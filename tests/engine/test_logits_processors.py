@@ -120,3 +120,24 @@ def test_a_batch_without_processors_needs_no_history() -> None:
     out = Sampler()(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
     assert out.token_ids == logits.argmax(dim=-1).tolist()
     assert adjust(logits, [SamplingParams()] * 2, None) is logits
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=5e-324),  # schemathesis' find: float32 reads it as 0
+    SamplingParams(temperature=1.0, repetition_penalty=5e-324),
+    SamplingParams(temperature=1e-300, seed=1),  # greedy below 1e-5, as vLLM
+    SamplingParams(temperature=1e-4, seed=1),  # sampled at 0.01, as vLLM
+    SamplingParams(temperature=2.0, repetition_penalty=100.0, min_tokens=5, eos_token_ids=(2,)),
+])
+def test_extreme_accepted_values_sample_finite_logprobs(params: SamplingParams) -> None:
+    """Values the API accepts at the edges of their ranges: every logprob sent is finite (JSON cannot carry NaN or
+    inf) and the token chosen is one the distribution allows."""
+    logits = _logits(seed=9) * 10
+    params.logprobs, params.top_logprobs = True, 5
+    out = Sampler()(logits, [params], [len(PROMPT) + len(OUTPUT)], history=[(PROMPT, OUTPUT)])
+    assert out.logprobs is not None and out.top_logprobs is not None
+    values = out.logprobs + [v for _, v in out.top_logprobs[0]]
+    assert all(LOGPROB_FLOOR <= v <= 0.0 for v in values), values
+    assert out.logprobs[0] > LOGPROB_FLOOR  # the chosen token was not one cut to -inf
+    if params.temperature < 1e-5:
+        assert SamplingParams(temperature=params.temperature).greedy

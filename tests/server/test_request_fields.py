@@ -263,6 +263,19 @@ def test_logit_bias_and_openai_penalties_are_honoured(server: RunningServer,
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias"
 
 
+@pytest.mark.parametrize("body", [
+    {"prompt": "0", "logprobs": 3, "repetition_penalty": 5e-324},  # schemathesis found a 500 here (NaN logprobs)
+    {"prompt": "0", "logprobs": 3, "temperature": 5e-324},
+    {"prompt": "0", "logprobs": 3, "temperature": 1e-3, "repetition_penalty": 100.0},
+])
+def test_accepted_extremes_answer_with_finite_logprobs(server: RunningServer, body: dict[str, Any]) -> None:
+    response = _post(server, "/v1/completions", body | {"max_tokens": 4})
+    assert response.status_code == 200, response.text
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert all(-9999.0 <= v <= 0.0 for v in logprobs["token_logprobs"])
+    assert all(-9999.0 <= v <= 0.0 for top in logprobs["top_logprobs"] for v in top.values())
+
+
 def test_min_tokens_holds_back_eos_stop_tokens_and_stop_strings(server: RunningServer, eos_model: Path) -> None:
     eos = json.loads((eos_model / "generation_config.json").read_text())["eos_token_id"]
     assert _complete(server, temperature=0.0, ignore_eos=False)["usage"]["completion_tokens"] == 1  # EOS at once
