@@ -18,10 +18,12 @@ from npuserve.engine.backends.base import AttentionMetadata, MemoryInfo  # noqa:
 from npuserve.engine.backends.cpu import CPUBackend  # noqa: E402
 from npuserve.engine.engine import make_config  # noqa: E402
 from npuserve.mindie_config import EngineEnvironment  # noqa: E402
-from npuserve.modelspec import ModelSpec  # noqa: E402
 
 GiB = 1024**3
 FREE = 3 * GiB
+# One 128-token block of the tiny preset, written out: K and V x 2 layers x 2 KV heads x head_dim 32 x 4 bytes
+# (float32) x 128 tokens = 128 KiB.
+PER_BLOCK = 2 * 2 * 2 * 32 * 4 * 128
 
 
 class RecordingDevice(CPUBackend):
@@ -50,14 +52,14 @@ def test_auto_sizing_measures_free_memory_after_a_warm_up_at_the_largest_prefill
                          maxPrefillTokens=300, maxBatchSize=4)
     built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
                                           env=EngineEnvironment(npu_memory_fraction=0.5))
-    per_block = ModelSpec.from_pretrained(tiny_model_dir).kv_bytes_per_block(config.schedule.cacheBlockSize)
+    assert config.schedule.cacheBlockSize == 128
     if expect_warmup:
         assert device.events[:2] == [("prefill", 300), ("memory_info", 0)]  # the warm-up, then the reading
-        assert built.kv_plan.num_blocks == int(FREE * 0.5) // per_block  # no CPU cap on a device
+        assert built.kv_plan.num_blocks == int(FREE * 0.5) // PER_BLOCK  # no CPU cap on a device
         assert "auto: 0.50 of 3.0 GiB free" in built.kv_plan.source
     else:
         assert ("prefill", 300) not in device.events
-        assert built.kv_plan.num_blocks == GiB // per_block
+        assert built.kv_plan.num_blocks == GiB // PER_BLOCK
 
 
 class MeasuringDevice(RecordingDevice):
@@ -82,7 +84,7 @@ def test_auto_sizing_sets_the_measured_warm_up_peak_aside(tiny_model_dir: Path,
                          maxPrefillTokens=300, maxBatchSize=4)
     built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
                                           env=EngineEnvironment(npu_memory_fraction=0.5))
-    per_block = ModelSpec.from_pretrained(tiny_model_dir).kv_bytes_per_block(config.schedule.cacheBlockSize)
+    assert config.schedule.cacheBlockSize == 128
     assert device.events[:3] == [("prefill", 300), ("peak", MeasuringDevice.PEAK), ("memory_info", 0)]
-    assert built.kv_plan.num_blocks == (int(FREE * 0.5) - MeasuringDevice.PEAK) // per_block
+    assert built.kv_plan.num_blocks == (int(FREE * 0.5) - MeasuringDevice.PEAK) // PER_BLOCK
     assert "less the warm-up's 0.50 GiB peak" in built.kv_plan.source

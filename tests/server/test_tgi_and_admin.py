@@ -28,6 +28,20 @@ def test_generate_headers_and_body(server: RunningServer) -> None:
     assert "".join(t["text"] for t in body["details"]["tokens"]) == body["generated_text"]
 
 
+def test_timing_headers_are_the_requests_own_timings_in_milliseconds() -> None:
+    """Written-out timings: 10 ms queued, 40 ms prefill, 500 ms decoding 11 tokens (10 decode steps after the
+    first token) -> 50 ms per token; the inference time is prefill plus decode."""
+    from npuserve.engine.output_processor import RequestOutput
+    from npuserve.engine.server.tgi_api import timing_headers
+
+    output = RequestOutput(request_id="r", new_token_ids=[], new_text="", new_logprobs=None,
+                           token_ids=list(range(11)), text="", num_prompt_tokens=5, finished=True,
+                           metrics={"queue_time": 0.010, "prefill_time": 0.040, "decode_time": 0.500})
+    assert timing_headers(output) == {"x-prompt-tokens": "5", "x-generated-tokens": "11", "x-queue-time": "10.000",
+                                      "x-prefill-time": "40.000", "x-inference-time": "540.000",
+                                      "x-time-per-token": "50.000"}
+
+
 def test_generate_stream_matches_generate(server: RunningServer) -> None:
     payload = {"inputs": "The quick brown", "parameters": {"max_new_tokens": 9, "ignore_eos": True}}
     full = httpx.post(server.url + "/generate", json=payload, timeout=30).json()["generated_text"]
