@@ -22,12 +22,14 @@ pytest.importorskip("torch")
 
 import torch
 
+from npuserve.engine import rank_runner
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_device import local_device_index, parse_visible_devices
 from npuserve.engine.backends.npu_stack import KEYWORDS
 from npuserve.engine.batch import build_decode, build_prefill
+from npuserve.engine.engine import make_config
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
@@ -322,12 +324,44 @@ def test_the_prefill_mask_is_built_once_at_the_longest_sequence(fake: FakeTorchN
 # --- tensor parallel and decode graphs ---------------------------------------------------------------------------
 
 
-def test_tensor_parallel_runs_over_hccl(npu: NPUBackend) -> None:
-    assert NPUBackend.dist_backend == "hccl" and npu.dist_backend == "hccl"
+class _Joined(Exception):
+    """Stops start-up at the rendezvous, once the arguments are recorded."""
 
 
-def test_decode_graphs_are_off(npu: NPUBackend) -> None:
-    # `_npu_paged_attention` reads its host lengths at launch: a graph would replay the capture's (new_decode_graph)
-    assert npu.new_decode_graph() is None
-    with pytest.raises(NotImplementedError):
-        npu.graph_capture(object(), None)
+def test_tensor_parallel_joins_over_hccl(fake: FakeTorchNPU, monkeypatch: pytest.MonkeyPatch,
+                                         tiny_model_dir: Path) -> None:
+    # a rank of a worldSize-2 engine on the npu joins its world over the collective library torch_npu registers
+    joined: list[tuple[int, int, str]] = []
+
+    def record(rank: int, world_size: int, init_method: str, dist_backend: str) -> None:
+        joined.append((rank, world_size, dist_backend))
+        raise _Joined
+
+    monkeypatch.setattr(rank_runner, "get_backend", lambda *args: NPUBackend(device=fake.device))
+    monkeypatch.setattr(rank_runner, "connect", record)
+    config = make_config(tiny_model_dir, max_seq_len=256, model={"worldSize": 2})
+    with pytest.raises(_Joined):
+        rank_runner.build_rank_runner(config, tiny_model_dir, seed=0, rank=1, init_method="tcp://127.0.0.1:1")
+    assert joined == [(1, 2, "hccl")]
+
+
+def test_decode_runs_eagerly_where_graphs_are_asked_for(fake: FakeTorchNPU, npu: NPUBackend,
+                                                        tiny_model_dir: Path) -> None:
+    # `_npu_paged_attention` reads its host lengths at launch, so a graph would replay the capture's: the runner
+    # asked for graphs up to batch 8 builds none, and each decode step launches the kernel once per layer
+    spec = ModelSpec.from_pretrained(tiny_model_dir)
+    model = load_model(spec, None, torch.float16, CPU)
+    plan = KVPlan(num_blocks=16, num_host_blocks=0, block_size=BLOCK, bytes_per_block=0, source="test")
+    runner = ModelRunner(model, npu, plan, torch.float16, graph_batch_size=8, max_seq_len=256)
+    assert runner.decode_graphs is None
+    seqs = [Sequence(list(range(1, n + 1)), SamplingParams(temperature=0.0), arrival_time=0.0) for n in (5, 9)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+    tokens = runner.execute(seqs, is_prefill=True).token_ids
+    for step in range(2):
+        for seq, token in zip(seqs, tokens, strict=True):
+            seq.num_cached_tokens = seq.num_tokens
+            seq.token_ids.append(token)
+        fake.calls.clear()
+        tokens = runner.execute(seqs, is_prefill=False).token_ids
+        assert _kernels(fake) == {"_npu_paged_attention": spec.num_layers}, step
