@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -33,6 +32,8 @@ from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_correctness import ARCHS, prompts, small_spec  # noqa: E402
+
+from tests.serve_process import wait_ready  # noqa: E402
 
 CPU = torch.device("cpu")
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
@@ -246,18 +247,6 @@ def test_npuserve_generate_with_world_size_2(model_dir: Path, tmp_path: Path) ->
         assert ready.get("worldSize") == 2
 
 
-def _wait_ready(proc: subprocess.Popen[str], port: int) -> None:
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.2)
-
-
 def _children(pid: int) -> list[int]:
     path = Path(f"/proc/{pid}/task/{pid}/children")
     return [int(c) for c in path.read_text().split()]
@@ -273,7 +262,7 @@ def test_npuserve_serve_with_world_size_2(model_dir: Path) -> None:
                              str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:
-        _wait_ready(proc, port)
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         served = []
         for text in TEXTS:
@@ -315,7 +304,7 @@ def test_each_rank_binds_to_its_numa_node_and_a_rank_that_dies_takes_the_server_
                              str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     try:
-        _wait_ready(proc, port)
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
         workers = _children(proc.pid)
         assert len(workers) == 1
         if len(cpus) >= 2:  # rank r on node r: each rank's own cores

@@ -7,15 +7,14 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 
+from tests.serve_process import free_port, wait_ready
 from tests.server.conftest import running_server, wait_until
 
 
@@ -86,29 +85,15 @@ def test_overload_sheds_with_429_and_retry_after(tiny_model_dir: Path) -> None:
                 assert r.json()["usage"]["completion_tokens"] == 40  # accepted requests are served in full
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_sigterm_drains_running_requests_and_exits_zero(tiny_model_dir: Path) -> None:
-    port = _free_port()
+    port = free_port()
     script = Path(sys.executable).parent / "npuserve"
     proc = subprocess.Popen([str(script), "serve", "--model", str(tiny_model_dir), "--host", "127.0.0.1",
                              "--port", str(port), "--drain-timeout", "20", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_ready(url, proc)
         first_chunk = threading.Event()
         result: dict[str, object] = {}
 

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from npuserve.engine_contract import CPU_BINDING_ENV, NUMA_NODE_ENV
+from tests.serve_process import free_port, wait_ready
 
 SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _allowed_cpus(pid: int) -> set[int]:
@@ -43,19 +36,11 @@ def _two_node_sysfs(root: Path, cpus: list[int]) -> Path:
 
 def _serve_and_read_affinity(model: Path, env: dict[str, str]) -> tuple[set[int], set[int], str]:
     """Starts `npuserve serve`, waits for /ready, answers one request; (process cores, union of thread cores, log)."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*SERVE, "--model", str(model), "--host", "127.0.0.1", "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_ready(f"http://127.0.0.1:{port}", proc)
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
                             json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert answer.status_code == 200
