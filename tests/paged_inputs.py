@@ -12,6 +12,25 @@ import torch
 from npuserve.engine.runner import ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
 
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # one attention layer in the backend tests (GQA: 4 query heads a KV head)
+# A backend's attention against the CPU backend's: float32 to its accumulation order, the half types within a few
+# units of their last place (bfloat16's is 2^-7).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def qkv(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model makes them: views of one fused projection (k and v not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    fused = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    q, k, v = torch.split(fused, [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+    return (q.reshape(tokens, HEADS, HEAD_DIM), k.reshape(tokens, KV_HEADS, HEAD_DIM),
+            v.reshape(tokens, KV_HEADS, HEAD_DIM))
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
 
 def shuffled_sequences(total: list[int], cached: list[int], seed: int, *, num_blocks: int,
                        block_size: int) -> list[Sequence]:

@@ -45,11 +45,17 @@ from npuserve.engine.sequence import Sequence
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
 from tests.kernel_workers import Check, run_workers, work
-from tests.paged_inputs import greedy_tokens, random_kv_cache, shuffled_sequences
+from tests.paged_inputs import (
+    HEAD_DIM,
+    KV_HEADS,
+    assert_close,
+    greedy_tokens,
+    qkv,
+    random_kv_cache,
+    shuffled_sequences,
+)
 
-HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # GQA: 4 query heads per KV head
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 CPU = torch.device("cpu")
 CHECKS: dict[str, Check] = {}  # run by the interpreter worker
 COMPILED: dict[str, Check] = {}  # run by the compiler worker
@@ -67,21 +73,6 @@ def _cache(dtype: torch.dtype, seed: int) -> torch.Tensor:
                            head_dim=HEAD_DIM)
 
 
-def _qkv(tokens: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q, k, v as the model makes them: views of one fused projection (k and v not contiguous)."""
-    gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
-    q, k, v = torch.split(qkv, [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    return (q.reshape(tokens, HEADS, HEAD_DIM), k.reshape(tokens, KV_HEADS, HEAD_DIM),
-            v.reshape(tokens, KV_HEADS, HEAD_DIM))
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
-
-
 def _compare_step(backend: Backend, seqs: list[Sequence], dtype: torch.dtype, seed: int, *, decode: bool = False,
                   chunks: list[int] | None = None, entry: str = "attention", device: torch.device = CPU) -> None:
     """One layer's attention over a step of `seqs` (decode, prefill, or a chunked step of `chunks` tokens each):
@@ -90,7 +81,7 @@ def _compare_step(backend: Backend, seqs: list[Sequence], dtype: torch.dtype, se
         (lambda: build_decode(seqs, BLOCK_SIZE, device).meta) if decode
         else (lambda: build_prefill(seqs, BLOCK_SIZE, device, chunks).meta))
     tokens = len(seqs) if decode else sum(chunks or [s.num_tokens - s.num_cached_tokens for s in seqs])
-    q, k, v = _qkv(tokens, dtype, seed)
+    q, k, v = qkv(tokens, dtype, seed)
     expected_cache, cache = _cache(dtype, seed + 1), _cache(dtype, seed + 1)
     reference = build_decode(seqs, BLOCK_SIZE, CPU).meta if decode else build_prefill(seqs, BLOCK_SIZE, CPU,
                                                                                       chunks).meta
@@ -104,7 +95,7 @@ def _compare_step(backend: Backend, seqs: list[Sequence], dtype: torch.dtype, se
         fn = backend.decode_attention if decode else backend.prefill_attention
         actual = fn(q, cache, meta)
     assert torch.equal(cache.cpu(), expected_cache)
-    _assert_close(actual.cpu(), expected, dtype)
+    assert_close(actual.cpu(), expected, dtype)
 
 
 def _interpreted(backend: CUDABackend | None = None, num_sms: int | None = None) -> CUDABackend:
@@ -136,7 +127,7 @@ CHECKS["decode-attention-entry-fp32"] = lambda: _decode(torch.float32, num_sms=6
 def _decode_reads_only_tensors() -> None:
     """Bogus host values and a wider, padded block table (a graph's static metadata): the same result."""
     seqs = _sequences(DECODE_LENGTHS, [n - 1 for n in DECODE_LENGTHS], seed=12)
-    q, _, _ = _qkv(len(seqs), torch.float32, seed=13)
+    q, _, _ = qkv(len(seqs), torch.float32, seed=13)
     cache = _cache(torch.float32, 14)
     backend = _interpreted(num_sms=64)
     meta = build_decode(seqs, BLOCK_SIZE, CPU).meta
@@ -193,7 +184,7 @@ def _fused_ops(dtype: torch.dtype, device: torch.device = CPU) -> None:
     x = (3 * torch.randn(7, 96, generator=gen)).to(dtype)
     close(triton_fused_ops.rms_norm(x.to(device), norm.weight.to(device), norm.eps), norm(x))
     head_norm = RMSNorm(HEAD_DIM, 1e-6).to(dtype)
-    q, k, _ = _qkv(5, dtype, seed=22)
+    q, k, _ = qkv(5, dtype, seed=22)
     close(triton_fused_ops.rms_norm(q.to(device), head_norm.weight.to(device), head_norm.eps), head_norm(q))
     # RoPE of strided q and k, unsorted positions, plain and llama3-scaled tables
     positions = torch.tensor([0, 9, 4095, 17, 17])
