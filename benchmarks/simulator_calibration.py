@@ -1,5 +1,5 @@
-"""The simulated engine against the MindIE tuning guide's measurements (DESIGN.md 3.4): for each of the guide's 8
-points, the measured figures, the simulated ones and the relative error.
+"""The simulated engine against the MindIE tuning guide's measurements (docs/simulator.md#calibration): for each of the
+guide's 8 points, the measured figures, the simulated ones and the relative error.
 
     .venv/bin/python -P benchmarks/simulator_calibration.py            # the committed fit, checked
     .venv/bin/python -P benchmarks/simulator_calibration.py --fit      # search the parameters again, print the new

@@ -1,4 +1,5 @@
-"""Decode graphs: the model's decode forward captured once per bucketed batch size, then replayed (DESIGN.md 3.3).
+"""Decode graphs: the model's decode forward captured once per bucketed batch size, then replayed
+(docs/engine.md#decode-graphs).
 
 Device-generic: the backend makes the graph (`Backend.new_decode_graph`: `torch.cuda.CUDAGraph`, later
 `torch.npu.NPUGraph`) and the context it captures in (`Backend.graph_capture`); a backend without graphs (the CPU)

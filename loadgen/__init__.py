@@ -1,4 +1,5 @@
-"""The load generator (DESIGN.md 5): `npuserve bench`, and the library the simulator and the tuner call.
+"""The load generator (docs/loadgen.md#what-it-measures): `npuserve bench`, and the library the simulator and the tuner
+call.
 
     from npuserve.loadgen import BenchConfig, benchmark
     report = await benchmark(BenchConfig(base_url="http://127.0.0.1:8000"))   # -> BenchReport (records + metrics)

@@ -1,5 +1,6 @@
-"""When requests leave and which prompt each one takes (DESIGN.md 5). Pure functions of a seeded `random.Random`, so
-the async runner (wall clock) and the simulator (virtual clock) send the same schedule for the same seed.
+"""When requests leave and which prompt each one takes (docs/loadgen.md#what-it-measures). Pure functions of a seeded
+`random.Random`, so the async runner (wall clock) and the simulator (virtual clock) send the same schedule for the same
+seed.
 
 Open loop (vLLM's `--request-rate`, `--burstiness`): inter-arrival gaps are gamma distributed with shape
 `burstiness` and scale 1 / (rate * burstiness): the mean gap is 1 / rate whatever the shape, and the coefficient of

@@ -1,4 +1,5 @@
-"""`npuserve bench`: the load generator's command line, a thin shell over `npuserve.loadgen` (DESIGN.md 5).
+"""`npuserve bench`: the load generator's command line, a thin shell over `npuserve.loadgen`
+(docs/loadgen.md#what-it-measures).
 
 One run (or a sweep, or a capacity search) measured once and reported as the MindIE Benchmark, vLLM's
 `bench serve` (and its `--save-result` JSON), the seeds' perf scheme, or JSON with every record. Exit status: 0 when

@@ -1,5 +1,6 @@
-"""What a load-generator run is asked to do (DESIGN.md 5): one pydantic config, shared by `npuserve bench`, the
-simulator (`npuserve simulate`) and the tuner. Flag names follow vLLM's `bench serve` where they overlap."""
+"""What a load-generator run is asked to do (docs/loadgen.md#what-it-measures): one pydantic config, shared by
+`npuserve bench`, the simulator (`npuserve simulate`) and the tuner. Flag names follow vLLM's `bench serve` where
+they overlap."""
 
 from __future__ import annotations
 

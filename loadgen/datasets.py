@@ -1,4 +1,5 @@
-"""The prompts a run sends (DESIGN.md 5): vLLM's random dataset, GSM8K JSONL, ShareGPT JSON, and any JSONL.
+"""The prompts a run sends (docs/loadgen.md#what-it-measures): vLLM's random dataset, GSM8K JSONL, ShareGPT JSON, and
+any JSONL.
 
 `load_requests` returns exactly the number asked for. File entries are shuffled by the seed and taken in that order;
 a file with fewer usable entries than asked for is gone through again in the same order (vLLM oversamples too).

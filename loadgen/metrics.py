@@ -1,4 +1,5 @@
-"""Every figure of a run, computed from its records (DESIGN.md 5). Pure arithmetic: no I/O, no clock.
+"""Every figure of a run, computed from its records (docs/loadgen.md#what-it-measures). Pure arithmetic: no I/O, no
+clock.
 
 Per request (t0 send, c1..cK content-chunk arrivals, N output tokens): TTFT = c1 - t0; E2E = cK - t0 (the
 response's end when no chunk arrived); TPOT = (E2E - TTFT) / (N - 1), undefined for N <= 1; ITL = every gap

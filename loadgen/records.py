@@ -1,4 +1,4 @@
-"""What one run measured: a record per request, as it arrived (DESIGN.md 5).
+"""What one run measured: a record per request, as it arrived (docs/loadgen.md#what-it-measures).
 
 Every figure of every report (MindIE's tables, vLLM's summary and JSON, the perf scheme, the sweep CSV) is computed
 from these records by the pure functions of `metrics`; the client only records. Times are seconds on the run's
@@ -62,7 +62,7 @@ class HeaderTimings(BaseModel):
 
 class RequestRecord(BaseModel):
     """One request as the client saw it. `chunk_times` holds every content-bearing chunk's arrival, so TTFT is the
-    first, E2E the last, and ITL the gaps between them (DESIGN.md 5)."""
+    first, E2E the last, and ITL the gaps between them (docs/loadgen.md#what-it-measures)."""
 
     index: int = Field(description="order of sending within the run")
     warmup: bool = Field(default=False, description="a warm-up request: recorded, excluded from every figure")

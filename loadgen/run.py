@@ -246,7 +246,8 @@ class BenchReport(BaseModel):
 
 async def benchmark(config: BenchConfig, *, on_record: RecordHook | None = None, stop: asyncio.Event | None = None,
                     extra_percentiles: tuple[float, ...] = ()) -> BenchReport:
-    """`run_benchmark`, then the figures of DESIGN.md 5 over its measured records (SLOs from the config)."""
+    """`run_benchmark`, then the figures of docs/loadgen.md#what-it-measures over its measured records (SLOs from the
+    config)."""
     result = await run_benchmark(config, on_record=on_record, stop=stop)
     metrics = compute_metrics(result.measured, result.duration_s, config.slo, extra_percentiles)
     return BenchReport(result=result, metrics=metrics)

@@ -1,5 +1,5 @@
-"""Sweeps and the capacity search (DESIGN.md 5): the seeds' sweep CSV, the sweep's PNG, and the largest
-concurrency that still meets the SLOs, found with as few runs as doubling and bisection allow."""
+"""Sweeps and the capacity search (docs/loadgen.md#what-it-measures): the seeds' sweep CSV, the sweep's PNG, and the
+largest concurrency that still meets the SLOs, found with as few runs as doubling and bisection allow."""
 
 from __future__ import annotations
 

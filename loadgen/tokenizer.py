@@ -1,5 +1,5 @@
-"""The client's token counter (DESIGN.md 5): counts prompt and output tokens the way vLLM's `bench serve` does, with
-the model's own tokenizer.json, so token figures do not depend on what the server reports.
+"""The client's token counter (docs/loadgen.md#what-it-measures): counts prompt and output tokens the way vLLM's `bench
+serve` does, with the model's own tokenizer.json, so token figures do not depend on what the server reports.
 
 `tokenizers` is imported only when a tokenizer is loaded: the simulator, which imports the datasets, runs where it
 is not installed.

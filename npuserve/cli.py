@@ -1,4 +1,4 @@
-"""The `npuserve` command: one entry, a subcommand per part of the system (DESIGN.md 2.3).
+"""The `npuserve` command: one entry, a subcommand per part of the system (docs/architecture.md#the-command-line).
 
 Each subcommand lives in the module that owns it and exposes `configure(parser)` and `run(args) -> int`. Only the
 module of the subcommand on the command line is imported (`--help` imports none), so `npuserve plan` runs where

@@ -1,4 +1,5 @@
-"""The operator-engine contract: everything the renderer writes and the engine reads, defined once (DESIGN.md 2).
+"""The operator-engine contract: everything the renderer writes and the engine reads, defined once
+(docs/architecture.md#contracts-npuserve).
 
 The operator (`npuserve.operator.render`, `kube`) and the engine (`npuserve.engine.server`, `affinity`, `runner`)
 both import this module; neither spells a port, a flag, an environment name, a ScheduleConfig range or the KV
@@ -95,8 +96,8 @@ def unservable(device: str, world_size: int, nodes: int = 1) -> str | None:
 
 def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str,
                        world_size: int = 1) -> int:
-    """`2 x layers x block_size x kv_heads_per_card x head_dim x dtype_bytes` (DESIGN.md 3.2): the KV heads are
-    split over the cards, and replicated when there are fewer KV heads than cards."""
+    """`2 x layers x block_size x kv_heads_per_card x head_dim x dtype_bytes` (docs/engine.md#the-kv-cache): the KV
+    heads are split over the cards, and replicated when there are fewer KV heads than cards."""
     kv_heads_per_card = max(1, num_kv_heads // world_size)
     return 2 * num_layers * block_size * kv_heads_per_card * head_dim * DTYPE_BYTES[dtype]
 
@@ -160,9 +161,9 @@ def schedule_field(name: str, *, required: bool = False, optional: bool = False)
 
 
 # --- Prometheus metric names ---------------------------------------------------------------------------------------
-# The engine registers these at `GET /metrics` (vLLM's names, prefix `npuserve:`, DESIGN.md 2.2); the operator's
-# Prometheus client queries them and the Helm chart's dashboard charts them. Keep them exactly as written: renaming
-# one breaks every Prometheus query and dashboard that users already have.
+# The engine registers these at `GET /metrics` (vLLM's names, prefix `npuserve:`, docs/engine.md#metrics); the
+# operator's Prometheus client queries them and the Helm chart's dashboard charts them. Keep them exactly as written:
+# renaming one breaks every Prometheus query and dashboard that users already have.
 
 MetricKind = Literal["counter", "gauge", "histogram"]
 
@@ -281,7 +282,7 @@ HEADER_TIME_PER_TOKEN = "x-time-per-token"
 
 class RequestTimings(BaseModel):
     """Per-request timings the load generator turns into MindIE's PrefillBatchsize, DecoderBatchsize and
-    QueueWaitTime columns (DESIGN.md 2.2). Milliseconds."""
+    QueueWaitTime columns (docs/engine.md#http-api). Milliseconds."""
 
     queue_time_ms: float | None = None
     prefill_time_ms: float | None = None

@@ -1,4 +1,4 @@
-"""The MindIE Service `config.json`: the file the operator renders and the engine reads (DESIGN.md 2.1).
+"""The MindIE Service `config.json`: the file the operator renders and the engine reads (docs/mindie-config.md).
 
 Field names are exactly MindIE's (the classes are named `...Section` because MindIE names its
 fields after their sections), so a user's existing MindIE file loads as it is. Sections npuserve does not act on
@@ -29,7 +29,7 @@ from npuserve.engine_contract import (
     schedule_field,
 )
 
-# MindIE's shipped defaults (DESIGN.md 2.1); the ScheduleConfig ones live in the contract's field table.
+# MindIE's shipped defaults (docs/mindie-config.md); the ScheduleConfig ones live in the contract's field table.
 DEFAULT_MAX_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxBatchSize"].default)
 DEFAULT_MAX_PREFILL_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxPrefillBatchSize"].default)
 DEFAULT_MAX_PREFILL_TOKENS = int(SCHEDULE_FIELD_BY_NAME["maxPrefillTokens"].default)

@@ -1,4 +1,5 @@
-"""The `InferenceService` API (group `npuserve.io`, version `v1alpha1`; DESIGN.md 2.4) as pydantic models.
+"""The `InferenceService` API (group `npuserve.io`, version `v1alpha1`; docs/planning.md#the-inferenceservice-crd) as
+pydantic models.
 
 Field names are the API's camelCase names, so an object loads as `kubectl` shows it. These models are the single
 source of the CRD: `crd.py` derives the OpenAPI schema from them, and each CEL rule that the API server enforces
@@ -528,7 +529,7 @@ class Range(_Model):
 class ExplainEntry(_Model):
     """One number of the plan: what it is, its value, the formula and the inputs that gave it."""
 
-    step: int = Field(ge=0, description="step of the tuning guide (DESIGN.md 4.1); 0: inputs")
+    step: int = Field(ge=0, description="step of the tuning guide (docs/planning.md#the-steps); 0: inputs")
     name: str = Field(description="JSON path of the number in the plan")
     value: float | int | bool = Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
     unit: str = ""

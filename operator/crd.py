@@ -137,7 +137,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
 def build_crd() -> dict[str, Any]:
     spec = openapi_schema(api.InferenceServiceSpec)
     status = openapi_schema(api.InferenceServiceStatus)
-    spec["description"] = "What to serve, on what, for which traffic and SLO (DESIGN.md 2.4)."
+    spec["description"] = ("What to serve, on what, for which traffic and SLO "
+                           "(docs/planning.md#the-inferenceservice-crd).")
     status["description"] = "What the operator planned, deployed, observed and tuned."
     root = {
         "type": "object",

@@ -1,4 +1,5 @@
-"""The plan: the MindIE tuning guide's arithmetic, automated (DESIGN.md 4.1). Pure: spec + catalogs -> Plan.
+"""The plan: the MindIE tuning guide's arithmetic, automated (docs/planning.md#the-steps). Pure: spec + catalogs ->
+Plan.
 
 Every number the plan holds is appended to `Plan.explain` with its formula and inputs, so `kubectl describe` and
 `npuserve plan` explain themselves. Memory is counted in GiB (2^30 bytes): the guide's "GB" are `npu-smi`'s MB

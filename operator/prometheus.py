@@ -1,4 +1,5 @@
-"""PromQL over HTTP: the engine metrics of one InferenceService over one time window (DESIGN.md 4.3).
+"""PromQL over HTTP: the engine metrics of one InferenceService over one time window
+(docs/operator.md#what-the-operator-reads-from-prometheus).
 
 The tuner judges a trial from what Prometheus scraped of the engines while the trial's schedule ran. This module
 reads that window and turns it into the tuner's `TrialMetrics`, or says why the window cannot be judged.

@@ -1,4 +1,4 @@
-"""Pods from a plan (DESIGN.md 4.2). Pure: InferenceService + Plan -> Kubernetes manifests as dicts.
+"""Pods from a plan (docs/planning.md#pods). Pure: InferenceService + Plan -> Kubernetes manifests as dicts.
 
 Objects: the ConfigMap holding MindIE's `config.json`, a Deployment (or a LeaderWorkerSet when one replica's cards
 span nodes), a Service, and optionally a PodMonitor. The host tuning of the guide is rendered as the spec asks:

@@ -19,7 +19,7 @@ from npuserve.mindie_config import ScheduleSection
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("npuserve", "engine", "operator", "loadgen")
 
-# MindIE's shipped ScheduleConfig defaults and documented ranges (DESIGN.md 2.1), written out here on purpose.
+# MindIE's shipped ScheduleConfig defaults and documented ranges (docs/mindie-config.md), written out here on purpose.
 MINDIE_DEFAULTS = {"cacheBlockSize": 128, "maxPrefillBatchSize": 50, "maxPrefillTokens": 8192,
                    "prefillTimeMsPerReq": 150, "decodeTimeMsPerReq": 50, "maxBatchSize": 200, "maxIterTimes": 512,
                    "maxPreemptCount": 0, "supportSelectBatch": False, "maxQueueDelayMicroseconds": 5000}

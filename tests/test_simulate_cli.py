@@ -37,7 +37,7 @@ def test_json_report_is_the_bench_one_marked_simulated(capsys: pytest.CaptureFix
     assert isinstance(metrics, dict) and metrics["completed"] == 40
     simulation = doc["simulation"]
     assert isinstance(simulation, dict)
-    assert simulation["kv_blocks"] == 2176  # the plan's totalBlocks for 2 x 910B4 (DESIGN.md 4.1)
+    assert simulation["kv_blocks"] == 2176  # the plan's totalBlocks for 2 x 910B4 (docs/planning.md#the-steps)
     assert set(simulation["cost_totals_s"]) >= {"weights_s", "kv_s", "compute_s", "comm_s", "host_s", "overhead_s"}
 
 

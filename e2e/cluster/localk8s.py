@@ -1,4 +1,5 @@
-"""A local Kubernetes control plane without containers, for the end-to-end tests (DESIGN.md section 6).
+"""A local Kubernetes control plane without containers, for the end-to-end tests
+(docs/architecture.md#tests-and-the-local-cluster).
 
 The names the rest of the repository uses, from the modules beside this one: `binaries` (build and install the
 binaries), `processes` (start, record and stop processes), `pki` (certificates, kubeconfigs), `kwok` (fake nodes,

@@ -1,4 +1,4 @@
-"""Device and attention backends (DESIGN.md 3.3): `cpu` on torch SDPA, `cuda` on SDPA and a Triton paged decode
+"""Device and attention backends (docs/engine.md): `cpu` on torch SDPA, `cuda` on SDPA and a Triton paged decode
 kernel, `npu` on torch_npu's ATB operators. Each is imported only when asked for (torch_npu needs Ascend's CANN
 runtime, triton a GPU toolchain)."""
 

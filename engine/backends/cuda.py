@@ -1,4 +1,4 @@
-"""The `cuda` backend: NVIDIA GPUs (DESIGN.md 3.3).
+"""The `cuda` backend: NVIDIA GPUs (docs/engine.md#the-cuda-backend).
 
 - Device: `cuda:<local rank>` (the Kubernetes device plugin sets CUDA_VISIBLE_DEVICES, so a pod's GPUs are numbered
   from 0), made current with `torch.cuda.set_device`; tensor-parallel all-reduces go over NCCL.

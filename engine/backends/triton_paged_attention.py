@@ -1,4 +1,5 @@
-"""Paged decode attention in Triton, for the `cuda` backend (DESIGN.md 3.3; issue 14, part 3).
+"""Paged decode attention in Triton, for the `cuda` backend (docs/engine.md#cuda-paged-decode-attention-triton; issue
+14, part 3).
 
 One query token per sequence attends over that sequence's KV, read straight from the per-layer paged cache
 `(2, num_blocks, block_size, num_kv_heads, head_dim)` through its block table: no gather into a dense tensor.

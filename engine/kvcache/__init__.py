@@ -1,4 +1,5 @@
-"""Paged KV cache bookkeeping (DESIGN.md 3.2): block pool with prefix cache, and the per-sequence manager."""
+"""Paged KV cache bookkeeping (docs/engine.md#the-kv-cache): block pool with prefix cache, and the per-sequence
+manager."""
 
 from .block_pool import Block, BlockPool, NoFreeBlocksError, chain_hash
 from .manager import KVCacheManager

@@ -1,1 +1,2 @@
-"""Tensor parallel (DESIGN.md 3.3): one process per rank, rank 0 schedules, the others follow its steps."""
+"""Tensor parallel (docs/engine.md#tensor-parallel): one process per rank, rank 0 schedules, the others follow its
+steps."""

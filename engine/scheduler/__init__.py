@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler with MindIE semantics (DESIGN.md 3.1); see `scheduler.py` for the rules."""
+"""Continuous-batching scheduler with MindIE semantics (docs/engine.md#the-scheduler-mindie-semantics); see
+`scheduler.py` for the rules."""
 
 from .output import SchedulerOutput, StepKind
 from .queues import POLICIES, Policy, WaitingQueue

@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler with MindIE semantics (DESIGN.md 3.1). No torch.
+"""Continuous-batching scheduler with MindIE semantics (docs/engine.md#the-scheduler-mindie-semantics). No torch.
 
 The engine drives it, from the step-loop thread only (it is not thread-safe):
 

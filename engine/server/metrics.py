@@ -1,4 +1,5 @@
-"""Prometheus metrics of the engine (DESIGN.md 2.2): vLLM's names with the `npuserve:` prefix and vLLM's buckets.
+"""Prometheus metrics of the engine (docs/engine.md#metrics): vLLM's names with the `npuserve:` prefix and vLLM's
+buckets.
 
 The names live in the engine contract (`npuserve.engine_contract`, "Prometheus metric names"), which the operator's
 Prometheus client and the Helm chart's dashboard read too. Each engine owns a registry, so several engines in one

@@ -1,5 +1,5 @@
-"""The simulated engine (DESIGN.md 3.4): the real scheduler and KV manager on a virtual clock priced by a cost model.
-No torch: `npuserve simulate` runs with only the operator's dependencies installed.
+"""The simulated engine (docs/simulator.md): the real scheduler and KV manager on a virtual clock priced by a cost
+model. No torch: `npuserve simulate` runs with only the operator's dependencies installed.
 
     from npuserve.engine.simulated import SimulationConfig, simulate
     result = simulate(SimulationConfig(engine=mindie_config, model=spec, accelerator="ascend-910b4",

@@ -1,5 +1,6 @@
-"""The simulator's calibration: the MindIE tuning guide's measured table (DESIGN.md 3.4), the run that reproduces
-its setup, and the fitted constants (`benchmarks/simulator_calibration.py` produced them and prints the table).
+"""The simulator's calibration: the MindIE tuning guide's measured table (docs/simulator.md#calibration), the run that
+reproduces its setup, and the fitted constants (`benchmarks/simulator_calibration.py` produced them and prints the
+table).
 
 The guide's setup: LLaMA3-8B in bf16 on 2 x 910B4 (32 GB) with MindIE, the GSM8K test set (1319 questions; 186
 prompt tokens on average after MindIE's benchmark template, 346 output tokens on average, at most 512), the MindIE
@@ -9,10 +10,10 @@ benchmark at client concurrency 1000: a closed loop of 1000 users over the 1319 
 cpuMemSize 5 GiB (unused: maxPreemptCount 0, nothing is swapped).
 
 KV budget: 740 blocks (`CALIBRATED_KV_BLOCKS`), fitted, not the 2176 our planner computes for npuMemSize 17 with
-the real head size, nor the guide's own 544 (DESIGN.md 4.1 step 2; the guide does not print the count the engine
-allocated). The measurements are those of an engine whose cache fills at about 200 running requests of this workload:
-the throughput rises only 5% from maxBatchSize 200 to 300 and falls 15% at 400, while the decode time keeps rising
-with the batch. 740 blocks hold about 205 such requests (3.6 blocks each on average): past that, running requests
+the real head size, nor the guide's own 544 (docs/planning.md#the-steps, step 2; the guide does not print the count the
+engine allocated). The measurements are those of an engine whose cache fills at about 200 running requests of this
+workload: the throughput rises only 5% from maxBatchSize 200 to 300 and falls 15% at 400, while the decode time keeps
+rising with the batch. 740 blocks hold about 205 such requests (3.6 blocks each on average): past that, running requests
 stall for blocks (a few are recomputed) and a larger maxBatchSize only adds prefill churn, so the simulated
 throughput peaks at 300 and falls at 400. With 2176 blocks the cache never fills: the simulated throughput keeps
 rising (3390 tok/s at 300, 3720 at 400: +48% over the guide there). With 544 it fills at about 150 requests: the

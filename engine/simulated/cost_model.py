@@ -1,4 +1,4 @@
-"""Step time of one engine step from first principles plus fitted overheads (DESIGN.md 3.4). Pure arithmetic.
+"""Step time of one engine step from first principles plus fitted overheads (docs/simulator.md). Pure arithmetic.
 
 A step reads every weight of the card's shard once, reads (and writes) the KV of every token its sequences attend
 to, computes the FLOPs of the tokens it runs, and pays host-side costs; with tensor parallel it all-reduces each

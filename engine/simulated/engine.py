@@ -1,4 +1,4 @@
-"""`simulate(config) -> SimulationResult`: a load-generator run against the simulated engine (DESIGN.md 3.4).
+"""`simulate(config) -> SimulationResult`: a load-generator run against the simulated engine (docs/simulator.md).
 
 The config is what a real run would have: the engine's MindIE `config.json` (`MindIEConfig`: ScheduleConfig,
 worldSize, npuMemSize, cpuMemSize, maxSeqLen, maxInputTokenLen, the npuserve extensions policy and chunkedPrefill),

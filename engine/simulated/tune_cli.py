@@ -4,9 +4,9 @@ Each trial applies the tuner's schedule to the simulated engine, runs the load, 
 Prometheus window would show (output tok/s, TTFT and TPOT mean/p90/p99, errors, preemptions, samples). The same
 `next_step` runs in the operator against real engines, so what this prints is what the operator would do.
 
-The load of a trial is the guide's benchmark (DESIGN.md 4.3): maxBatchSize - 1 closed-loop users, unless
-`--max-concurrency` or `--request-rate` fixes it. `--noise` multiplies every measured figure by a seeded uniform
-factor in [1 - noise, 1 + noise], to see how the tuner copes with a noisy cluster.
+The load of a trial is the guide's benchmark (docs/simulator.md#npuserve-tune---simulate): maxBatchSize - 1
+closed-loop users, unless `--max-concurrency` or `--request-rate` fixes it. `--noise` multiplies every measured
+figure by a seeded uniform factor in [1 - noise, 1 + noise], to see how the tuner copes with a noisy cluster.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The scheduler and the KV cache import no torch (DESIGN.md 1): they run, and are tested, where torch is absent.
+"""The scheduler and the KV cache import no torch (docs/architecture.md): they run, and are tested, where torch is
+absent.
 
 Each check runs in a fresh interpreter, since this test process may have imported torch already.
 """

@@ -1,4 +1,5 @@
-"""Scheduler rules (DESIGN.md 3.1), one test or two per rule, on an injected clock. No torch, no wall time."""
+"""Scheduler rules (docs/engine.md#the-scheduler-mindie-semantics), one test or two per rule, on an injected clock. No
+torch, no wall time."""
 
 from __future__ import annotations
 

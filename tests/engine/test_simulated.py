@@ -238,8 +238,8 @@ def test_a_thousand_requests_complete() -> None:
 
 
 def test_ttft_with_prefill_first_grows_with_max_batch_size_at_the_tuners_load() -> None:
-    # The tuner's benchmark load (DESIGN.md 4.3): maxBatchSize - 1 users, so a larger batch means longer steps
-    # to wait out before a prefill.
+    # The tuner's benchmark load (docs/simulator.md#npuserve-tune---simulate): maxBatchSize - 1 users, so a larger
+    # batch means longer steps to wait out before a prefill.
     ttft = []
     for batch in (50, 100, 200):
         load = LoadConfig(num_prompts=600, max_concurrency=batch - 1)

@@ -65,7 +65,7 @@ def _grid(low: int, high: int) -> list[int]:
 
 def _guide() -> Setup:
     """LLaMA3-8B on 2 x 910B4 with the calibrated simulator, the guide's 1000 users, and the guide's own plan:
-    maxBatchSize in [90, 272] starting at 108 (DESIGN.md 4.1 step 4)."""
+    maxBatchSize in [90, 272] starting at 108 (docs/planning.md#the-steps, step 4)."""
     from npuserve.operator.api import PlanSchedule
 
     base = cal.guide_config(cal.GuidePoint(True, 108, 54))

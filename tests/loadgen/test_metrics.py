@@ -1,4 +1,4 @@
-"""Metric arithmetic against timelines whose answers are worked out by hand (DESIGN.md 5)."""
+"""Metric arithmetic against timelines whose answers are worked out by hand (docs/loadgen.md#what-it-measures)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The operator's closed-loop autotuning (operator/autotune.py, DESIGN.md 4.3), driven as its driver
-(operator/autotune_loop.py) drives it: every tick ask `window_due`, read the window from a fake engine when one is
-due, call `advance`, keep `actions.status`, move the virtual clock on by 2 s. No cluster, no Prometheus: the engine
+"""The operator's closed-loop autotuning (operator/autotune.py, docs/operator.md#autotuning-specautotune), driven as its
+driver (operator/autotune_loop.py) drives it: every tick ask `window_due`, read the window from a fake engine when one
+is due, call `advance`, keep `actions.status`, move the virtual clock on by 2 s. No cluster, no Prometheus: the engine
 is an analytic latency model, the pods are `PodState`s and the clock is `Observation.now`.
 
 The InferenceService is `examples/tiny-cpu.yaml` with autotune on (window 20 s) and a workload that gives the plan a

@@ -196,7 +196,7 @@ def test_the_schema_accepts_the_catalog_names_and_refuses_others(root_schema: di
         assert _schema_errors(root_schema, _mutated(path, value)), value
 
 
-# MindIE Server's documented ScheduleConfig ranges (its config.json reference; DESIGN.md 2.1), written out here.
+# MindIE Server's documented ScheduleConfig ranges (its config.json reference; docs/mindie-config.md), written out here.
 MINDIE_RANGES = {"maxBatchSize": (1, 5000), "maxQueueDelayMicroseconds": (500, 1_000_000),
                  "prefillTimeMsPerReq": (0, 1000), "decodeTimeMsPerReq": (0, 1000)}
 

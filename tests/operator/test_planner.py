@@ -1,4 +1,4 @@
-"""The plan against the MindIE tuning guide's worked numbers (DESIGN.md 4.1), and its explanations."""
+"""The plan against the MindIE tuning guide's worked numbers (docs/planning.md#the-steps), and its explanations."""
 
 from __future__ import annotations
 

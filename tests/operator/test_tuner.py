@@ -1,6 +1,7 @@
-"""The tuner (operator/tuner.py, DESIGN.md 4.3) driven in a loop against an analytic engine: it converges near the
-analytic optimum of each objective within the trial budgets, exact and with +-5% noise, and handles the edge cases
-(pinned knobs, an unreachable SLO, failed and noisy trials, a one-value range, the trial budget, resuming).
+"""The tuner (operator/tuner.py, docs/operator.md#autotuning-specautotune) driven in a loop against an analytic engine:
+it converges near the analytic optimum of each objective within the trial budgets, exact and with +-5% noise, and
+handles the edge cases (pinned knobs, an unreachable SLO, failed and noisy trials, a one-value range, the trial budget,
+resuming).
 
 `pytest -s` prints every run's trials.
 """
@@ -23,9 +24,9 @@ from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_
 from npuserve.operator.tuning_status import trial_from_status, trial_status, verdict_status
 
 # --- the analytic engine -------------------------------------------------------------------------------------------
-# Shaped on the MindIE guide's measurements (DESIGN.md 3.4). supportSelectBatch true: TPOT convex in the batch
-# (43 ms at 100, 62 at 200), and throughput = batch / TPOT, cut past 400 by KV pressure: 2848 / 2981 / 2533 tok/s at
-# 200 / 300 / 400, as the guide measured (2845 / 2980 / 2520), peaking at 276. supportSelectBatch false: TPOT through
+# Shaped on the MindIE guide's measurements (docs/simulator.md#calibration). supportSelectBatch true: TPOT convex in the
+# batch (43 ms at 100, 62 at 200), and throughput = batch / TPOT, cut past 400 by KV pressure: 2848 / 2981 / 2533 tok/s
+# at 200 / 300 / 400, as the guide measured (2845 / 2980 / 2520), peaking at 276. supportSelectBatch false: TPOT through
 # the guide's 50.0 / 61.9 / 73.7 ms at 100 / 150 / 200, TTFT through its 6365 ms at 100 and steeply up (11.9 s at 150,
 # 21.2 s at 200). The `knee` shape bends TPOT harder: flat to 150, then steep (47 / 52 / 63 ms at 100 / 150 / 200).
 
@@ -66,7 +67,7 @@ def analytic_engine(noise: float = 0.0, seed: int = 0, kv_limit: int | None = No
 BASE = PlanSchedule(cacheBlockSize=128, maxBatchSize=108, maxPrefillBatchSize=54, maxPrefillTokens=10044,
                     prefillTimeMsPerReq=150, decodeTimeMsPerReq=50, maxIterTimes=512, maxPreemptCount=0,
                     supportSelectBatch=True, maxQueueDelayMicroseconds=5000)
-GUIDE_SLO: dict[str, dict[str, Any]] = {  # the guide's bounds (DESIGN.md 4.3)
+GUIDE_SLO: dict[str, dict[str, Any]] = {  # the guide's bounds (docs/operator.md#how-the-tuner-decides-under-noise)
     "throughput": {},
     "decodeLatency": {"tpot_ms": 50},
     "firstTokenAndDecode": {"ttft_ms": 8000, "tpot_ms": 50},
