@@ -203,11 +203,15 @@ def test_a_live_max_batch_size_raise_within_the_limit_runs_without_preemption(
         assert s.get("/info").json()["schedule"]["maxBatchSize"] == 8
 
 
-def test_without_a_limit_a_live_raise_past_the_start_up_max_batch_size_is_refused(tiny_model_dir: Path) -> None:
+def test_without_a_limit_a_live_raise_past_the_start_up_max_batch_size_is_refused(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
     """A hand-written config (no npuserve.maxBatchSizeLimit): the engine is sized for its start-up maxBatchSize,
-    so a live raise past it is refused rather than run short of KV blocks and graphs."""
+    so a live raise past it is refused (from PUT and from the config file) rather than run short of KV blocks and
+    graphs."""
     auth = {"Authorization": "Bearer t"}
-    with running_server(tiny_model_dir, admin_token="t", maxBatchSize=4) as s:
+    config_path = tmp_path / "config.json"
+    with running_server(tiny_model_dir, admin_token="t", config_path=config_path, maxBatchSize=4) as s:
+        assert "npuserve" not in json.loads(config_path.read_text())
         r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 5}, headers=auth, timeout=30)
         assert r.status_code == 422
         assert r.json()["error"]["param"] == "maxBatchSize"
@@ -216,3 +220,9 @@ def test_without_a_limit_a_live_raise_past_the_start_up_max_batch_size_is_refuse
                       timeout=30)
         assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 3
         assert s.get("/info").json()["graph_batch_sizes"] == []  # the CPU backend has no graphs
+        data = json.loads(config_path.read_text())
+        data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 6
+        config_path.write_text(json.dumps(data))
+        watcher = s.server.config.app.state.config_watcher  # type: ignore[attr-defined]
+        wait_until(lambda: watcher.rejected == 1)
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 3
