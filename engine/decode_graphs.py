@@ -97,6 +97,11 @@ class DecodeGraphs:
     def captured(self) -> bool:
         return bool(self._graphs)
 
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The batch sizes whose graph was captured (a batch replays the smallest that holds it)."""
+        return sorted(self._graphs)
+
     # --- capture ------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -100,6 +100,8 @@ class LLMEngine:
         num_host_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        # the limit set, so a live schedule past the batch the engine is sized for is refused (with_schedule)
+        config = config.with_batch_size_limit()
         self.config = config
         self.env = env or EngineEnvironment.from_environ()
         ext = config.npuserve or NpuserveExtensions()
@@ -420,12 +422,15 @@ class LLMEngine:
     def info(self, **server: Any) -> EngineInfo:
         """`/info`: model, device, the KV blocks actually allocated, the schedule the scheduler runs; `server`
         adds the HTTP side's fields (served name, readiness, queue bound)."""
+        graphs = self.runner.decode_graphs
         return EngineInfo(
             model=self.model_name, model_type=self.spec.model_type, dtype=str(self.dtype).removeprefix("torch."),
             device=self.backend.name, worldSize=self.config.model.worldSize, kv_blocks=self.kv_plan.num_blocks,
             kv_host_blocks=self.kv_plan.num_host_blocks, block_size=self.kv_plan.block_size,
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
-            schedule=self.snapshot.schedule.model_dump(mode="json"), **server,
+            schedule=self.snapshot.schedule.model_dump(mode="json"),
+            graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
+            **server,
         )
 
 

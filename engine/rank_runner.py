@@ -8,6 +8,10 @@ NPU_MEMORY_FRACTION, less the warm-up's peak where the backend measures it (npu:
 before reading free memory, so the peak is set aside explicitly; elsewhere the warm-up's blocks stay cached and
 count as used), is the KV budget. Every rank plans its own and all take the smallest, so the scheduler's blocks exist
 on every card. On npu the engine runs `npuserve doctor`'s start-up checks on the rank's card first.
+
+The batch the KV pool's CPU cap and the decode graphs are sized for is the config's `batch_size_limit`
+(`npuserve.maxBatchSizeLimit`, else `maxBatchSize`): every maxBatchSize a live schedule may set runs with the same
+KV room and replays a graph.
 """
 
 from __future__ import annotations
@@ -114,7 +118,7 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
         activations = _profile_activations(model, backend, dtype, config)
     plan = plan_kv_blocks(
         spec, backend, block_size=schedule.cacheBlockSize, dtype=dtype, npu_mem_size_gib=config.model.npuMemSize,
-        cpu_mem_size_gib=config.model.cpuMemSize, max_batch_size=schedule.maxBatchSize,
+        cpu_mem_size_gib=config.model.cpuMemSize, max_batch_size=config.batch_size_limit,
         max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen, memory_fraction=env.npu_memory_fraction,
         world_size=world_size, activation_bytes=activations,
     )
@@ -125,6 +129,6 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
             source="set by the caller")
     plan = _agree(plan, tp)
     runner = ModelRunner(model, backend, plan, dtype, ext.logprobsMode, channel=channel if rank == 0 else None,
-                         graph_batch_size=schedule.maxBatchSize,
+                         graph_batch_size=config.batch_size_limit,
                          max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen)
     return BuiltRank(spec, backend, dtype, model, plan, runner, tp, channel, load_seconds)

@@ -70,7 +70,8 @@ def plan_kv_blocks(
 
     `npuMemSize` > 0: that many GiB. -1 (auto): free memory x NPU_MEMORY_FRACTION, less `activation_bytes` (a
     warm-up's peak, which the backend measured: `Backend.measure_peak`); on the CPU backend no more
-    than `maxBatchSize x maxSeqLen` tokens can use (plus one block per sequence of slack), and never more than
+    than `max_batch_size x maxSeqLen` tokens can use (plus one block per sequence of slack; `max_batch_size` is
+    the largest batch the engine may run, npuserve.maxBatchSizeLimit, not the start-up one), and never more than
     half of the host's available memory, so a development box is not swallowed by the cache. Host (swap) blocks
     from `cpuMemSize` GiB, likewise capped on the CPU by what the batch could use. Blocks are per rank: a block
     holds this rank's KV heads (`world_size`), and on the CPU the ranks share the host's memory.
@@ -91,7 +92,8 @@ def plan_kv_blocks(
             source += f", less the warm-up's {activation_bytes / GiB:.2f} GiB peak"
         if backend.name == "cpu" and num_blocks > usable_blocks:
             num_blocks = usable_blocks
-            source += f", capped at maxBatchSize x maxSeqLen ({usable_blocks} blocks)"
+            source += (f", capped at {max_batch_size} requests (npuserve.maxBatchSizeLimit, else maxBatchSize) x "
+                       f"maxSeqLen {max_seq_len} ({usable_blocks} blocks)")
     host_blocks = (cpu_mem_size_gib * GiB) // per_block
     if backend.name == "cpu":
         host_blocks = min(host_blocks, usable_blocks)

@@ -257,6 +257,9 @@ class EngineInfo(BaseModel):
     kv_bytes_per_block: int
     kv_sizing: str = Field(description="how kv_blocks was chosen")
     schedule: dict[str, Any] = Field(description="the ScheduleConfig the scheduler runs now")
+    graph_batch_sizes: list[int] = Field(
+        default_factory=list, description="decode batch sizes captured as graphs (a decode batch replays the "
+        "smallest that holds it, up to the largest; past it decode runs eagerly); empty on a backend without graphs")
     # The HTTP server's side (absent offline, from `npuserve generate`).
     served_model_name: str | None = None
     version: str | None = None

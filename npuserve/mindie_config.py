@@ -160,6 +160,12 @@ class NpuserveExtensions(BaseModel):
         default="processed_logprobs", description="vLLM's logprobs_mode: logprobs of the distribution sampled from "
         "(after temperature, top-k, top-p), or the model's raw ones")
     servedModelName: str | None = None
+    maxBatchSizeLimit: int | None = Field(
+        default=None, ge=1, le=SCHEDULE_FIELD_BY_NAME["maxBatchSize"].le,
+        description="the largest maxBatchSize a live schedule may set (the operator writes the plan's memory "
+        "maximum); the KV pool's CPU cap and the decode graphs are sized for it at start-up. Omitted: the "
+        "start-up maxBatchSize")
+
 
 class MindIEConfig(_MindIEModel):
     Version: str = "1.0.0"
@@ -176,6 +182,17 @@ class MindIEConfig(_MindIEModel):
                 f"ScheduleConfig.maxPrefillTokens ({schedule.maxPrefillTokens}) must be at least "
                 f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen}), or no long prompt could prefill "
                 "(unless npuserve.chunkedPrefill splits prompts into chunks)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _batch_within_limit(self) -> MindIEConfig:
+        limit = self.extensions.maxBatchSizeLimit
+        if limit is not None and self.schedule.maxBatchSize > limit:
+            raise ValueError(
+                f"ScheduleConfig.maxBatchSize ({self.schedule.maxBatchSize}) exceeds npuserve.maxBatchSizeLimit "
+                f"({limit}), the largest batch the engine's KV pool and decode graphs are sized for; raising it "
+                "needs a restart with a larger npuserve.maxBatchSizeLimit"
             )
         return self
 
@@ -196,6 +213,12 @@ class MindIEConfig(_MindIEModel):
     @property
     def extensions(self) -> NpuserveExtensions:
         return self.npuserve or NpuserveExtensions()
+
+    @property
+    def batch_size_limit(self) -> int:
+        """The largest maxBatchSize the engine is sized for: npuserve.maxBatchSizeLimit, else maxBatchSize."""
+        limit = self.extensions.maxBatchSizeLimit
+        return self.schedule.maxBatchSize if limit is None else limit
 
     # --- files -------------------------------------------------------------------------------------------------
 
@@ -230,6 +253,15 @@ class MindIEConfig(_MindIEModel):
         data = self.to_dict()
         data["BackendConfig"].setdefault("ScheduleConfig", {}).update(changes)
         return type(self).from_dict(data, source="ScheduleConfig update")
+
+    def with_batch_size_limit(self) -> MindIEConfig:
+        """A copy with npuserve.maxBatchSizeLimit set (to maxBatchSize when it is absent): the config a started
+        engine runs, so that a live schedule past what it was sized for is refused by the rule above."""
+        if self.extensions.maxBatchSizeLimit is not None:
+            return self
+        data = self.to_dict()
+        data["npuserve"] = {**(data.get("npuserve") or {}), "maxBatchSizeLimit": self.schedule.maxBatchSize}
+        return type(self).from_dict(data, source="npuserve.maxBatchSizeLimit")
 
     def with_world_size(self, world_size: int) -> MindIEConfig:
         """A copy with ModelConfig.worldSize set, and npuDeviceIds 0..N-1 when it lists fewer cards than that."""

@@ -49,6 +49,23 @@ def _pinned_floor(pinned: Mapping[str, int | bool]) -> int:
     return max(1, int(pinned.get("maxPrefillBatchSize", 0)), int(pinned.get("maxPreemptCount", 0)))
 
 
+def _pinned_knobs(plan: Plan) -> dict[str, int | bool]:
+    return {k: getattr(plan.schedule, k) for k in plan.pinned if k in ScheduleKnobs.model_fields}
+
+
+def tuned_batch_max(plan: Plan) -> int:
+    """The largest maxBatchSize the tuner may propose for `plan`: its memory maximum (maxBatchSize.max, at most
+    MindIE's 5000), or what the pinned knobs need when that is more."""
+    return max(min(plan.maxBatchSize.max, MINDIE_MAX_BATCH_SIZE), _pinned_floor(_pinned_knobs(plan)))
+
+
+def max_batch_size_limit(plan: Plan) -> int:
+    """The rendered config's npuserve.maxBatchSizeLimit: the largest maxBatchSize any schedule of `plan` runs, the
+    tuner's or the plan's own (a pinned maxBatchSize past the memory maximum). The engine sizes its KV pool's CPU
+    cap and its decode graphs for it, so every tuned value runs at full speed."""
+    return max(tuned_batch_max(plan), plan.schedule.maxBatchSize)
+
+
 class TunedSchedule(_Model):
     """The ScheduleConfig knobs the tuner sets, under MindIE's names: a body for PUT /admin/schedule."""
 
@@ -228,9 +245,9 @@ class TuningProblem(_Model):
         given; `settings` sets the other fields (max_trials, min_samples, noise, tolerance, ...)."""
         if mean_input_tokens is None:
             mean_input_tokens = int(plan.explained("blocksPerRequest.min").inputs["avgInputTokens"])
-        pinned = {k: getattr(plan.schedule, k) for k in plan.pinned if k in ScheduleKnobs.model_fields}
+        pinned = _pinned_knobs(plan)
         floor = _pinned_floor(pinned)
-        high = max(min(plan.maxBatchSize.max, MINDIE_MAX_BATCH_SIZE), floor)
+        high = tuned_batch_max(plan)
         low = min(max(plan.maxBatchSize.min, floor), high)
         return cls.model_validate({
             "objective": slo.objective, "ttft_ms": slo.ttftMs, "tpot_ms": slo.tpotMs, "statistic": slo.statistic,

@@ -43,6 +43,7 @@ from npuserve.engine_contract import (
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
 from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, PlanSchedule
 from npuserve.operator.planner import model_spec
+from npuserve.operator.problem import max_batch_size_limit
 
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
@@ -138,7 +139,9 @@ def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
 
 
 def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> MindIEConfig:
-    """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's."""
+    """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's.
+    `npuserve.maxBatchSizeLimit` is the plan's, not the schedule's: it sizes the engine at start-up (so it is in
+    the config hash), and every maxBatchSize the tuner proposes is within it, applied live."""
     spec = isvc.spec
     acc = get_accelerator(spec.accelerator.type)
     data = {
@@ -170,6 +173,7 @@ def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | N
             loadFormat=spec.model.weights.loadFormat,
             policy=spec.engine.policy,
             servedModelName=spec.model.name,
+            maxBatchSizeLimit=max_batch_size_limit(plan),
         ).model_dump(exclude_defaults=False),
     }
     return MindIEConfig.from_dict(data, source=f"{isvc.metadata.name} config.json")

@@ -134,3 +134,32 @@ def test_settings_the_engine_does_not_honour_are_refused_by_name(section: str, c
     with pytest.raises(MindIEConfigError) as excinfo:
         MindIEConfig.from_dict(data)
     assert named in str(excinfo.value)
+
+
+def test_max_batch_size_limit_bounds_max_batch_size_by_both_names() -> None:
+    data = json.loads(EXAMPLE.read_text()) | {"npuserve": {"maxBatchSizeLimit": 256}}
+    config = MindIEConfig.from_dict(data)  # maxBatchSize 200
+    assert config.batch_size_limit == 256
+    assert config.with_schedule(maxBatchSize=256).schedule.maxBatchSize == 256  # the limit itself is allowed
+    with pytest.raises(MindIEConfigError) as excinfo:
+        config.with_schedule(maxBatchSize=257)  # a live raise past it
+    message = str(excinfo.value)
+    assert "ScheduleConfig.maxBatchSize (257)" in message and "npuserve.maxBatchSizeLimit (256)" in message
+    data["npuserve"]["maxBatchSizeLimit"] = 199  # a file whose maxBatchSize (200) is already past it
+    with pytest.raises(MindIEConfigError, match=r"maxBatchSize \(200\) exceeds npuserve\.maxBatchSizeLimit \(199\)"):
+        MindIEConfig.from_dict(data)
+    data["npuserve"]["maxBatchSizeLimit"] = 5001  # maxBatchSize's own range
+    with pytest.raises(MindIEConfigError, match=r"npuserve\.maxBatchSizeLimit"):
+        MindIEConfig.from_dict(data)
+
+
+def test_without_a_limit_the_engine_is_sized_for_the_start_up_max_batch_size() -> None:
+    config = MindIEConfig.load(EXAMPLE)  # no npuserve section: a hand-written MindIE file
+    assert config.batch_size_limit == 200
+    assert config.with_schedule(maxBatchSize=300).schedule.maxBatchSize == 300  # the file alone bounds nothing
+    running = config.with_batch_size_limit()  # what a started engine runs
+    assert running.extensions.maxBatchSizeLimit == 200 and running.schedule == config.schedule
+    with pytest.raises(MindIEConfigError, match=r"npuserve\.maxBatchSizeLimit \(200\)"):
+        running.with_schedule(maxBatchSize=201)
+    limited = MindIEConfig.from_dict(json.loads(EXAMPLE.read_text()) | {"npuserve": {"maxBatchSizeLimit": 400}})
+    assert limited.with_batch_size_limit().extensions.maxBatchSizeLimit == 400  # a given limit is kept

@@ -4,7 +4,9 @@ Both go through `apply_schedule`: the new ScheduleConfig is validated against th
 rules included), handed to the step thread, and the call returns once the scheduler runs it (so `/info` shows it
 at once); anything invalid is refused and the running config is kept. Which fields apply live is the contract's
 table (`engine_contract.HOT_SCHEDULE_FIELDS`); the others (cacheBlockSize sizes the KV pool, and the
-ModelDeployConfig fields) need a restart: the operator rolls the pods for them.
+ModelDeployConfig fields) need a restart: the operator rolls the pods for them. maxBatchSize is live up to
+`npuserve.maxBatchSizeLimit` (the start-up maxBatchSize without it), the batch the KV pool and the decode graphs were
+sized for; past it the change is refused.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,6 +33,7 @@ router = APIRouter(route_class=StrictJSONRoute)
 # Besides the table's restart-only fields, MindIE's template names select the step template (only Standard runs).
 RESTART_ONLY_FIELDS = (*sorted(RESTART_SCHEDULE_FIELDS), "templateType", "templateName")
 APPLY_TIMEOUT_SECONDS = 30.0
+_SCHEDULE_FIELD_NAMED = re.compile(r"ScheduleConfig\.(\w+)")
 
 
 async def apply_schedule(state: ServerState, changes: dict[str, Any]) -> dict[str, Any]:
@@ -70,7 +74,10 @@ async def put_schedule(body: ScheduleUpdate, state: State,
 
 def _first_field(message: str) -> str | None:
     for line in message.splitlines()[1:]:
-        path = line.strip().split(":", 1)[0]
+        path, _, text = line.strip().partition(":")
+        if path == "(root)":  # a rule across sections (npuserve.maxBatchSizeLimit): the ScheduleConfig field it names
+            named = _SCHEDULE_FIELD_NAMED.search(text)
+            return named.group(1) if named else None
         if path:
             return path.rsplit(".", 1)[-1]
     return None

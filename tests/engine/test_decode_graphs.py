@@ -403,3 +403,80 @@ def test_the_engine_captures_at_warm_up_and_replays_its_decode_steps(
     before = sum(g.replays for g in backend.graphs)
     assert [o.token_ids for o in engine.generate(texts, params)] == eager
     assert sum(g.replays for g in backend.graphs) - before >= 19  # the decode steps went through the graphs
+
+
+# --- sized for the largest batch a live schedule may set (npuserve.maxBatchSizeLimit) -------------------------------
+
+
+def _engine_started_at_batch_2(model_dir: Path, limit: int | None, **extensions: Any) -> Any:
+    from npuserve.engine.engine import LLMEngine, make_config
+
+    if limit is not None:
+        extensions["maxBatchSizeLimit"] = limit
+    config = make_config(model_dir, max_seq_len=128, maxBatchSize=2, cacheBlockSize=4, extensions=extensions,
+                         model={"npuMemSize": 1} if extensions.get("device") == "cuda" else None)
+    return LLMEngine(config)
+
+
+def _decode_buckets_used(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """Records, for each decode step from now on, the bucket whose graph it replayed (None: it ran eagerly)."""
+    graphs: DecodeGraphs = engine.runner.decode_graphs
+    run, used = graphs.run, []
+
+    def recording_run(batch: FlatBatch) -> torch.Tensor | None:
+        hidden = run(batch)
+        if not batch.meta.is_prefill and batch.meta.prefill_part is None:
+            used.append(graphs.bucket_for(batch.meta.batch_size) if hidden is not None else None)
+        return hidden
+
+    monkeypatch.setattr(graphs, "run", recording_run)
+    return used
+
+
+@pytest.mark.parametrize(("limit", "sizes"), [(None, [1, 2]), (20, [1, 2, 4, 8, 16, 20])])
+def test_graphs_are_captured_up_to_the_max_batch_size_limit(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, limit: int | None, sizes: list[int]) -> None:
+    """Started at maxBatchSize 2: the buckets go up to npuserve.maxBatchSizeLimit, or to 2 without one; /info says
+    which."""
+    from npuserve.engine import rank_runner
+
+    backend = FakeGraphCPUBackend()
+    monkeypatch.setattr(rank_runner, "get_backend", lambda *args: backend)
+    engine = _engine_started_at_batch_2(tiny_model_dir, limit)
+    assert engine.info().graph_batch_sizes == sizes
+    assert len([g for g in backend.graphs if g.ops]) == len(sizes)  # (the runner's probe graph captures nothing)
+
+
+def _live_raise_replays_the_new_size(engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """Raises maxBatchSize from 2 to 8 on the running engine, decodes eight requests together; the buckets used."""
+    from npuserve.engine.sequence import SamplingParams
+
+    used = _decode_buckets_used(engine, monkeypatch)
+    engine.update_schedule(engine.config.with_schedule(maxBatchSize=8, maxPrefillBatchSize=8).schedule)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = engine.generate([f"prompt number {i}" for i in range(8)], params)
+    assert all(len(o.token_ids) == 6 for o in outputs)
+    return used
+
+
+def test_a_live_raise_within_the_limit_replays_the_graph_of_the_new_size(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from npuserve.engine import rank_runner
+
+    backend = FakeGraphCPUBackend()
+    monkeypatch.setattr(rank_runner, "get_backend", lambda *args: backend)
+    engine = _engine_started_at_batch_2(tiny_model_dir, 8)
+    largest = next(g for g in backend.graphs if g.ops)  # captured first: the graph for 8
+    replays_before = largest.replays
+    used = _live_raise_replays_the_new_size(engine, monkeypatch)
+    assert used == [8] * 5  # five decode steps of the eight requests, each a replay of the graph for 8
+    assert largest.replays - replays_before == 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_a_live_raise_within_the_limit_replays_the_graph_of_the_new_size(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through the cuda backend and real CUDA graphs."""
+    engine = _engine_started_at_batch_2(tiny_model_dir, 8, device="cuda")
+    assert engine.backend.name == "cuda" and engine.info().graph_batch_sizes == [1, 2, 4, 8]
+    assert _live_raise_replays_the_new_size(engine, monkeypatch) == [8] * 5

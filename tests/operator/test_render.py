@@ -11,10 +11,11 @@ import kubernetes_validate
 import pytest
 from isvc_helpers import EXAMPLES, REPO, load_yaml
 
-from npuserve.mindie_config import MindIEConfig
+from npuserve.mindie_config import MindIEConfig, MindIEConfigError
 from npuserve.operator import render as r
 from npuserve.operator.api import InferenceService, Plan
 from npuserve.operator.planner import plan
+from npuserve.operator.problem import TuningProblem
 
 K8S_VERSION = "1.30.0"
 
@@ -80,6 +81,21 @@ def test_configmap_holds_the_plans_mindie_config() -> None:
     assert config.schedule.supportSelectBatch is True
     assert config.deploy.maxSeqLen == 2560 and config.deploy.maxInputTokenLen == 2048
     assert config.extensions.device == "npu" and config.extensions.servedModelName == "Meta-Llama-3-8B-Instruct"
+
+
+def test_the_config_carries_the_plans_memory_maximum_as_the_batch_size_limit() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    config = r.mindie_config(isvc, p)
+    # maxBatchSize.max: floor(2176 blocks / 2 blocks of the 186-token average prompt), the tuner's largest proposal
+    assert config.extensions.maxBatchSizeLimit == 1088 and config.schedule.maxBatchSize == 435
+    assert TuningProblem.from_plan(p, isvc.spec.slo).batch_max == 1088
+    tuned = r.mindie_config(isvc, p, p.schedule.model_copy(update={"maxBatchSize": 1088}))
+    assert tuned.extensions.maxBatchSizeLimit == 1088  # the plan's, whatever the schedule
+    with pytest.raises(MindIEConfigError, match=r"maxBatchSize \(1089\) exceeds npuserve\.maxBatchSizeLimit"):
+        r.mindie_config(isvc, p, p.schedule.model_copy(update={"maxBatchSize": 1089}))
+    # a pinned maxBatchSize past the memory maximum (the plan warns) is still one the engine must run
+    pinned_isvc, pinned = load("llama3-8b-throughput.yaml", engine={"schedule": {"maxBatchSize": 2000}})
+    assert r.mindie_config(pinned_isvc, pinned).extensions.maxBatchSizeLimit == 2000
 
 
 def test_engine_container_command_resources_and_probes() -> None:

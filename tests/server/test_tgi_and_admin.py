@@ -168,3 +168,75 @@ def test_config_file_changes_apply_live_and_bad_ones_are_refused(tiny_model_dir:
         watcher = s.server.config.app.state.config_watcher  # type: ignore[attr-defined]
         wait_until(lambda: watcher.rejected == 1)
         assert s.get("/info").json()["schedule"]["maxBatchSize"] == 9
+
+
+async def _completions_of_token_ids(url: str, n: int, prompt_len: int, max_tokens: int) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=120) as client:
+        responses = await asyncio.gather(*(
+            client.post(url + "/v1/completions", json={"prompt": [7 + i] * prompt_len, "max_tokens": max_tokens,
+                                                       "ignore_eos": True}) for i in range(n)))
+    for r in responses:
+        r.raise_for_status()
+    return [r.json() for r in responses]
+
+
+def _preemptions(s: RunningServer) -> float:
+    """The engine's preemption counter (its series appears at the first preemption)."""
+    try:
+        return s.metric("npuserve:num_preemptions_total")
+    except KeyError:
+        return 0.0
+
+
+def test_a_live_max_batch_size_raise_within_the_limit_runs_without_preemption(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started at maxBatchSize 2 with npuserve.maxBatchSizeLimit 8, raised live to 8: eight requests of 64 tokens
+    (4 blocks of 16 each, 32 blocks in all) decode together with no preemption. A KV pool sized for the start-up
+    batch (2 x (128 / 16 + 1) = 18 blocks on the CPU) would preempt them."""
+    auth = {"Authorization": "Bearer t"}
+    with running_server(tiny_model_dir, admin_token="t", max_seq_len=128, maxIterTimes=64, cacheBlockSize=16,
+                        maxBatchSize=2, extensions={"maxBatchSizeLimit": 8}) as s:
+        assert s.get("/info").json()["kv_blocks"] == 72  # 8 x (128 / 16 + 1): sized for the limit
+        control = RunnerControl(s.engine.engine, monkeypatch)
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 8, "maxPrefillBatchSize": 8}, headers=auth,
+                      timeout=30)
+        assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 8
+        preempted = _preemptions(s)
+        control.hold_until(8)
+        results = asyncio.run(_completions_of_token_ids(s.url, 8, prompt_len=40, max_tokens=24))
+        assert all(r["usage"]["completion_tokens"] == 24 for r in results)
+        assert max(r["npuserve"]["mean_decode_batch_size"] for r in results) > 2  # the raise took effect
+        assert all(r["npuserve"]["num_preemptions"] == 0 for r in results)
+        assert _preemptions(s) == preempted
+
+        # past the limit: refused, naming the field and the limit; the running schedule kept
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 9}, headers=auth, timeout=30)
+        assert r.status_code == 422
+        error = r.json()["error"]
+        assert error["param"] == "maxBatchSize" and "npuserve.maxBatchSizeLimit (8)" in error["message"]
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 8
+
+
+def test_without_a_limit_a_live_raise_past_the_start_up_max_batch_size_is_refused(tiny_model_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A hand-written config (no npuserve.maxBatchSizeLimit): the engine is sized for its start-up maxBatchSize,
+    so a live raise past it is refused (from PUT and from the config file) rather than run short of KV blocks and
+    graphs."""
+    auth = {"Authorization": "Bearer t"}
+    config_path = tmp_path / "config.json"
+    with running_server(tiny_model_dir, admin_token="t", config_path=config_path, maxBatchSize=4) as s:
+        assert "npuserve" not in json.loads(config_path.read_text())
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 5}, headers=auth, timeout=30)
+        assert r.status_code == 422
+        assert r.json()["error"]["param"] == "maxBatchSize"
+        assert "npuserve.maxBatchSizeLimit (4)" in r.json()["error"]["message"]
+        r = httpx.put(s.url + "/admin/schedule", json={"maxBatchSize": 3, "maxPrefillBatchSize": 3}, headers=auth,
+                      timeout=30)
+        assert r.status_code == 200 and r.json()["schedule"]["maxBatchSize"] == 3
+        assert s.get("/info").json()["graph_batch_sizes"] == []  # the CPU backend has no graphs
+        data = json.loads(config_path.read_text())
+        data["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] = 6
+        config_path.write_text(json.dumps(data))
+        watcher = s.server.config.app.state.config_watcher  # type: ignore[attr-defined]
+        wait_until(lambda: watcher.rejected == 1)
+        assert s.get("/info").json()["schedule"]["maxBatchSize"] == 3
