@@ -425,7 +425,8 @@ class LLMEngine:
             device=self.backend.name, worldSize=self.config.model.worldSize, kv_blocks=self.kv_plan.num_blocks,
             kv_host_blocks=self.kv_plan.num_host_blocks, block_size=self.kv_plan.block_size,
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
-            schedule=self.snapshot.schedule.model_dump(mode="json"), **server,
+            schedule=self.snapshot.schedule.model_dump(mode="json"),
+            scheduleGeneration=self.config.extensions.scheduleGeneration, **server,
         )
 
 

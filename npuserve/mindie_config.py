@@ -23,10 +23,12 @@ from npuserve.engine_contract import (
     NPU_MEMORY_FRACTION_ENV,
     RECOMPUTE_THRESHOLD_ENVS,
     SCHEDULE_FIELD_BY_NAME,
+    SCHEDULE_GENERATION_KEY,
     USE_MB_SWAPPER_ENV,
     DType,
     QueuePolicy,
     schedule_field,
+    schedule_generation_field,
 )
 
 # MindIE's shipped defaults (DESIGN.md 2.1); the ScheduleConfig ones live in the contract's field table.
@@ -160,6 +162,8 @@ class NpuserveExtensions(BaseModel):
         default="processed_logprobs", description="vLLM's logprobs_mode: logprobs of the distribution sampled from "
         "(after temperature, top-k, top-p), or the model's raw ones")
     servedModelName: str | None = None
+    scheduleGeneration: int | None = schedule_generation_field()
+
 
 class MindIEConfig(_MindIEModel):
     Version: str = "1.0.0"
@@ -230,6 +234,12 @@ class MindIEConfig(_MindIEModel):
         data = self.to_dict()
         data["BackendConfig"].setdefault("ScheduleConfig", {}).update(changes)
         return type(self).from_dict(data, source="ScheduleConfig update")
+
+    def with_schedule_generation(self, generation: int | None) -> MindIEConfig:
+        """A copy whose `npuserve.scheduleGeneration` is `generation`."""
+        data = self.to_dict()
+        data["npuserve"] = {**(data.get("npuserve") or {}), SCHEDULE_GENERATION_KEY: generation}
+        return type(self).from_dict(data, source="schedule generation")
 
     def with_world_size(self, world_size: int) -> MindIEConfig:
         """A copy with ModelConfig.worldSize set, and npuDeviceIds 0..N-1 when it lists fewer cards than that."""
