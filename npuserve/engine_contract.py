@@ -152,11 +152,14 @@ SCHEDULE_KNOBS: tuple[str, ...] = tuple(f.name for f in SCHEDULE_FIELDS if f.kno
 SCHEDULE_GENERATION_KEY = "scheduleGeneration"
 
 
-def schedule_generation_field() -> Any:
+def schedule_generation_field(*, required: bool = False) -> Any:
     """The pydantic `Field` of the schedule generation, wherever it is carried (unset: no generation, as in a
     hand-written config.json: such an engine takes any schedule, and refuses an ungenerated one once it runs one)."""
-    return Field(default=None, ge=0, description="the schedule's generation: applied only when newer than the one "
-                 "the engine runs (docs/engine.md, \"Live schedule changes\")")
+    description = ("the schedule's generation: applied only when newer than the one the engine runs (docs/engine.md, "
+                   "\"Live configuration\")")
+    if required:
+        return Field(ge=0, description=description)
+    return Field(default=None, ge=0, description=description)
 
 
 def schedule_field(name: str, *, required: bool = False, optional: bool = False) -> Any:
