@@ -513,7 +513,7 @@ def render(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = N
     `generation`; the pod template's config hash leaves the hot schedule fields and the generation out, so a tuned
     schedule never rolls the pods."""
     configmap = render_configmap(isvc, plan, schedule, generation)
-    digest = config_hash(mindie_config(isvc, plan, schedule), configmap["data"].get(MODEL_CONFIG_KEY))
+    digest = config_hash(mindie_config(isvc, plan, schedule, generation), configmap["data"].get(MODEL_CONFIG_KEY))
     workload = (
         render_leaderworkerset(isvc, plan, digest) if plan.nodes > 1 else render_deployment(isvc, plan, digest)
     )
