@@ -6,6 +6,7 @@ the engine's config-file watch and is refused: the engine keeps the trial's sche
 
 from __future__ import annotations
 
+import calendar
 import json
 import time
 from collections.abc import Iterator
@@ -67,7 +68,7 @@ def configmap_config(cluster: localk8s.Cluster, namespace: str) -> dict[str, Any
 
 
 def parse_rfc3339(text: str) -> float:
-    return time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) - time.timezone
+    return float(calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")))
 
 
 def test_a_stale_configmap_mid_window_leaves_the_trials_schedule_on_the_engine(
