@@ -430,7 +430,7 @@ class LLMEngine:
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
             schedule=self.snapshot.schedule.model_dump(mode="json"),
             graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
-            **server,
+            scheduleGeneration=self.config.extensions.scheduleGeneration, **server,
         )
 
 

@@ -146,6 +146,23 @@ RESTART_SCHEDULE_FIELDS: frozenset[str] = frozenset(f.name for f in SCHEDULE_FIE
 SCHEDULE_KNOBS: tuple[str, ...] = tuple(f.name for f in SCHEDULE_FIELDS if f.knob)
 
 
+# The schedule generation: which schedule the operator's writers (PUT /admin/schedule, the ConfigMap) mean, one
+# number rising with each schedule the operator decides. The engine applies a schedule only when its generation is
+# newer than the one it runs, from either path, so a stale writer (an old ConfigMap the kubelet delivers late) never
+# replaces a newer schedule. The same key names it in config.json's `npuserve` section, in the PUT body and in /info.
+SCHEDULE_GENERATION_KEY = "scheduleGeneration"
+
+
+def schedule_generation_field(*, required: bool = False) -> Any:
+    """The pydantic `Field` of the schedule generation, wherever it is carried (unset: no generation, as in a
+    hand-written config.json: such an engine takes any schedule, and refuses an ungenerated one once it runs one)."""
+    description = ("the schedule's generation: applied only when newer than the one the engine runs (docs/engine.md, "
+                   "\"Live configuration\")")
+    if required:
+        return Field(ge=0, description=description)
+    return Field(default=None, ge=0, description=description)
+
+
 def schedule_field(name: str, *, required: bool = False, optional: bool = False) -> Any:
     """The pydantic `Field` of a ScheduleConfig field, from the table: MindIE's default (or None when `optional`,
     or no default when `required`), its range and its description. Every ScheduleConfig schema uses it."""
@@ -218,12 +235,15 @@ METRIC_PROMPT_TOKENS = EngineMetric("npuserve:prompt_tokens", "counter")
 METRIC_GENERATION_TOKENS = EngineMetric("npuserve:generation_tokens", "counter")
 METRIC_NUM_PREEMPTIONS = EngineMetric("npuserve:num_preemptions", "counter")
 METRIC_REQUEST_SUCCESS = EngineMetric("npuserve:request_success", "counter")  # every finished request, by reason
+# The schedule generation the engine runs (-1: none); the operator checks min and max over a trial's window.
+METRIC_SCHEDULE_GENERATION = EngineMetric("npuserve:schedule_generation", "gauge")
+SCHEDULE_GENERATION_NONE = -1
 ENGINE_METRICS: tuple[EngineMetric, ...] = (
     METRIC_TIME_TO_FIRST_TOKEN, METRIC_TIME_PER_OUTPUT_TOKEN, METRIC_INTER_TOKEN_LATENCY, METRIC_E2E_REQUEST_LATENCY,
     METRIC_REQUEST_QUEUE_TIME, METRIC_REQUEST_PREFILL_TIME, METRIC_REQUEST_DECODE_TIME, METRIC_PREFILL_BATCH_SIZE,
     METRIC_DECODE_BATCH_SIZE, METRIC_NUM_REQUESTS_RUNNING, METRIC_NUM_REQUESTS_WAITING, METRIC_NUM_REQUESTS_SWAPPED,
     METRIC_KV_CACHE_USAGE_PERC, METRIC_KV_CACHE_BLOCKS_TOTAL, METRIC_PROMPT_TOKENS, METRIC_GENERATION_TOKENS,
-    METRIC_NUM_PREEMPTIONS, METRIC_REQUEST_SUCCESS,
+    METRIC_NUM_PREEMPTIONS, METRIC_REQUEST_SUCCESS, METRIC_SCHEDULE_GENERATION,
 )
 
 # The labels the engine puts on every series, and on request_success.
@@ -260,6 +280,7 @@ class EngineInfo(BaseModel):
     graph_batch_sizes: list[int] = Field(
         default_factory=list, description="decode batch sizes captured as graphs (a decode batch replays the "
         "smallest that holds it, up to the largest; past it decode runs eagerly); empty on a backend without graphs")
+    scheduleGeneration: int | None = schedule_generation_field()  # of that schedule
     # The HTTP server's side (absent offline, from `npuserve generate`).
     served_model_name: str | None = None
     version: str | None = None

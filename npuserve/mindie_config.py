@@ -23,10 +23,12 @@ from npuserve.engine_contract import (
     NPU_MEMORY_FRACTION_ENV,
     RECOMPUTE_THRESHOLD_ENVS,
     SCHEDULE_FIELD_BY_NAME,
+    SCHEDULE_GENERATION_KEY,
     USE_MB_SWAPPER_ENV,
     DType,
     QueuePolicy,
     schedule_field,
+    schedule_generation_field,
 )
 
 # MindIE's shipped defaults (docs/mindie-config.md); the ScheduleConfig ones live in the contract's field table.
@@ -165,6 +167,7 @@ class NpuserveExtensions(BaseModel):
         description="the largest maxBatchSize a live schedule may set (the operator writes the plan's memory "
         "maximum); the KV pool's CPU cap and the decode graphs are sized for it at start-up. Omitted: the "
         "start-up maxBatchSize")
+    scheduleGeneration: int | None = schedule_generation_field()
 
 
 class MindIEConfig(_MindIEModel):
@@ -262,6 +265,12 @@ class MindIEConfig(_MindIEModel):
         data = self.to_dict()
         data["npuserve"] = {**(data.get("npuserve") or {}), "maxBatchSizeLimit": self.schedule.maxBatchSize}
         return type(self).from_dict(data, source="npuserve.maxBatchSizeLimit")
+
+    def with_schedule_generation(self, generation: int | None) -> MindIEConfig:
+        """A copy whose `npuserve.scheduleGeneration` is `generation`."""
+        data = self.to_dict()
+        data["npuserve"] = {**(data.get("npuserve") or {}), SCHEDULE_GENERATION_KEY: generation}
+        return type(self).from_dict(data, source="schedule generation")
 
     def with_world_size(self, world_size: int) -> MindIEConfig:
         """A copy with ModelConfig.worldSize set, and npuDeviceIds 0..N-1 when it lists fewer cards than that."""

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
-from npuserve.engine_contract import DType, QueuePolicy, schedule_field
+from npuserve.engine_contract import DType, QueuePolicy, schedule_field, schedule_generation_field
 
 GROUP = "npuserve.io"
 VERSION = "v1alpha1"
@@ -395,6 +395,18 @@ class ScheduleKnobs(_Model):
         return {k: v for k, v in self.model_dump(exclude_none=True).items()}
 
 
+class AppliedSchedule(ScheduleKnobs):
+    """The knobs the operator has put on the engines, and their schedule generation: the one source of the tuned
+    schedule. The generation rises with every schedule the tuner applies (and past the plan's own, which the
+    ConfigMap holds at a spec change: `autotune.plan_generation`); the engines take a schedule only when its
+    generation is newer than the one they run, and the ConfigMap and every PUT /admin/schedule carry it."""
+
+    scheduleGeneration: int = schedule_generation_field(required=True)
+
+    def knobs(self) -> ScheduleKnobs:
+        return ScheduleKnobs.model_validate(self.model_dump(exclude={"scheduleGeneration"}))
+
+
 class Toleration(_Model):
     key: str | None = None
     operator: Literal["Exists", "Equal"] | None = None
@@ -639,8 +651,11 @@ TrialOutcome = Literal["measured", "failed", "inconclusive"]
 # load did during the window.
 FailureReasonName = Literal["ErrorRate", "KVCacheExhausted", "NoOutputTokens", "PreemptionStorm",
                             "EngineRestarted", "EngineGone", "EngineNotReady", "LoadJobFailed"]
-# Why a window said nothing (it is measured again; the tuner never sees it).
-InconclusiveReasonName = Literal["PrometheusUnreachable", "NoRequestFinished"]
+# Why a window said nothing (it is measured again; the tuner never sees it). ScheduleNotRun: a measured pod did not
+# run the trial's schedule generation for the whole window (the engines' generation gauge), so the window measured
+# something else.
+InconclusiveReasonName = Literal["PrometheusUnreachable", "NoRequestFinished", "ScheduleNotRun"]
+SCHEDULE_NOT_RUN: Final[InconclusiveReasonName] = "ScheduleNotRun"
 TrialReason = Literal[FailureReasonName, InconclusiveReasonName]
 FAILURE_REASONS: Final = get_args(FailureReasonName)
 INCONCLUSIVE_REASONS: Final = get_args(InconclusiveReasonName)
@@ -722,7 +737,8 @@ class TuningStatus(_Model):
     round: int = Field(default=0, ge=0, description="tuning rounds started (a new one when the SLO is missed again)")
     problem: str | None = Field(default=None, description="hash of what is tuned (plan range, SLO, pinned knobs)")
     current: TrialInProgress | None = None
-    applied: ScheduleKnobs | None = Field(default=None, description="the knobs the tuner has put on the engines")
+    applied: AppliedSchedule | None = Field(default=None, description="the knobs the tuner has put on the engines, "
+                                            "and their schedule generation (the ConfigMap is written from it)")
     message: str = ""
     roundStartedAt: str | None = None
     lastCheckAt: str | None = Field(default=None, description="after tuning: the last window checked against the SLO")

@@ -38,6 +38,8 @@ from npuserve.engine_contract import HOT_SCHEDULE_FIELDS
 
 from . import capacity as capacity_part
 from .api import (
+    SCHEDULE_NOT_RUN,
+    AppliedSchedule,
     FailureReasonName,
     InferenceService,
     Plan,
@@ -50,6 +52,7 @@ from .api import (
 )
 from .autotune_types import Actions as Actions
 from .autotune_types import Event as Event
+from .autotune_types import GenerationsRun as GenerationsRun
 from .autotune_types import JobPhase as JobPhase
 from .autotune_types import Measurement as Measurement
 from .autotune_types import Observation as Observation
@@ -78,6 +81,7 @@ REASON_MEASURING = "Measuring"
 REASON_PROMETHEUS_DOWN = "PrometheusUnreachable"
 REASON_NO_TRAFFIC = "WaitingForTraffic"
 REASON_ROLLED_BACK = "RolledBack"
+REASON_SCHEDULE_NOT_RUN = SCHEDULE_NOT_RUN
 
 
 # --- the problem ---------------------------------------------------------------------------------------------------
@@ -117,7 +121,31 @@ def applied_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, An
         return None
     if tuning.problem != problem_key(problem_for(isvc, plan)):
         return None
-    return with_knobs(plan.schedule, tuning.applied)
+    return with_knobs(plan.schedule, tuning.applied.knobs())
+
+
+def plan_generation(applied: AppliedSchedule | None, spec_generation: int | None) -> int:
+    """The schedule generation of the plan's own schedule, when the ConfigMap holds it (autotune off, or a spec
+    change the tuner has not tuned yet): past every generation the tuner has applied, so engines that run the
+    tuner's schedule take the plan's back, and rising with each spec change (metadata.generation)."""
+    return (applied.scheduleGeneration if applied is not None else 0) + (spec_generation or 0)
+
+
+def next_generation(applied: AppliedSchedule | None, spec_generation: int | None) -> int:
+    """The generation of the next schedule the tuner applies: past its last one and past the plan's own."""
+    return plan_generation(applied, spec_generation) + 1
+
+
+def configmap_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, Any],
+                       ) -> tuple[PlanSchedule | None, int]:
+    """What the ConfigMap holds, from status.tuning.applied (the source): the tuner's schedule and its generation,
+    or (None: the plan's schedule) at `plan_generation`."""
+    schedule = applied_schedule(isvc, plan, status)
+    tuning = tuning_of(status)
+    applied = tuning.applied if tuning is not None else None
+    if schedule is not None and applied is not None:
+        return schedule, applied.scheduleGeneration
+    return None, plan_generation(applied, isvc.metadata.generation)
 
 
 def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
@@ -207,13 +235,16 @@ class _Step:
         self.key = problem_key(base)
         if old is None or old.problem != self.key:
             # A new problem (first tuning, or a spec change that moved the range, the SLO or a pinned knob).
+            # What the engines run stays (its generation keeps rising across problems).
             self.tuning = TuningStatus(phase="Running", round=(old.round if old else 0) + 1, problem=self.key,
-                                       roundStartedAt=self.now)
+                                       roundStartedAt=self.now, applied=old.applied if old else None)
             if old is not None and old.current is not None and old.current.job:
                 self.actions.delete_job = old.current.job
             self.status.pop("capacity", None)
         else:
             self.tuning = old.model_copy(deep=True)
+        self.new_problem = old is None or old.problem != self.key
+        self.reapply = False  # a window found an engine not running the applied schedule: apply it again
         start = self.tuning.best.schedule.maxBatchSize if self.tuning.best and self.tuning.round > 1 else None
         self.problem = problem_for(isvc, plan, start) if start is not None else base
 
@@ -234,16 +265,21 @@ class _Step:
         self.status["tuning"] = self.tuning.model_dump(mode="json", exclude_none=True)
         if self.tuning.applied is not None:
             self.status["schedule"] = {**(self.status.get("schedule") or {}),
-                                       **self.tuning.applied.model_dump(exclude_none=True)}
+                                       **self.tuning.applied.knobs().model_dump(exclude_none=True)}
         ready = any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in self.status.get("conditions") or [])
         if ready and self.status.get("phase") in ("Ready", "Tuning"):
             self.status["phase"] = serving_phase(self.status["tuning"])
 
     def apply(self, knobs: ScheduleKnobs) -> None:
-        if self.tuning.applied != knobs:
-            self.actions.apply = knobs
-        self.tuning.applied = knobs
+        """`knobs` on the engines: a new schedule generation when they differ from the applied ones (or the
+        applied ones are of another problem, which the ConfigMap no longer holds)."""
+        applied = self.tuning.applied
+        if applied is not None and applied.knobs() == knobs and not (self.new_problem or self.reapply):
+            return
+        generation = next_generation(applied, self.generation)
+        self.tuning.applied = AppliedSchedule(**knobs.model_dump(exclude_none=True), scheduleGeneration=generation)
+        self.actions.apply = self.tuning.applied
 
     # -- the loop --
 
@@ -328,7 +364,8 @@ class _Step:
 
     def open_probe(self, number: int, concurrency: int) -> str:
         assert self.tuning.applied is not None
-        return self.open_window("capacity", number, self.tuning.applied, "capacity search", concurrency=concurrency)
+        return self.open_window("capacity", number, self.tuning.applied.knobs(), "capacity search",
+                                concurrency=concurrency)
 
     def tend(self, current: TrialInProgress) -> None:
         now = self.obs.now
@@ -352,6 +389,10 @@ class _Step:
         if m.metrics is None:
             self.inconclusive(current, m)
             return
+        not_run = self.schedule_not_run(m)
+        if not_run is not None:
+            self.inconclusive(current, Measurement(inconclusive=not_run, reason=SCHEDULE_NOT_RUN))
+            return
         self.tuning.current = None
         if current.job:
             self.actions.delete_job = current.job
@@ -359,6 +400,20 @@ class _Step:
             capacity_part.close_probe(self, current, m.metrics)
         else:
             self.close_trial(current, m.metrics)
+
+    def schedule_not_run(self, m: Measurement) -> str | None:
+        """Why the window did not measure the trial's schedule on every measured pod throughout, or None when it
+        did: every pod's schedule-generation gauge was the trial's at every sample of the window."""
+        if m.generations is None:
+            return None  # a measurement without the gauge (the simulator's): nothing to check
+        assert self.tuning.applied is not None
+        want, ran = self.tuning.applied.scheduleGeneration, m.generations
+        if ran.pods == 0 or ran.lowest is None or ran.highest is None:
+            return f"no engine reported its schedule generation in the window (the trial's is {want})"
+        if ran.lowest != want or ran.highest != want:
+            return (f"the measured engines ran schedule generations {ran.lowest} to {ran.highest} in the window, "
+                    f"not the trial's {want} throughout")
+        return None
 
     def pods_changed(self, current: TrialInProgress) -> tuple[FailureReasonName, str] | None:
         now = {p.name: p for p in self.obs.pods}
@@ -393,15 +448,19 @@ class _Step:
             if first:
                 self.event("Warning", REASON_PROMETHEUS_DOWN, message)
         else:
-            self.reopen(current, why)
+            self.reopen(current, why, reapply=reason == SCHEDULE_NOT_RUN)
             message = f"{what}: {why}; measuring again (attempt {current.attempts + 1})"
         if current.kind == "trial":
             self.tuning.message = message
-            self.condition("Tuning", True, REASON_PROMETHEUS_DOWN if m.unreachable else REASON_NO_TRAFFIC, message)
+            said = REASON_PROMETHEUS_DOWN if m.unreachable else (
+                REASON_SCHEDULE_NOT_RUN if reason == SCHEDULE_NOT_RUN else REASON_NO_TRAFFIC)
+            self.condition("Tuning", True, said, message)
 
-    def reopen(self, current: TrialInProgress, why: str) -> None:
-        """Measure the open trial again from now: the schedule stays, a new window (and Job) starts."""
+    def reopen(self, current: TrialInProgress, why: str, reapply: bool = False) -> None:
+        """Measure the open trial again from now: the schedule stays, a new window (and Job) starts; `reapply`:
+        put the schedule on the engines again (one did not run it), at a new generation."""
         self.tuning.current = None
+        self.reapply = reapply
         self.open_window(current.kind, current.trial, current.schedule, f"again: {why}", current.concurrency,
                          attempts=current.attempts)
         if current.job:

@@ -6,8 +6,9 @@ finalizer blocks `kubectl delete` while the operator is down. The thread keeps t
 event handler only tells it which InferenceServices exist, the whole tuning state lives in their status, and the
 children (engines, Secret, Jobs) go with their owner by garbage collection. One tick: read the object, gather what
 `advance` needs (engine pods, the due Prometheus window, the Job's phase, the replicas the nodes hold), run the
-actions it returns (delete a Job, apply a schedule to every engine and the ConfigMap, create a Job, scale), then
-write the status through the one status writer and post the events.
+actions it returns (delete a Job, apply a schedule to every engine, create a Job, scale), then write the status
+through the one status writer and post the events. The loop never writes the ConfigMap: reconcile does, from
+status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from npuserve.catalog.accelerators import get_accelerator
 
 from . import autotune as at
 from . import kube as kube_module
-from .api import InferenceService, Plan, ScheduleKnobs
-from .prometheus import PrometheusClient, Selection, Unreachable, WindowReading
-from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus, render_configmap
+from .api import AppliedSchedule, InferenceService, Plan
+from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
+from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus
 from .status import Status, engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
@@ -141,18 +142,18 @@ class AutotuneLoop:
             self.calls.scale(ns, name, actions.scale)
 
     def _apply(self, obj: Mapping[str, Any], isvc: InferenceService, plan: Plan, pods: list[at.PodState],
-               knobs: ScheduleKnobs, actions: at.Actions) -> None:
-        """The schedule hot on every engine (PUT /admin/schedule) and in the ConfigMap (a restarted pod keeps it;
-        an engine the PUT missed takes it from its config file)."""
+               applied: AppliedSchedule, actions: at.Actions) -> None:
+        """The schedule hot on every engine (PUT /admin/schedule, with its generation). The ConfigMap follows
+        from the status this tick writes (reconcile's `on_applied_schedule`): a restarted pod keeps the schedule,
+        and an engine the PUT missed takes it from its config file."""
         ns = isvc.metadata.namespace
-        self.kube.apply(render_configmap(isvc, plan, at.with_knobs(plan.schedule, knobs)))
         token = self.calls.admin_token(ns, admin_secret_name(isvc), ADMIN_TOKEN_KEY)
         if token is None:
             actions.events.append(("Warning", "ScheduleNotApplied",
                                    f"the admin Secret {admin_secret_name(isvc)} is missing: the engines take the "
                                    "schedule from the ConfigMap only, when the kubelet refreshes it"))
             return
-        errors = kube_module.put_schedule([p for p in pods if p.ready], token, knobs.model_dump(exclude_none=True))
+        errors = kube_module.put_schedule([p for p in pods if p.ready], token, applied.model_dump(exclude_none=True))
         if errors:
             said = "; ".join(f"{pod}: {error}" for pod, error in sorted(errors.items()))
             log.warning("%s/%s: schedule not applied everywhere: %s", ns, isvc.metadata.name, said)
@@ -185,7 +186,18 @@ def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:
     metrics = reading.trial_metrics(min_requests=1)
     if isinstance(metrics, str):
         return at.Measurement(inconclusive=metrics, reason="NoRequestFinished")
-    return at.Measurement(metrics=metrics)
+    return at.Measurement(metrics=metrics, generations=generations_of(reading))
+
+
+def generations_of(reading: WindowReading) -> at.GenerationsRun:
+    """The engines' schedule-generation gauge over the window, as facts (the step judges them)."""
+
+    def whole(figure: Figure) -> int | None:
+        return round(figure) if isinstance(figure, float) else None
+
+    return at.GenerationsRun(lowest=whole(reading.schedule_generation_min),
+                             highest=whole(reading.schedule_generation_max),
+                             pods=whole(reading.schedule_generation_pods) or 0)
 
 
 def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:

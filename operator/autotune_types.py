@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from .api import InconclusiveReasonName, ScheduleKnobs, TrialMetrics
+from .api import AppliedSchedule, InconclusiveReasonName, TrialMetrics
 from .status import Status
 
 Event = tuple[Literal["Normal", "Warning"], str, str]
@@ -60,12 +60,23 @@ class PodState:
 
 
 @dataclass(frozen=True)
+class GenerationsRun:
+    """The schedule generations the measured engines ran over a window (their gauge's lowest and highest sample;
+    None: no sample), and how many pods reported one."""
+
+    lowest: int | None
+    highest: int | None
+    pods: int
+
+
+@dataclass(frozen=True)
 class Measurement:
     """One Prometheus window, as the driver read it: the window's figures, or why there are none."""
 
     metrics: TrialMetrics | None = None
     inconclusive: str | None = None
     reason: InconclusiveReasonName | None = None  # with `inconclusive`: PrometheusUnreachable waits for Prometheus
+    generations: GenerationsRun | None = None  # None: not read (the simulator's windows), nothing to check
 
     @property
     def unreachable(self) -> bool:
@@ -95,7 +106,8 @@ class WindowRequest:
 @dataclass
 class Actions:
     status: Status
-    apply: ScheduleKnobs | None = None  # to every engine (PUT /admin/schedule) and into the ConfigMap
+    # To every engine (PUT /admin/schedule, with its generation); reconcile writes the ConfigMap from the status.
+    apply: AppliedSchedule | None = None
     create_job: dict[str, Any] | None = None
     delete_job: str | None = None
     scale: int | None = None

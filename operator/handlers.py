@@ -10,6 +10,10 @@ annotations.
   condition Deployed=False with reason EngineCannotServe; otherwise apply the rendered objects (a required kind whose
   API is not served: Deployed=False and a retry; an optional one, PodMonitor: skipped with a warning event), prune
   what the render no longer has, condition Deployed=True.
+- status.tuning.applied changes (the autotune loop applied a schedule): the ConfigMap is rendered again from it, at
+  its schedule generation. Reconcile is the one writer of the ConfigMap, and status.tuning.applied its one source;
+  kopf runs one object's handlers one at a time, and the engines take only a newer generation, so a ConfigMap
+  rendered from an older read never replaces a newer schedule on them.
 - an engine Deployment or LeaderWorkerSet changes: readiness from its pods and each engine's `/info`, judged against
   `status.plan` (never re-planned). LeaderWorkerSets are watched only where their CRD is installed: kopf logs that
   an unserved resource cannot be watched and starts watching when the CRD appears.
@@ -42,12 +46,12 @@ from pydantic import ValidationError
 from . import kube as kube_module
 from . import status as st
 from .api import InferenceService, Plan, PlanSchedule
-from .autotune import applied_schedule
+from .autotune import configmap_schedule
 from .autotune_loop import AutotuneLoop
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
 from .operator_cli import PROMETHEUS_URL_ENV
 from .planner import PlanError, plan, servability
-from .render import INSTANCE_LABEL, render, render_admin_secret, selector
+from .render import INSTANCE_LABEL, render, render_admin_secret, render_configmap, selector
 
 # Set by `npuserve operator --prometheus-url` (default: the environment variable); read by the autotune loop.
 PROMETHEUS_URL: str | None = None
@@ -132,10 +136,11 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
     # schedule is the tuner's while its trials are of this plan (a re-apply must not put the plan's back), read
     # from the status the write reads anyway.
     schedule: PlanSchedule | None = None
+    schedule_generation = 0
 
     def write_plan(o: Mapping[str, Any]) -> st.Status:
-        nonlocal schedule
-        schedule = applied_schedule(isvc, result, o.get("status") or {})
+        nonlocal schedule, schedule_generation
+        schedule, schedule_generation = configmap_schedule(isvc, result, o.get("status") or {})
         return st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(), autotune, schedule)
 
     _write(namespace, name, write_plan)
@@ -143,7 +148,7 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
     # The engines' admin token: made once, kept (the pods read it from their environment).
     if isvc.metadata.uid and client.create_if_absent(render_admin_secret(isvc, secrets.token_urlsafe(32))):
         logger.info("created the admin Secret of %s/%s", namespace, name)
-    objects = render(isvc, result, schedule)
+    objects = render(isvc, result, schedule, schedule_generation)
     applied, skipped = _apply(body, namespace, name, generation, objects)
     removed = client.prune(namespace, name, objects)
     _write(namespace, name, lambda o: st.deployed(o.get("status") or {}, applied, skipped, generation,
@@ -190,6 +195,30 @@ def _fail_deploy(body: kopf.Body, namespace: str, name: str, generation: int | N
     _write(namespace, name, lambda o: st.not_deployed(o.get("status") or {}, reason, message, generation,
                                                       st.now_rfc3339()))
     kopf.warn(body, reason=reason, message=message)
+
+
+@kopf.on.field(GROUP, VERSION, PLURAL, field="status.tuning.applied")
+def on_applied_schedule(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+    """The autotune loop applied a schedule (status.tuning.applied): the ConfigMap follows, at its generation."""
+    write_configmap(body, logger)
+
+
+def write_configmap(body: Mapping[str, Any], logger: kopf.Logger) -> None:
+    """The ConfigMap from the status as it is now: the tuner's schedule and generation, or the plan's."""
+    metadata = body.get("metadata") or {}
+    namespace, name = metadata.get("namespace") or "default", metadata.get("name") or ""
+    obj = kube().get_inference_service(namespace, name)  # the status now, not the event's (it may be older)
+    status = (obj or {}).get("status") or {}
+    plan_now = st.plan_of(status) if obj is not None and st.engines_expected(status) else None
+    if obj is None or plan_now is None:
+        return  # nothing deployed: reconcile renders the ConfigMap with the rest
+    try:
+        isvc = _parse(obj)
+    except ValidationError:
+        return
+    schedule, schedule_generation = configmap_schedule(isvc, plan_now, status)
+    kube().apply(render_configmap(isvc, plan_now, schedule, schedule_generation))
+    logger.info("ConfigMap of %s/%s at schedule generation %d", namespace, name, schedule_generation)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

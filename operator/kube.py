@@ -283,7 +283,8 @@ def put_schedule(pods: Sequence[PodState], token: str, knobs: Mapping[str, Any],
                  timeout: float = ADMIN_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
                  ) -> dict[str, str]:
     """PUT /admin/schedule on every engine pod with an IP, at once; pod name -> error, for those that refused or did
-    not answer (empty: all applied). Runs its own event loop (call it from a worker thread)."""
+    not answer (empty: all applied). An engine that answers 409 already runs this schedule generation or a newer
+    one (its config file was quicker): not an error. Runs its own event loop (call it from a worker thread)."""
     return asyncio.run(_put_schedule(pods, token, dict(knobs), port, timeout, transport))
 
 
@@ -298,7 +299,7 @@ async def _put_schedule(pods: Sequence[PodState], token: str, body: dict[str, An
                                           headers=headers)
             except httpx.HTTPError as e:
                 return pod.name, f"{ADMIN_SCHEDULE_PATH} unreachable: {e!r}"
-            if response.status_code != 200:
+            if response.status_code not in (200, 409):
                 return pod.name, f"{ADMIN_SCHEDULE_PATH} answered {response.status_code}: {response.text[:300]}"
             return pod.name, None
 

@@ -161,6 +161,14 @@ def window_queries(selection: Selection, window_s: int) -> dict[str, str]:
         "in_flight_sum": f"sum({in_flight})",
         "pods_reporting": f"count({in_flight})",
     }
+    # The schedule generation each pod ran: its lowest and highest sample in the window, over every pod, and how
+    # many pods reported one (a pod without the gauge ran something unknown).
+    generation = f"{contract.METRIC_SCHEDULE_GENERATION.series}{sel}{rng}"
+    queries |= {
+        "schedule_generation_min": f"min(min_over_time({generation}))",
+        "schedule_generation_max": f"max(max_over_time({generation}))",
+        "schedule_generation_pods": f"count(max_over_time({generation}))",
+    }
     return queries
 
 
@@ -200,6 +208,10 @@ class WindowReading:
     kv_usage_max: Figure  # 0-1, the highest any pod reached
     in_flight_sum: Figure  # mean requests running + waiting per pod over the window, summed over pods
     pods_reporting: Figure  # pods with in-flight gauges in the window
+    # The schedule generation gauge: lowest and highest sample over every pod, and the pods reporting one.
+    schedule_generation_min: Figure = Empty("schedule_generation_min")
+    schedule_generation_max: Figure = Empty("schedule_generation_max")
+    schedule_generation_pods: Figure = Empty("schedule_generation_pods")
 
     @classmethod
     def from_figures(cls, selection: Selection, end: float, window_s: int, figures: dict[str, Figure]) -> WindowReading:
@@ -215,7 +227,9 @@ class WindowReading:
                    output_tokens_per_s=f["output_tokens_per_s"], requests_finished=f["requests_finished"],
                    errors=f["errors"], aborts=f["aborts"], preemptions=f["preemptions"],
                    kv_usage_max=f["kv_usage_max"], in_flight_sum=f["in_flight_sum"],
-                   pods_reporting=f["pods_reporting"])
+                   pods_reporting=f["pods_reporting"], schedule_generation_min=f["schedule_generation_min"],
+                   schedule_generation_max=f["schedule_generation_max"],
+                   schedule_generation_pods=f["schedule_generation_pods"])
 
     def figures(self) -> dict[str, Figure]:
         """Every figure by name (`ttft_ms.p90`, `errors`, ...), the names of `window_queries`."""

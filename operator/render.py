@@ -38,6 +38,7 @@ from npuserve.engine_contract import (
     NODE_RANK_ENV,
     NPU_MEMORY_FRACTION_ENV,
     READY_PATH,
+    SCHEDULE_GENERATION_KEY,
     serve_command,
 )
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
@@ -138,8 +139,10 @@ def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
 # --- config.json -------------------------------------------------------------------------------------------------
 
 
-def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> MindIEConfig:
-    """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's.
+def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None,
+                  generation: int | None = None) -> MindIEConfig:
+    """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's;
+    `generation`: its schedule generation (`autotune.configmap_schedule`), which the engines compare.
     `npuserve.maxBatchSizeLimit` is the plan's, not the schedule's: it sizes the engine at start-up (so it is in
     the config hash), and every maxBatchSize the tuner proposes is within it, applied live."""
     spec = isvc.spec
@@ -174,16 +177,18 @@ def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | N
             policy=spec.engine.policy,
             servedModelName=spec.model.name,
             maxBatchSizeLimit=max_batch_size_limit(plan),
+            scheduleGeneration=generation,
         ).model_dump(exclude_defaults=False),
     }
     return MindIEConfig.from_dict(data, source=f"{isvc.metadata.name} config.json")
 
 
 def config_hash(config: MindIEConfig, model_config: str | None = None) -> str:
-    """Hash of what needs a restart to change: everything but the live schedule fields."""
+    """Hash of what needs a restart to change: everything but the live schedule fields and their generation."""
     data = config.to_dict()
     schedule = data["BackendConfig"].get("ScheduleConfig", {})
     data["BackendConfig"]["ScheduleConfig"] = {k: v for k, v in schedule.items() if k not in HOT_SCHEDULE_FIELDS}
+    data.get("npuserve", {}).pop(SCHEDULE_GENERATION_KEY, None)
     text = json.dumps(data, sort_keys=True) + (model_config or "")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -194,8 +199,9 @@ def _model_config_json(isvc: InferenceService) -> str | None:
     return json.dumps(model_spec(isvc.spec).to_hf_config(), indent=2, sort_keys=True) + "\n"
 
 
-def render_configmap(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> Manifest:
-    data = {CONFIG_KEY: mindie_config(isvc, plan, schedule).dumps()}
+def render_configmap(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None,
+                     generation: int | None = None) -> Manifest:
+    data = {CONFIG_KEY: mindie_config(isvc, plan, schedule, generation).dumps()}
     model_config = _model_config_json(isvc)
     if model_config is not None:
         data[MODEL_CONFIG_KEY] = model_config
@@ -505,11 +511,13 @@ def render_podmonitor(isvc: InferenceService, plan: Plan) -> Manifest:
     }
 
 
-def render(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None) -> list[Manifest]:
-    """Every object of one InferenceService, in apply order. `schedule`: the tuner's, in the ConfigMap; the pod
-    template's config hash leaves the hot schedule fields out, so a tuned schedule never rolls the pods."""
-    configmap = render_configmap(isvc, plan, schedule)
-    digest = config_hash(mindie_config(isvc, plan, schedule), configmap["data"].get(MODEL_CONFIG_KEY))
+def render(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None,
+           generation: int | None = None) -> list[Manifest]:
+    """Every object of one InferenceService, in apply order. `schedule`: the tuner's, in the ConfigMap, at its
+    `generation`; the pod template's config hash leaves the hot schedule fields and the generation out, so a tuned
+    schedule never rolls the pods."""
+    configmap = render_configmap(isvc, plan, schedule, generation)
+    digest = config_hash(mindie_config(isvc, plan, schedule, generation), configmap["data"].get(MODEL_CONFIG_KEY))
     workload = (
         render_leaderworkerset(isvc, plan, digest) if plan.nodes > 1 else render_deployment(isvc, plan, digest)
     )

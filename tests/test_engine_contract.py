@@ -55,17 +55,33 @@ def test_mindie_defaults_and_ranges() -> None:
 def test_every_schedule_schema_takes_its_ranges_from_the_table(where: str) -> None:
     schema = _schemas()[where].model_json_schema()["properties"]
     for name, prop in schema.items():
-        if name in ("templateType", "templateName"):
-            continue
+        if name in ("templateType", "templateName", contract.SCHEDULE_GENERATION_KEY):
+            continue  # the generation: test_the_schedule_generation_is_one_field_everywhere
         field = contract.SCHEDULE_FIELD_BY_NAME[name]  # a field outside the table is a second definition
         assert _bounds(prop) == (field.ge, field.le), f"{where}: {name}"
 
 
 def test_which_schema_has_which_fields() -> None:
     schemas = _schemas()
-    assert set(schemas["PUT /admin/schedule"].model_fields) == contract.HOT_SCHEDULE_FIELDS
+    assert set(schemas["PUT /admin/schedule"].model_fields) == contract.HOT_SCHEDULE_FIELDS | {
+        contract.SCHEDULE_GENERATION_KEY}
     assert set(schemas["CRD spec.engine.schedule"].model_fields) == set(contract.SCHEDULE_KNOBS)
     assert set(schemas["config.json"].model_fields) >= set(contract.SCHEDULE_FIELD_BY_NAME)
+
+
+def test_the_schedule_generation_is_one_field_everywhere() -> None:
+    """config.json's npuserve section, the PUT body, /info and status.tuning.applied carry the generation under the
+    contract's key, with the contract's field (its range and description)."""
+    from npuserve.engine.server.protocol import ScheduleUpdate
+    from npuserve.mindie_config import NpuserveExtensions
+    from npuserve.operator.api import AppliedSchedule
+
+    assert contract.SCHEDULE_GENERATION_KEY == "scheduleGeneration"
+    reference = contract.schedule_generation_field()
+    for model in (NpuserveExtensions, ScheduleUpdate, contract.EngineInfo, AppliedSchedule):
+        field = model.model_fields[contract.SCHEDULE_GENERATION_KEY]
+        assert field.description == reference.description, model
+        assert [m.ge for m in field.metadata if hasattr(m, "ge")] == [0], model
 
 
 def test_the_crd_on_disk_carries_the_table_ranges() -> None:

@@ -73,6 +73,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[bool] | None = None
         self._publish_state(engine.snapshot)
+        self.metrics.set_schedule_generation(engine.config.extensions.scheduleGeneration)
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-          413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
+          409: "ConflictError", 413: "RequestTooLargeError", 422: "UnprocessableEntityError", 429: "RateLimitError",
           503: "ServiceUnavailableError"}
 
 

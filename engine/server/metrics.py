@@ -86,6 +86,8 @@ class EngineMetrics:
         self.kv_cache_usage_perc = gauge(contract.METRIC_KV_CACHE_USAGE_PERC,
                                          "Fraction of device KV blocks in use (0-1).")
         self.kv_cache_blocks_total = gauge(contract.METRIC_KV_CACHE_BLOCKS_TOTAL, "Device KV blocks allocated.")
+        self.schedule_generation = gauge(contract.METRIC_SCHEDULE_GENERATION,
+                                         "Generation of the schedule the scheduler runs (-1: none).")
 
         self.prompt_tokens = counter(contract.METRIC_PROMPT_TOKENS, "Prompt tokens processed.")
         self.generation_tokens = counter(contract.METRIC_GENERATION_TOKENS, "Tokens generated.")
@@ -102,6 +104,7 @@ class EngineMetrics:
             metric.labels(model_name)
         for reason in contract.FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
+        self.set_schedule_generation(None)
 
     # --- recording ---------------------------------------------------------------------------------------------
 
@@ -136,6 +139,10 @@ class EngineMetrics:
         self.num_requests_swapped.labels(m).set(swapped)
         self.kv_cache_usage_perc.labels(m).set(kv_usage)
         self.kv_cache_blocks_total.labels(m).set(kv_blocks_total)
+
+    def set_schedule_generation(self, generation: int | None) -> None:
+        value = contract.SCHEDULE_GENERATION_NONE if generation is None else generation
+        self.schedule_generation.labels(self.model_name).set(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

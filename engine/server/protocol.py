@@ -22,7 +22,7 @@ from pydantic import (
 
 from npuserve.engine.guided import GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
-from npuserve.engine_contract import RequestTimings, schedule_field
+from npuserve.engine_contract import RequestTimings, schedule_field, schedule_generation_field
 
 # --- shared --------------------------------------------------------------------------------------------------------
 
@@ -597,3 +597,4 @@ class ScheduleUpdate(BaseModel):
     maxQueueDelayMicroseconds: int | None = schedule_field("maxQueueDelayMicroseconds", optional=True)
     prefillPolicyType: int | None = schedule_field("prefillPolicyType", optional=True)
     decodePolicyType: int | None = schedule_field("decodePolicyType", optional=True)
+    scheduleGeneration: int | None = schedule_generation_field()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from isvc_helpers import REPO, load_yaml
 
-from npuserve.engine_contract import ENGINE_PORT, HOT_SCHEDULE_FIELDS
+from npuserve.engine_contract import ENGINE_PORT, HOT_SCHEDULE_FIELDS, SCHEDULE_GENERATION_KEY
 from npuserve.operator import autotune as at
 from npuserve.operator import capacity
 from npuserve.operator.api import (
@@ -224,7 +224,11 @@ class Loop:
         return found[0]
 
     def applies(self, since: int = 0) -> list[ScheduleKnobs]:
-        return [t.actions.apply for t in self.ticks[since:] if t.actions.apply is not None]
+        return [t.actions.apply.knobs() for t in self.ticks[since:] if t.actions.apply is not None]
+
+    def generations(self, since: int = 0) -> list[int]:
+        """The schedule generation of each apply."""
+        return [t.actions.apply.scheduleGeneration for t in self.ticks[since:] if t.actions.apply is not None]
 
     def events(self, since: int = 0) -> list[tuple[str, str]]:
         return [(kind, reason) for t in self.ticks[since:] for kind, reason, _ in t.actions.events]
@@ -302,7 +306,7 @@ def test_decode_latency_converges_to_the_largest_batch_under_the_bound(baseline:
     assert loop.status["phase"] == "Ready"
     assert loop.status["schedule"]["maxBatchSize"] == best
     assert loop.status["schedule"] == t.best.schedule.model_dump(exclude_none=True)
-    assert t.applied == t.best.schedule
+    assert t.applied is not None and t.applied.knobs() == t.best.schedule
     assert at.applied_schedule(loop.isvc, loop.plan, loop.status) == at.with_knobs(loop.plan.schedule, t.best.schedule)
     assert loop.status["observed"]["samples"] == loop.engine.samples
     for tick in loop.ticks:  # Tuning while a trial is open, Ready after the verdict
@@ -522,8 +526,55 @@ def test_every_applied_schedule_is_one_put_admin_schedule_accepts() -> None:
     loop.run_until(lambda lp: lp.ticks[-1].due is not None)
     loop.error_rate = 0.0
     loop.run_until(settled)
-    for knobs in loop.applies():
-        assert set(knobs.model_dump(exclude_none=True)) <= HOT_SCHEDULE_FIELDS
+    for tick in loop.ticks:
+        if tick.actions.apply is not None:  # the PUT body: hot fields and the generation
+            assert set(tick.actions.apply.model_dump(exclude_none=True)) <= HOT_SCHEDULE_FIELDS | {
+                SCHEDULE_GENERATION_KEY}
+
+
+def test_a_window_whose_pods_did_not_run_the_trials_generation_throughout_is_discarded() -> None:
+    """The engines' generation gauge over the window: a pod that ran another schedule generation at some sample
+    (or none reported one) makes the window inconclusive (ScheduleNotRun); the trial is put on the engines again at a
+    new generation and measured again, and a window run at that generation throughout is measured."""
+    loop = Loop.start(replicas=2)
+    loop.tick()
+    t = loop.tuning()
+    assert t.applied is not None and t.current is not None
+    # metadata.generation 1: the plan's own schedule is at generation 0 + 1, the tuner's first at 2.
+    assert t.applied.scheduleGeneration == 2 and loop.generations() == [2]
+    metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
+    stale = at.GenerationsRun(lowest=1, highest=2, pods=2)  # one pod ran generation 1 during the window
+    for attempt, ran in enumerate((stale, at.GenerationsRun(lowest=None, highest=None, pods=0)), start=1):
+        loop.tick_until_due()
+        loop.tick(at.Measurement(metrics=metrics, generations=ran))
+        t = loop.tuning()
+        assert [(e.outcome, e.reason) for e in t.history][-1] == ("inconclusive", "ScheduleNotRun")
+        assert t.current is not None and t.current.attempts == attempt and t.trial == 0
+        assert loop.condition("Tuning")["reason"] == at.REASON_SCHEDULE_NOT_RUN == "ScheduleNotRun"
+        apply = loop.ticks[-1].actions.apply  # the same knobs again, at a newer generation
+        assert apply is not None and apply.knobs() == t.current.schedule
+    assert loop.generations() == [2, 4, 6]
+    t = loop.tuning()  # one entry for the cause while the trial stays open; the message says the last window's
+    assert [e.verdict for e in t.history] == [
+        "the measured engines ran schedule generations 1 to 2 in the window, not the trial's 2 throughout"]
+    assert t.message == ("trial 1: no engine reported its schedule generation in the window (the trial's is 4); "
+                         "measuring again (attempt 3)")
+    loop.tick_until_due()
+    loop.tick(at.Measurement(metrics=metrics, generations=at.GenerationsRun(lowest=6, highest=6, pods=2)))
+    t = loop.tuning()
+    assert [(e.outcome, e.reason) for e in t.history][-1] == ("measured", None)
+    assert loop.generations() == [2, 4, 6]  # the next trial measures the same knobs again: nothing new applied
+
+
+def test_a_newer_generation_than_the_trials_is_not_the_trial_either() -> None:
+    loop = Loop.start()
+    loop.tick()
+    t = loop.tuning()
+    assert t.current is not None and t.applied is not None and t.applied.scheduleGeneration == 2
+    metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
+    loop.tick_until_due()
+    loop.tick(at.Measurement(metrics=metrics, generations=at.GenerationsRun(lowest=2, highest=3, pods=1)))
+    assert [(e.outcome, e.reason) for e in loop.tuning().history] == [("inconclusive", "ScheduleNotRun")]
 
 
 # --- 5. benchmark mode ---------------------------------------------------------------------------------------------
@@ -826,7 +877,8 @@ def test_a_new_slo_resets_the_tuning_and_the_configmap_schedule(baseline: Loop) 
     assert t.problem != old.tuning().problem
     assert t.roundStartedAt == at.rfc3339(loop.ticks[-1].now)
     assert t.current is not None and t.current.schedule.maxBatchSize == plan.schedule.maxBatchSize
-    assert loop.ticks[-1].actions.apply == t.current.schedule  # the new round's first trial, the plan's batch
+    apply = loop.ticks[-1].actions.apply
+    assert apply is not None and apply.knobs() == t.current.schedule  # the new round's first trial, the plan's batch
     assert loop.condition("Tuning")["reason"] == at.REASON_MEASURING and loop.status["phase"] == "Tuning"
     assert at.applied_schedule(old.isvc, old.plan, loop.status) is None  # and the old problem's no longer
     loop.run_until(settled)

@@ -3,8 +3,10 @@ status is merged into the status as it is at write time (another writer, readine
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
+from npuserve.operator.autotune import GenerationsRun
 from npuserve.operator.autotune_loop import measurement_of, merge_status
 from npuserve.operator.prometheus import Empty, LatencyReading, Selection, Unreachable, WindowReading
 
@@ -37,6 +39,14 @@ def test_an_empty_window_is_inconclusive_and_an_unreachable_prometheus_says_so()
     assert no_pods.metrics is not None and no_pods.metrics.inFlightPerPod == 0.0
     missing = measurement_of(reading(30, in_flight=12.0, pods=Empty("count")))
     assert missing.metrics is not None and missing.metrics.inFlightPerPod is None
+
+
+def test_a_window_carries_the_schedule_generations_the_pods_ran_as_facts() -> None:
+    m = measurement_of(replace(reading(30), schedule_generation_min=6.0, schedule_generation_max=7.0,
+                               schedule_generation_pods=2.0))
+    assert m.generations == GenerationsRun(lowest=6, highest=7, pods=2)
+    none = measurement_of(reading(30))  # the gauge absent from Prometheus
+    assert none.generations == GenerationsRun(lowest=None, highest=None, pods=0)
 
 
 def _cond(type_: str, status: str, reason: str, t: str = "t0") -> dict[str, Any]:

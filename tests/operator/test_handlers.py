@@ -138,16 +138,45 @@ def test_the_admin_secret_is_made_once_and_a_tuned_schedule_survives_a_reconcile
     isvc = InferenceService.model_validate({**TINY, "spec": {**TINY["spec"], "autotune": {"enabled": True}}})
     key = problem_key(problem_for(isvc, plan_of(fake.status)))  # type: ignore[arg-type]
     fake.custom.write({"tuning": {"phase": "Running", "problem": key,  # type: ignore[attr-defined]
-                                  "applied": {"maxBatchSize": 7, "maxPrefillBatchSize": 3}}})
+                                  "applied": {"maxBatchSize": 7, "maxPrefillBatchSize": 3,
+                                              "scheduleGeneration": 9}}})
     _reconcile(fake, {"autotune": {"enabled": True}})
     assert fake.created == ["Secret/tiny-admin"]  # not made again
     assert fake.objects[("Secret", "team-a", "tiny-admin")]["stringData"]["token"] == token
     config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
     assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 7
+    assert config["npuserve"]["scheduleGeneration"] == 9  # the tuner's generation, as status.tuning.applied says
     assert fake.status["schedule"]["maxBatchSize"] == 7
     _reconcile(fake, {"autotune": {"enabled": False}})  # off: the plan's schedule again
     config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
     assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == plan_of(fake.status).schedule.maxBatchSize  # type: ignore[union-attr]
+    # past the tuner's 9, so engines running the tuned schedule take the plan's back: 9 + metadata.generation 1
+    assert config["npuserve"]["scheduleGeneration"] == 10
+
+
+def test_the_configmap_follows_status_tuning_applied_from_the_status_now(
+        monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    """The autotune loop writes status.tuning.applied only; reconcile's field handler renders the ConfigMap from the
+    status as it is when it runs (a newer applied than the event's wins), at the applied generation."""
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake, {"autotune": {"enabled": True}})
+    from npuserve.operator.api import InferenceService
+    from npuserve.operator.autotune import problem_for, problem_key
+    from npuserve.operator.status import plan_of
+    isvc = InferenceService.model_validate({**TINY, "spec": {**TINY["spec"], "autotune": {"enabled": True}}})
+    key = problem_key(problem_for(isvc, plan_of(fake.status)))  # type: ignore[arg-type]
+
+    def tuned(batch: int, generation: int) -> dict[str, Any]:
+        return {"tuning": {"phase": "Running", "problem": key, "applied": {
+            "maxBatchSize": batch, "maxPrefillBatchSize": 3, "scheduleGeneration": generation}}}
+
+    fake.custom.write(tuned(7, 11))  # type: ignore[attr-defined]
+    event_body = copy.deepcopy(fake.custom.obj)  # type: ignore[attr-defined]
+    fake.custom.write(tuned(9, 12))  # type: ignore[attr-defined]  # the loop applied again before the handler ran
+    handlers.on_applied_schedule(body=kopf.Body(event_body), logger=LOG)  # type: ignore[arg-type]
+    config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
+    assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 9
+    assert config["npuserve"]["scheduleGeneration"] == 12
 
 
 def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:

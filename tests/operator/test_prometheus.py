@@ -192,6 +192,8 @@ BUSY = {"ttft_ms.mean": "120", "ttft_ms.p90": "200", "ttft_ms.p99": "300", "ttft
         "tpot_ms.mean": "40", "tpot_ms.p90": "50", "tpot_ms.p99": "60", "tpot_ms.samples": "99.6",
         "e2e_mean_ms": "5000", "output_tokens_per_s": "512.5", "requests_finished": "101.2", "errors": "1.01",
         "aborts": "3", "preemptions": "0", "kv_usage_max": "0.7", "in_flight_sum": "30", "pods_reporting": "2"}
+# The schedule-generation gauge: both pods ran generation 7 throughout.
+BUSY |= {"schedule_generation_min": "7", "schedule_generation_max": "7", "schedule_generation_pods": "2"}
 
 
 def read(values: dict[str, str], start: float = 1000.0, end: float = 1060.0) -> WindowReading:
@@ -212,6 +214,17 @@ def test_a_busy_window_gives_the_tuners_metrics() -> None:
         tpotMs=LatencyStats(mean=40, p90=50, p99=60), errorRate=1 / 101, samples=100, preemptions=0,
         kvExhausted=False, inFlightPerPod=15.0, e2eMeanMs=5000.0)
     assert reading.trial_metrics(min_requests=200) == "only 101 requests finished in the window (fewer than 200)"
+
+
+def test_the_schedule_generations_run_are_read_per_pod_over_the_window() -> None:
+    queries = window_queries(SEL, 60)
+    gauge = 'npuserve:schedule_generation{namespace="ns1",npuserve_io_inferenceservice="tiny"}[60s]'
+    assert queries["schedule_generation_min"] == f"min(min_over_time({gauge}))"
+    assert queries["schedule_generation_max"] == f"max(max_over_time({gauge}))"
+    assert queries["schedule_generation_pods"] == f"count(max_over_time({gauge}))"
+    reading = read(BUSY | {"schedule_generation_min": "6"})
+    assert (reading.schedule_generation_min, reading.schedule_generation_max,
+            reading.schedule_generation_pods) == (6.0, 7.0, 2.0)
 
 
 def test_the_window_is_whole_seconds_from_the_end() -> None:

@@ -199,6 +199,16 @@ def test_config_hash_rolls_pods_on_memory_changes_not_on_live_schedule_changes()
     assert _hash(isvc, block) != base
 
 
+def test_the_schedule_generation_is_in_config_json_and_never_rolls_the_pods() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    rendered = {g: by_kind(r.render(isvc, p, None, g)) for g in (3, 4)}
+    for g, objects in rendered.items():
+        assert json.loads(objects["ConfigMap"]["data"][r.CONFIG_KEY])["npuserve"]["scheduleGeneration"] == g
+    hashes = {g: o["Deployment"]["spec"]["template"]["metadata"]["annotations"][r.CONFIG_HASH_ANNOTATION]
+              for g, o in rendered.items()}
+    assert hashes[3] == hashes[4] == _hash(isvc, p)
+
+
 def test_dummy_weights_ship_the_architecture_in_the_configmap() -> None:
     isvc, p = load("tiny-cpu.yaml")
     objects = by_kind(r.render(isvc, p))
