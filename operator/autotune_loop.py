@@ -25,9 +25,10 @@ from npuserve.catalog.accelerators import get_accelerator
 from . import autotune as at
 from . import kube as kube_module
 from .api import InferenceService, Plan, ScheduleKnobs
+from .autotune_types import Status
 from .prometheus import PrometheusClient, Selection, Unreachable, WindowReading
 from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus, render_configmap
-from .status import Status, engines_expected, plan_of, set_condition
+from .status import engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
 
