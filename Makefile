@@ -26,7 +26,7 @@ TYPECHECK_TREE := build/typecheck
 typecheck: setup
 	@rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/npuserve
 	@for f in npuserve/*.py npuserve/py.typed npuserve/catalog; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/npuserve/; done
-	@for p in engine operator loadgen; do ln -s "$(CURDIR)/$$p" $(TYPECHECK_TREE)/npuserve/$$p; done
+	@for p in engine operator loadgen sim; do ln -s "$(CURDIR)/$$p" $(TYPECHECK_TREE)/npuserve/$$p; done
 	cd $(TYPECHECK_TREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p npuserve
 
 unit: setup

@@ -6,7 +6,7 @@ guide's 8 points, the measured figures, the simulated ones and the relative erro
                                                                         # constants to commit
 
 The setup (LLaMA3-8B on 2 x 910B4, GSM8K lengths, 1000 users, a fitted KV budget) and why TTFT is shown but
-not fitted: `npuserve/engine/simulated/calibration.py` (`engine/simulated/calibration.py` in the tree). The search is
+not fitted: `npuserve/sim/calibration.py` (`sim/calibration.py` in the tree). The search is
 a coordinate descent in log space over the 910B4's peak bandwidth and compute, the per-step and per-sequence
 overheads and the KV budget, minimising the worst relative error of the fitted figures (throughput and decode time);
 each candidate runs all 8 points through the real scheduler (a few seconds each). Target: every fitted figure within
@@ -22,7 +22,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 from npuserve.catalog.accelerators import FITTED_910B_HCCS_GBPS, get_accelerator
-from npuserve.engine.simulated.calibration import (
+from npuserve.sim.calibration import (
     CALIBRATED_KV_BLOCKS,
     GUIDE_POINTS,
     Comparison,
@@ -30,7 +30,7 @@ from npuserve.engine.simulated.calibration import (
     guide_requests,
     run_point,
 )
-from npuserve.engine.simulated.cost_model import FITTED_COST_PARAMS, Hardware
+from npuserve.sim.cost_model import FITTED_COST_PARAMS, Hardware
 
 TARGET = 0.15
 

@@ -30,9 +30,9 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "the load generator (MindIE Benchmark, vLLM bench serve and perf-scheme reports)",
             "npuserve.loadgen.bench_cli"),
     Command("simulate", "run the scheduler on the simulated cost-model runner",
-            "npuserve.engine.simulated.simulate_cli"),
+            "npuserve.sim.simulate_cli"),
     Command("operator", "run the kopf operator", "npuserve.operator.operator_cli"),
-    Command("tune", "run the tuner (--simulate: against the simulated engine)", "npuserve.engine.simulated.tune_cli"),
+    Command("tune", "run the tuner (--simulate: against the simulated engine)", "npuserve.sim.tune_cli"),
     Command("model", "model folders: create-dummy writes an HF-format folder with random weights",
             "npuserve.engine.model_cli"),
     Command("doctor", "preflight of an Ascend host or the engine image: driver, CANN, torch_npu, NNAL, each op on the "

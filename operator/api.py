@@ -640,7 +640,10 @@ class TrialMetrics(_Model):
     errorRate: float = Field(default=0, ge=0, le=1)
     samples: int = Field(ge=0, description="requests that finished in the window")
     preemptions: int = Field(default=0, ge=0)
-    kvExhausted: bool = Field(default=False, description="the KV cache ran full and requests were preempted")
+    kvUsageMax: float | None = Field(default=None, ge=0,
+                                     description="the highest KV cache usage (0-1) any engine reached in the window")
+    kvExhausted: bool = Field(default=False, description="the judge's finding: the KV cache ran full (kvUsageMax) "
+                              "and requests were preempted")
     inFlightPerPod: float | None = Field(default=None, ge=0,
                                          description="mean requests in flight per engine pod (Little's law)")
     e2eMeanMs: float | None = Field(default=None, ge=0, description="mean request latency, first byte to last")

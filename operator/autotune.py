@@ -57,11 +57,11 @@ from .autotune_types import JobPhase as JobPhase
 from .autotune_types import Measurement as Measurement
 from .autotune_types import Observation as Observation
 from .autotune_types import PodState as PodState
+from .autotune_types import Status, format_duration, parse_duration, parse_rfc3339, rfc3339
 from .autotune_types import WindowRequest as WindowRequest
-from .autotune_types import format_duration, parse_duration, parse_rfc3339, rfc3339
 from .problem import TunedSchedule, TuningProblem
 from .render import bench_job_name, render_bench_job
-from .status import Status, serving_phase, set_condition
+from .status import serving_phase, set_condition
 from .tuner import NextTrial, Trial, Verdict, best_so_far, next_step
 from .tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
 

@@ -26,9 +26,10 @@ from npuserve.catalog.accelerators import get_accelerator
 from . import autotune as at
 from . import kube as kube_module
 from .api import AppliedSchedule, InferenceService, Plan
+from .autotune_types import Status
 from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
 from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus
-from .status import Status, engines_expected, plan_of, set_condition
+from .status import engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,8 @@
-"""What the autotune driver observes and what the state machine asks of it: plain facts and requests, no decisions.
+"""What the operator observes and what the state machine asks of it: plain facts and requests, no decisions.
 
-The I/O modules (`kube.py`, `prometheus.py`, `autotune_loop.py`) build and read these; the pure state machine
-(`autotune.py`) and its capacity part (`capacity.py`) decide from them.
+The I/O modules (`kube.py`, `prometheus.py`, `autotune_loop.py`) build and read these; the pure modules decide from
+them: the autotune state machine (`autotune.py`) and its capacity part (`capacity.py`), the status logic
+(`status.py`, which also reads the engines' reports).
 """
 
 from __future__ import annotations
@@ -13,10 +14,22 @@ from datetime import UTC, datetime
 from typing import Any, Literal
 
 from .api import AppliedSchedule, InconclusiveReasonName, TrialMetrics
-from .status import Status
+
+Status = dict[str, Any]  # an InferenceService's status as the API server holds it
 
 Event = tuple[Literal["Normal", "Warning"], str, str]
 JobPhase = Literal["active", "succeeded", "failed", "missing"]
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One engine pod as the operator sees it (its readiness and `/info`, read by `kube.read_engines`)."""
+
+    pod: str
+    ready: bool
+    kv_blocks: int | None = None  # from the engine's /info
+    error: str | None = None
+
 
 # --- time ----------------------------------------------------------------------------------------------------------
 

@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from typing import Literal, Protocol
 
 from .api import CapacityProbe, CapacityStatus, InferenceService, Plan, TrialInProgress, TrialMetrics, TuningStatus
-from .autotune_types import Actions, Observation
+from .autotune_types import Actions, Observation, Status
 from .problem import TuningProblem
-from .status import Status
 
 CAPACITY_LIMIT_FACTOR = 2  # the capacity search goes at most this many times the tuned maxBatchSize
 CAPACITY_TOLERANCE = 0.1  # the capacity search stops when the bracket is this narrow (relative)

@@ -48,13 +48,11 @@ from . import status as st
 from .api import InferenceService, Plan, PlanSchedule
 from .autotune import configmap_schedule
 from .autotune_loop import AutotuneLoop
+from .autotune_types import Status
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
-from .operator_cli import PROMETHEUS_URL_ENV
+from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
 from .planner import PlanError, plan, servability
-from .render import INSTANCE_LABEL, render, render_admin_secret, render_configmap, selector
-
-# Set by `npuserve operator --prometheus-url` (default: the environment variable); read by the autotune loop.
-PROMETHEUS_URL: str | None = None
+from .render import render, render_admin_secret, render_configmap, selector
 
 _kube: kube_module.Kube | None = None
 _loop: AutotuneLoop | None = None
@@ -68,7 +66,7 @@ def kube() -> kube_module.Kube:
 
 
 @kopf.on.startup()
-def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(*, settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="npuserve.io")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix="npuserve.io", key="last-handled-configuration")
@@ -78,7 +76,9 @@ def configure(*, settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
     global _loop
-    _loop = AutotuneLoop(kube(), PROMETHEUS_URL or os.environ.get(PROMETHEUS_URL_ENV) or None)
+    # `npuserve operator --prometheus-url` puts it in kopf's memo; `kopf run -m` (the e2e tests) leaves the memo empty.
+    prometheus_url = memo.get(MEMO_PROMETHEUS_URL) or os.environ.get(PROMETHEUS_URL_ENV) or None
+    _loop = AutotuneLoop(kube(), prometheus_url)
     _loop.start()
 
 
@@ -103,7 +103,7 @@ def _parse(body: Mapping[str, Any]) -> InferenceService:
     return InferenceService.model_validate({k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
 
 
-def _write(namespace: str, name: str, change: Callable[[Mapping[str, Any]], st.Status | None],
+def _write(namespace: str, name: str, change: Callable[[Mapping[str, Any]], Status | None],
            ) -> kube_module.StatusUpdate | None:
     return kube().update_status(namespace, name, change)
 
@@ -138,7 +138,7 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
     schedule: PlanSchedule | None = None
     schedule_generation = 0
 
-    def write_plan(o: Mapping[str, Any]) -> st.Status:
+    def write_plan(o: Mapping[str, Any]) -> Status:
         nonlocal schedule, schedule_generation
         schedule, schedule_generation = configmap_schedule(isvc, result, o.get("status") or {})
         return st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(), autotune, schedule)

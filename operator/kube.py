@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import logging
 import os
 import threading
@@ -33,9 +34,8 @@ from pydantic import ValidationError
 
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
 
-from .autotune_types import JobPhase, PodState
-from .render import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
-from .status import EngineReport, Status, merge_patch
+from .autotune_types import EngineReport, JobPhase, PodState, Status
+from .names import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,24 @@ def get_inference_service(api: StatusApi, namespace: str, name: str) -> dict[str
         if e.status == 404:
             return None
         raise
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed keys, removed keys as null, maps
+    recursively, lists whole (a merge patch replaces a list)."""
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            sub = merge_patch(before, value)
+            if sub:
+                patch[key] = sub
+        elif key not in old or before != value:
+            patch[key] = copy.deepcopy(value)
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
 
 
 def update_status(api: StatusApi, namespace: str, name: str,

@@ -1,12 +1,20 @@
-"""`npuserve operator`: runs the kopf operator (handlers in `npuserve.operator.handlers`)."""
+"""`npuserve operator`: runs the kopf operator.
+
+The handlers (`npuserve.operator.handlers`) are a kopf plug-in: importing the module registers them. This command
+loads them by module name, as `kopf run -m npuserve.operator.handlers` does, so the command line and the handlers
+import nothing of each other; the Prometheus URL reaches them through kopf's `memo`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 
-PROMETHEUS_URL_ENV = "NPUSERVE_PROMETHEUS_URL"  # --prometheus-url's default (the e2e tests' in-process operator)
+from npuserve.operator.names import MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
+
+HANDLERS_MODULE = "npuserve.operator.handlers"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     scope.add_argument("--namespace", "-n", action="append", default=[], help="watch this namespace (repeatable)")
     parser.add_argument("--prometheus-url", default=os.environ.get(PROMETHEUS_URL_ENV),
                         help="Prometheus the autotune loop reads TTFT/TPOT from, e.g. http://prometheus:9090 "
-                        "(default: $NPUSERVE_PROMETHEUS_URL); without it, spec.autotune.enabled is reported and "
+                        f"(default: ${PROMETHEUS_URL_ENV}); without it, spec.autotune.enabled is reported and "
                         "nothing tunes")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--liveness-endpoint", help="e.g. http://0.0.0.0:8080/healthz (kopf's liveness probe)")
@@ -24,10 +32,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    from npuserve.operator import handlers
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers.PROMETHEUS_URL = args.prometheus_url
+    importlib.import_module(HANDLERS_MODULE)  # registers the handlers with kopf's default registry
     kopf.run(standalone=True, clusterwide=not args.namespace, namespaces=args.namespace,
-             liveness_endpoint=args.liveness_endpoint)
+             liveness_endpoint=args.liveness_endpoint, memo=kopf.Memo({MEMO_PROMETHEUS_URL: args.prometheus_url}))
     return 0

@@ -37,6 +37,7 @@ OWNED_KNOBS = ("maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "suppo
 LatencyName = Literal["ttft", "tpot"]
 LATENCY_FIELDS: dict[LatencyName, Literal["ttftMs", "tpotMs"]] = {"ttft": "ttftMs", "tpot": "tpotMs"}
 LATENCY_OBJECTIVES = ("decodeLatency", "firstTokenAndDecode")
+KV_EXHAUSTED_USAGE = 0.99  # KV usage at or above this, with preemptions, is an exhausted cache
 
 
 class _Model(BaseModel):
@@ -151,10 +152,25 @@ class Claim:
         return self.judgement.failure is None and any(v > 1 for v in self.lower.values())
 
 
+def kv_exhausted(metrics: TrialMetrics) -> bool:
+    """Whether the KV cache ran out in the window: some engine's usage reached KV_EXHAUSTED_USAGE and requests were
+    preempted. A full cache without preemptions is the cache in use; preemptions with room left are not this failure
+    (too many of them are a preemption storm, `TuningProblem.judge`)."""
+    usage = metrics.kvUsageMax
+    return usage is not None and usage >= KV_EXHAUSTED_USAGE and metrics.preemptions > 0
+
+
+def with_findings(metrics: TrialMetrics) -> TrialMetrics:
+    """The window with the judge's finding `kvExhausted` computed from its facts, as status shows it."""
+    exhausted = kv_exhausted(metrics)
+    return metrics if metrics.kvExhausted == exhausted else metrics.model_copy(update={"kvExhausted": exhausted})
+
+
 def pooled(windows: Sequence[TrialMetrics]) -> TrialMetrics:
-    """The windows of one schedule as one: each figure averaged by requests, counts added, KV exhaustion if any."""
+    """The windows of one schedule as one: each figure averaged by requests, counts added, the highest KV usage (what
+    one window spanning them would read)."""
     if len(windows) == 1:
-        return windows[0]
+        return with_findings(windows[0])
     weights = [max(m.samples, 1) for m in windows]
     total = sum(weights)
 
@@ -166,12 +182,13 @@ def pooled(windows: Sequence[TrialMetrics]) -> TrialMetrics:
 
     in_flight = [m.inFlightPerPod for m in windows if m.inFlightPerPod is not None]
     e2e = [m.e2eMeanMs for m in windows if m.e2eMeanMs is not None]
-    return TrialMetrics(
+    kv_usage = [m.kvUsageMax for m in windows if m.kvUsageMax is not None]
+    return with_findings(TrialMetrics(
         outputTokensPerSecond=avg([m.outputTokensPerSecond for m in windows]), ttftMs=stats("ttftMs"),
         tpotMs=stats("tpotMs"), errorRate=avg([m.errorRate for m in windows]), samples=sum(m.samples for m in windows),
-        preemptions=sum(m.preemptions for m in windows), kvExhausted=any(m.kvExhausted for m in windows),
+        preemptions=sum(m.preemptions for m in windows), kvUsageMax=max(kv_usage) if kv_usage else None,
         inFlightPerPod=sum(in_flight) / len(in_flight) if in_flight else None,
-        e2eMeanMs=sum(e2e) / len(e2e) if e2e else None)
+        e2eMeanMs=sum(e2e) / len(e2e) if e2e else None))
 
 
 # The one-sided confidence with which a claim holds: the Student-t quantile at the noise estimate's degrees of freedom.
@@ -280,7 +297,7 @@ class TuningProblem(_Model):
         ratios = {k: self.latency(metrics, k) / bound for k, bound in self.bounds().items()}
         over = tuple(f"{LATENCY_FIELDS[k]}.{self.statistic}" for k, r in ratios.items() if r > 1)
         failure: TrialReason | None = None
-        if metrics.kvExhausted:
+        if kv_exhausted(metrics):
             failure, why, figure = "KVCacheExhausted", "KV cache exhausted", "kvExhausted"
         elif metrics.outputTokensPerSecond <= 0:
             failure, why, figure = "NoOutputTokens", "no output tokens", "outputTokensPerSecond"

@@ -2,7 +2,8 @@
 (docs/operator.md#what-the-operator-reads-from-prometheus).
 
 The tuner judges a trial from what Prometheus scraped of the engines while the trial's schedule ran. This module
-reads that window and turns it into the tuner's `TrialMetrics`, or says why the window cannot be judged.
+reads that window and turns it into the tuner's `TrialMetrics`, or says why the window cannot be judged. It reports
+facts (KV usage, preemptions) and judges nothing: whether the KV cache ran out is the judge's (`problem.py`).
 
 - Series are selected by `namespace` and `npuserve_io_inferenceservice`: the pod label `npuserve.io/inferenceservice`
   as the PodMonitors' `podTargetLabels` copy it (the chart's monitor and `render.render_podmonitor`), optionally
@@ -27,11 +28,10 @@ import httpx
 from npuserve import engine_contract as contract
 from npuserve.engine_contract import EngineMetric
 from npuserve.operator.api import LatencyStats, TrialMetrics
-from npuserve.operator.render import INSTANCE_LABEL
+from npuserve.operator.names import INSTANCE_LABEL
 
 QUERY_PATH = "/api/v1/query"
 READY_PATH = "/-/ready"
-KV_EXHAUSTED_USAGE = 0.99  # KV usage at or above this, with preemptions, is an exhausted cache
 
 
 # --- outcomes ------------------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class WindowReading:
             errorRate=min(1.0, v["errors"] / finished),
             samples=round(v["ttft_ms.samples"]),
             preemptions=round(v["preemptions"]),
-            kvExhausted=v["kv_usage_max"] >= KV_EXHAUSTED_USAGE and v["preemptions"] > 0,
+            kvUsageMax=v["kv_usage_max"],
             inFlightPerPod=per_pod if isinstance(per_pod, float) else None,
             e2eMeanMs=self.e2e_mean_ms if isinstance(self.e2e_mean_ms, float) else None,
         )

@@ -46,6 +46,8 @@ from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, Pla
 from npuserve.operator.planner import model_spec
 from npuserve.operator.problem import max_batch_size_limit
 
+from .names import COMPONENT_LABEL, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
 PORT_NAME = "http"
@@ -64,9 +66,6 @@ CONFIG_HASH_ANNOTATION = "npuserve.io/config-hash"
 ADMIN_TOKEN_KEY = "token"  # the key of the admin Secret (PUT /admin/schedule's bearer token)
 LOADGEN_COMPONENT = "loadgen"
 BENCH_GRACE_S = 120  # a benchmark Job's run past its load, before Kubernetes ends it
-INSTANCE_LABEL = "npuserve.io/inferenceservice"
-COMPONENT_LABEL = "app.kubernetes.io/component"
-LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 CPUS_PER_CARD = 8
 MIN_CPUS = 4
 HOST_MEMORY_OVERHEAD_GIB = 16

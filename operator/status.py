@@ -11,21 +11,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from npuserve.catalog.accelerators import get_accelerator
 
 from .api import Plan, PlanSchedule, ScheduleKnobs
+from .autotune_types import EngineReport, Status
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
 # Reasons a person acts on (docs/operator.md lists them).
 ENGINE_CANNOT_SERVE = "EngineCannotServe"
 # Phases the first successful plan moves on from: nothing runs yet, or what ran was refused.
 _UNDEPLOYED_PHASES = (None, "Pending", "Failed", "Planned")
-
-Status = dict[str, Any]
 
 
 def now_rfc3339() -> str:
@@ -62,24 +60,6 @@ def _with_condition(status: Mapping[str, Any], type_: str, value: bool, reason: 
     new = copy.deepcopy(dict(status))
     new["conditions"] = set_condition(new.get("conditions") or [], type_, value, reason, message, now, generation)
     return new
-
-
-def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed keys, removed keys as null, maps
-    recursively, lists whole (a merge patch replaces a list)."""
-    patch: dict[str, Any] = {}
-    for key, value in new.items():
-        before = old.get(key)
-        if isinstance(value, Mapping) and isinstance(before, Mapping):
-            sub = merge_patch(before, value)
-            if sub:
-                patch[key] = sub
-        elif key not in old or before != value:
-            patch[key] = copy.deepcopy(value)
-    for key in old:
-        if key not in new:
-            patch[key] = None
-    return patch
 
 
 def plan_of(status: Mapping[str, Any]) -> Plan | None:
@@ -172,16 +152,6 @@ def serving_phase(tuning: Mapping[str, Any]) -> str:
     """The phase of a service whose engines are all ready: Tuning while trials run (or a window is open), else
     Ready. `tuning` is `status.tuning` (empty without one)."""
     return "Tuning" if tuning.get("phase") == "Running" or tuning.get("current") else "Ready"
-
-
-@dataclass(frozen=True)
-class EngineReport:
-    """One engine pod as the operator sees it."""
-
-    pod: str
-    ready: bool
-    kv_blocks: int | None = None  # from the engine's /info
-    error: str | None = None
 
 
 def engines_expected(status: Mapping[str, Any]) -> bool:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from npuserve.operator.api import BatchLimit, FailureReasonName, StopReason, TrialMetrics
 
@@ -48,6 +48,7 @@ from .problem import (
     TuningProblem,
     pooled,
     t_quantile,
+    with_findings,
 )
 
 # Factors of maxBatchSize where no fit can say yet: the outward step from one point (the guide's +100 from 200),
@@ -72,6 +73,12 @@ class Trial(_Model):
     metrics: TrialMetrics | None = None
     failure: FailureReasonName | None = None
     detail: str = Field(default="", description="the failure without metrics, for people")
+
+    @field_validator("metrics")
+    @classmethod
+    def _judge_findings(cls, metrics: TrialMetrics | None) -> TrialMetrics | None:
+        # A measurement brings facts; kvExhausted is the judge's, so a trial's window always shows the judge's word.
+        return None if metrics is None else with_findings(metrics)
 
     @model_validator(mode="after")
     def _check(self) -> Trial:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import localk8s
 
-# What `npuserve operator` reads its Prometheus from when --prometheus-url is not given (operator/operator_cli.py).
+# What `npuserve operator` reads its Prometheus from when --prometheus-url is not given (operator/names.py).
 PROMETHEUS_URL_ENV = "NPUSERVE_PROMETHEUS_URL"
 
 

@@ -2,7 +2,7 @@
 
 Rules: every number names its source in a comment; a number that has no published source is None, never a
 guess. Huawei publishes no per-card FLOP/s or bandwidth for the 910B variants (third-party figures disagree), so
-those stay None; the planner needs only memory. The simulated runner (`npuserve.engine.simulated`) needs bandwidth
+those stay None; the planner needs only memory. The simulated runner (`npuserve.sim`) needs bandwidth
 and compute for every card it simulates: where no figure is published it takes the `fitted_*` fields, values fitted
 by `benchmarks/simulator_calibration.py` to the MindIE tuning guide's measurements and named as fitted wherever they
 are shown (`simulation_figures().source`). A fitted value is never copied into a published-figure field.

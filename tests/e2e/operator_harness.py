@@ -18,12 +18,13 @@ import localk8s
 import pytest
 from kopf.testing import KopfRunner
 
-from npuserve.operator.operator_cli import PROMETHEUS_URL_ENV
+from npuserve.operator.names import PROMETHEUS_URL_ENV
+from npuserve.operator.operator_cli import HANDLERS_MODULE
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "npuserve"
 RELEASE, RELEASE_NAMESPACE = "npuserve", "npuserve-system"
-KOPF_ARGS = ["run", "--standalone", "-A", "-m", "npuserve.operator.handlers"]
+KOPF_ARGS = ["run", "--standalone", "-A", "-m", HANDLERS_MODULE]
 
 T = TypeVar("T")
 

@@ -127,9 +127,8 @@ def test_the_harness_copies_of_operator_names_agree() -> None:
     the label name Prometheus gives the InferenceService label, and the operator's Prometheus URL variable."""
     import cluster
 
-    from npuserve.operator.operator_cli import PROMETHEUS_URL_ENV
+    from npuserve.operator.names import INSTANCE_LABEL, PROMETHEUS_URL_ENV
     from npuserve.operator.prometheus import INSTANCE_PROM_LABEL, prometheus_label_name
-    from npuserve.operator.render import INSTANCE_LABEL
 
     assert localk8s.sanitize_label_name(INSTANCE_LABEL) == INSTANCE_PROM_LABEL == "npuserve_io_inferenceservice"
     for name in ("app.kubernetes.io/component", "a-b/c.d", "x_1"):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-PACKAGES = ("npuserve.engine.scheduler", "npuserve.engine.kvcache", "npuserve.engine.simulated")
+PACKAGES = ("npuserve.engine.scheduler", "npuserve.engine.kvcache", "npuserve.sim")
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

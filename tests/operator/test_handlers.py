@@ -15,7 +15,7 @@ import pytest
 from fake_kube import TINY, FakeKube
 
 from npuserve.operator import handlers, kube
-from npuserve.operator.status import EngineReport
+from npuserve.operator.autotune_types import EngineReport
 
 LOG = logging.getLogger("test")
 
@@ -190,3 +190,47 @@ def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatc
     assert fake.status["phase"] == "Ready" and fake.status["observed"] == {"kvBlocksAllocated": 8192}
     assert _conditions(fake)["Ready"]["message"] == "1/1 engine pods ready"
     assert events[-1] == ("Normal", "Ready", "1/1 engine pods ready")
+
+
+# --- how the operator starts: `npuserve operator` loads the handlers by name and hands them its Prometheus --------
+
+
+def test_npuserve_operator_loads_the_handlers_by_name_and_passes_prometheus_in_kopfs_memo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from npuserve import cli
+    from npuserve.operator import operator_cli
+
+    ran: dict[str, Any] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: ran.update(kwargs))
+    assert cli.main(["operator", "--prometheus-url", "http://prometheus:9090", "-n", "team-a"]) == 0
+    assert handlers.__name__ == operator_cli.HANDLERS_MODULE  # the module kopf's registry gets its handlers from
+    assert ran["memo"] == {"prometheus_url": "http://prometheus:9090"}
+    assert (ran["standalone"], ran["clusterwide"], ran["namespaces"]) == (True, False, ["team-a"])
+
+
+@pytest.mark.parametrize(("memo_url", "env_url", "expected"), [
+    ("http://cli:9090", "http://env:9090", "http://cli:9090"),  # npuserve operator --prometheus-url
+    (None, "http://env:9090", "http://env:9090"),  # kopf run -m npuserve.operator.handlers: an empty memo
+    (None, None, None),  # nowhere: the loop reports autotune and tunes nothing
+])
+def test_the_startup_handler_takes_prometheus_from_the_memo_then_the_environment(
+        monkeypatch: pytest.MonkeyPatch, memo_url: str | None, env_url: str | None, expected: str | None) -> None:
+    started: list[str | None] = []
+
+    class Loop:
+        def __init__(self, kube: object, prometheus_url: str | None) -> None:
+            started.append(prometheus_url)
+
+        def start(self) -> None:
+            pass
+
+    monkeypatch.setattr(handlers, "AutotuneLoop", Loop)
+    monkeypatch.setattr(handlers, "_kube", object())
+    monkeypatch.setattr(handlers, "_loop", None)
+    if env_url is None:
+        monkeypatch.delenv("NPUSERVE_PROMETHEUS_URL", raising=False)
+    else:
+        monkeypatch.setenv("NPUSERVE_PROMETHEUS_URL", env_url)
+    memo = kopf.Memo() if memo_url is None else kopf.Memo(prometheus_url=memo_url)
+    handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
+    assert started == [expected]

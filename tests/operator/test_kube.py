@@ -13,7 +13,15 @@ from fake_kube import TINY, FakeKube, FakeStatusApi
 
 from npuserve.operator import status as st
 from npuserve.operator.api import InferenceService
-from npuserve.operator.kube import STATUS_WRITE_ATTEMPTS, EnginePod, StatusConflict, read_engines, update_status
+from npuserve.operator.autotune_types import EngineReport
+from npuserve.operator.kube import (
+    STATUS_WRITE_ATTEMPTS,
+    EnginePod,
+    StatusConflict,
+    merge_patch,
+    read_engines,
+    update_status,
+)
 from npuserve.operator.planner import plan
 from npuserve.operator.render import render
 
@@ -148,10 +156,26 @@ def test_info_reads_time_out_and_bad_bodies_are_errors_not_crashes() -> None:
             EnginePod("starting", None, False), EnginePod("waiting", "127.1.0.5", False),
             EnginePod("worker", "127.1.0.6", True, serves_http=False)]
     reports = {r.pod: r for r in read_engines(pods, timeout=0.2, transport=httpx.MockTransport(handler))}
-    assert reports["good"] == st.EngineReport("good", True, kv_blocks=8192)
+    assert reports["good"] == EngineReport("good", True, kv_blocks=8192)
     for name in ("slow", "odd", "busy"):
         assert reports[name].ready and reports[name].kv_blocks is None
         assert (reports[name].error or "").startswith("/info unreadable"), reports[name]
-    assert reports["starting"] == st.EngineReport("starting", False, error="no pod IP yet")
-    assert reports["waiting"] == st.EngineReport("waiting", False, error="not ready")
-    assert reports["worker"] == st.EngineReport("worker", True)  # an LWS worker serves no HTTP: not asked
+    assert reports["starting"] == EngineReport("starting", False, error="no pod IP yet")
+    assert reports["waiting"] == EngineReport("waiting", False, error="not ready")
+    assert reports["worker"] == EngineReport("worker", True)  # an LWS worker serves no HTTP: not asked
+
+
+# --- the merge patch the writer sends -------------------------------------------------------------------------------
+
+
+def test_merge_patch_sends_changes_and_nulls_removed_keys() -> None:
+    old = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192, "ttftMs": 12.0},
+           "conditions": [{"type": "Ready", "status": "True"}]}
+    new = {"phase": "Planned", "replicas": 1, "observed": {"ttftMs": 12.0},
+           "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
+    assert merge_patch(old, new) == {
+        "phase": "Planned", "observed": {"kvBlocksAllocated": None},
+        # lists are replaced whole: the patch carries every condition, computed from the fresh read
+        "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
+    assert merge_patch(new, new) == {}
+    assert merge_patch({"observed": {"a": 1}}, {}) == {"observed": None}

@@ -21,7 +21,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve import engine_contract as contract
-from npuserve.operator.api import LatencyStats, TrialMetrics
+from npuserve.operator.api import LatencyStats, PlanSchedule, TrialMetrics
+from npuserve.operator.names import INSTANCE_LABEL
+from npuserve.operator.problem import TuningProblem
 from npuserve.operator.prometheus import (
     Empty,
     NotANumber,
@@ -32,7 +34,6 @@ from npuserve.operator.prometheus import (
     prometheus_label_name,
     window_queries,
 )
-from npuserve.operator.render import INSTANCE_LABEL
 
 URL = "http://prometheus.test:9090"
 SEL = Selection(namespace="ns1", inference_service="tiny")
@@ -212,7 +213,7 @@ def test_a_busy_window_gives_the_tuners_metrics() -> None:
     assert reading.trial_metrics() == TrialMetrics(
         outputTokensPerSecond=512.5, ttftMs=LatencyStats(mean=120, p90=200, p99=300),
         tpotMs=LatencyStats(mean=40, p90=50, p99=60), errorRate=1 / 101, samples=100, preemptions=0,
-        kvExhausted=False, inFlightPerPod=15.0, e2eMeanMs=5000.0)
+        kvUsageMax=0.7, inFlightPerPod=15.0, e2eMeanMs=5000.0)
     assert reading.trial_metrics(min_requests=200) == "only 101 requests finished in the window (fewer than 200)"
 
 
@@ -235,11 +236,18 @@ def test_the_window_is_whole_seconds_from_the_end() -> None:
     assert read(BUSY, start=1700000000.123, end=1700000030.123).window_s == 30
 
 
-def test_kv_exhausted_needs_full_blocks_and_preemptions() -> None:
-    metrics = read(BUSY | {"kv_usage_max": "0.995", "preemptions": "7"}).trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and metrics.kvExhausted and metrics.preemptions == 7
-    metrics = read(BUSY | {"kv_usage_max": "1"}).trial_metrics()
-    assert isinstance(metrics, TrialMetrics) and not metrics.kvExhausted
+def test_the_window_reports_kv_usage_and_preemptions_and_the_judge_decides_exhaustion() -> None:
+    base = PlanSchedule(cacheBlockSize=128, maxBatchSize=108, maxPrefillBatchSize=54, maxPrefillTokens=10044,
+                        prefillTimeMsPerReq=150, decodeTimeMsPerReq=50, maxIterTimes=512, maxPreemptCount=0,
+                        supportSelectBatch=True, maxQueueDelayMicroseconds=5000)
+    p = TuningProblem(objective="throughput", batch_min=90, batch_max=272, batch_start=108, base=base,
+                      mean_input_tokens=186, max_input_tokens=2048)
+    for usage, preemptions, failure in (("0.995", "7", "KVCacheExhausted"), ("1", "0", None), ("0.5", "7", None)):
+        metrics = read(BUSY | {"kv_usage_max": usage, "preemptions": preemptions}).trial_metrics()
+        assert isinstance(metrics, TrialMetrics)
+        # Facts only: Prometheus's figures as they came, no finding of its own.
+        assert (metrics.kvUsageMax, metrics.preemptions, metrics.kvExhausted) == (float(usage), int(preemptions), False)
+        assert p.judge(metrics).failure == failure, (usage, preemptions)
 
 
 def test_one_token_outputs_have_no_tpot() -> None:

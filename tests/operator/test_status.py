@@ -8,13 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from npuserve.operator.api import InferenceServiceSpec
+from npuserve.operator.autotune_types import EngineReport
 from npuserve.operator.planner import plan
 from npuserve.operator.status import (
-    EngineReport,
     cannot_serve,
     deployed,
     engines_expected,
-    merge_patch,
     plan_failed,
     planned,
     readiness,
@@ -188,19 +187,3 @@ def test_no_pods_tells_where_to_look() -> None:
 def test_readiness_needs_a_plan_and_skips_a_failed_one() -> None:
     assert readiness({}, 1, [], 1, "t") is None
     assert readiness(plan_failed(_deployed_tiny(), "bad", 2, "t"), 1, [], 2, "t") is None
-
-
-# --- the merge patch the writer sends -------------------------------------------------------------------------------
-
-
-def test_merge_patch_sends_changes_and_nulls_removed_keys() -> None:
-    old = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192, "ttftMs": 12.0},
-           "conditions": [{"type": "Ready", "status": "True"}]}
-    new = {"phase": "Planned", "replicas": 1, "observed": {"ttftMs": 12.0},
-           "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
-    assert merge_patch(old, new) == {
-        "phase": "Planned", "observed": {"kvBlocksAllocated": None},
-        # lists are replaced whole: the patch carries every condition, computed from the fresh read
-        "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
-    assert merge_patch(new, new) == {}
-    assert merge_patch({"observed": {"a": 1}}, {}) == {"observed": None}

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from npuserve.operator.api import InferenceServiceSpec, LatencyStats, PlanSchedule, SLOSpec, TrialMetrics
 from npuserve.operator.planner import plan
-from npuserve.operator.problem import TunedSchedule, TuningProblem
+from npuserve.operator.problem import TunedSchedule, TuningProblem, pooled
 from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_step
 from npuserve.operator.tuning_status import trial_from_status, trial_status, verdict_status
 
@@ -49,7 +49,7 @@ Engine = Callable[[TunedSchedule], TrialMetrics]
 def analytic_engine(noise: float = 0.0, seed: int = 0, kv_limit: int | None = None, samples: int = 500,
                     knee: bool = False) -> Engine:
     """A measurement at a schedule: the truth, each figure times its own uniform factor in [1 - noise, 1 + noise]
-    (seeded), and the KV cache exhausted above `kv_limit`."""
+    (seeded), and the KV cache run full with preemptions above `kv_limit`."""
     rng = random.Random(seed)
 
     def measure(schedule: TunedSchedule) -> TrialMetrics:
@@ -59,7 +59,7 @@ def analytic_engine(noise: float = 0.0, seed: int = 0, kv_limit: int | None = No
         return TrialMetrics(outputTokensPerSecond=tput * f[0],
                             ttftMs=LatencyStats(mean=ttft * f[1], p90=1.3 * ttft * f[1], p99=1.6 * ttft * f[1]),
                             tpotMs=LatencyStats(mean=tpot * f[2], p90=1.2 * tpot * f[2], p99=1.5 * tpot * f[2]),
-                            samples=samples, kvExhausted=exhausted)
+                            samples=samples, kvUsageMax=1.0 if exhausted else 0.6, preemptions=5 if exhausted else 0)
 
     return measure
 
@@ -303,6 +303,38 @@ def test_errors_and_preemption_storms_fail_a_trial() -> None:
         assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 54 and why in step.reason
 
 
+@pytest.mark.parametrize(("kv_usage_max", "preemptions", "failure"), [
+    (1.0, 3, "KVCacheExhausted"),
+    (0.99, 1, "KVCacheExhausted"),  # the threshold itself
+    (0.5, 3, None),  # preempted with half the cache free: not exhausted (and 3 in 500 requests is no storm)
+    (0.985, 3, None),
+    (1.0, 0, None),  # a full cache that preempted nobody is a cache in use
+    (None, 3, None),  # usage unknown (the simulator reports none): nothing is claimed
+])
+def test_the_kv_cache_is_exhausted_when_it_ran_full_and_requests_were_preempted(
+        kv_usage_max: float | None, preemptions: int, failure: str | None) -> None:
+    p = problem("throughput", noise=0.0)
+    window = analytic_engine()(p.schedule_for(108)).model_copy(
+        update={"kvUsageMax": kv_usage_max, "preemptions": preemptions})
+    assert p.judge(window).failure == failure
+    # The judge's finding is what status shows of the window: a trial carries it, whatever the measurement said.
+    trial = Trial(schedule=p.schedule_for(108), metrics=window.model_copy(update={"kvExhausted": False}))
+    assert trial.metrics is not None and trial.metrics.kvExhausted is (failure is not None)
+    assert trial_status(p, 0, trial).metrics == trial.metrics
+
+
+def test_pooled_windows_are_exhausted_as_one_window_spanning_them() -> None:
+    """Highest usage and summed preemptions: what one Prometheus window over both would read."""
+    p = problem("throughput", noise=0.0)
+    ok = analytic_engine()(p.schedule_for(108))
+    full = ok.model_copy(update={"kvUsageMax": 1.0, "preemptions": 0})
+    preempted = ok.model_copy(update={"kvUsageMax": 0.7, "preemptions": 4})
+    assert p.judge(full).failure is None and p.judge(preempted).failure is None
+    both = pooled([full, preempted])
+    assert (both.kvUsageMax, both.preemptions, both.kvExhausted) == (1.0, 4, True)
+    assert p.judge(both).failure == "KVCacheExhausted"
+
+
 def test_a_range_of_one_value_is_measured_once() -> None:
     p = problem("decodeLatency", (120, 120, 120), noise=0.0)
     verdict, trials = drive(p, analytic_engine())
@@ -407,7 +439,7 @@ def test_the_status_history_resumes_the_search_where_it_was() -> None:
 
 
 @pytest.mark.parametrize("change", [
-    {"kvExhausted": True}, {"errorRate": 0.5}, {"preemptions": 10_000}, {"outputTokensPerSecond": 0.0},
+    {"kvUsageMax": 1.0, "preemptions": 3}, {"errorRate": 0.5}, {"preemptions": 10_000}, {"outputTokensPerSecond": 0.0},
     {"samples": 3}, {"inFlightPerPod": 7.5}, {"tpotMs": LatencyStats(mean=500, p90=600, p99=700)},
 ], ids=lambda c: next(iter(c)))
 def test_every_kind_of_trial_round_trips_through_the_status_exactly(change: dict[str, Any]) -> None:

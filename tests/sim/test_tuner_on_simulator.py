@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from npuserve.engine.simulated import calibration as cal
-from npuserve.engine.simulated import tune_cli
-from npuserve.engine.simulated.engine import SimulationConfig
-from npuserve.engine.simulated.runner import SimRequest
-from npuserve.engine.simulated.simulate_cli import build_with_plan
 from npuserve.operator.api import LatencyStats, SLOSpec, TrialMetrics
 from npuserve.operator.problem import TunedSchedule, TuningProblem
 from npuserve.operator.tuner import Trial, Verdict, next_step
+from npuserve.sim import calibration as cal
+from npuserve.sim import tune_cli
+from npuserve.sim.engine import SimulationConfig
+from npuserve.sim.runner import SimRequest
+from npuserve.sim.simulate_cli import build_with_plan
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ only: decodeLatency; otherwise throughput); KV blocks are the plan's totalBlocks
 config with a MindIE config.json (its npuMemSize sizes the KV cache unless it is -1), and `--schedule k=v` overrides
 ScheduleConfig fields by MindIE's names. The dataset, load and SLO flags are `npuserve bench`'s.
 
-This is the one module of the simulated engine that reads the operator's planner: a command line composes the two
-parts; the simulator itself (`engine.py`, `runner.py`) takes a MindIE config and imports nothing of the operator.
+This is the one module of the simulator that reads the operator's planner: a command line composes the two parts;
+the simulator itself (`engine.py`, `runner.py`) takes a MindIE config and imports nothing of the operator.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from npuserve.loadgen.report_vllm import render_vllm
 from npuserve.loadgen.sweep import SweepParameter, SweepPoint, sweep_csv
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, MindIEConfigError
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
+from npuserve.operator.api import InferenceServiceSpec, Plan
+from npuserve.operator.planner import PlanError, architecture_of, plan
 
 from .engine import SimulationConfig, SimulationResult, draw_requests, simulate, sweep
 from .lengths import OutputLengths
@@ -129,10 +131,7 @@ def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
 
 
 def _spec(args: argparse.Namespace, spec: ModelSpec, name: str, requests: list[SimRequest], cards: int | None,
-          bench: BenchConfig) -> Any:
-    from npuserve.operator.api import InferenceServiceSpec
-    from npuserve.operator.planner import architecture_of
-
+          bench: BenchConfig) -> InferenceServiceSpec:
     model: dict[str, Any] = {"name": name, "weights": {"loadFormat": "dummy"}}
     if args.preset:
         model["preset"] = args.preset
@@ -168,10 +167,8 @@ def build(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest],
     return config, requests, notes
 
 
-def build_with_plan(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest], list[str], Any]:
+def build_with_plan(args: argparse.Namespace) -> tuple[SimulationConfig, list[SimRequest], list[str], Plan]:
     """`build`, and the plan it started from (`npuserve tune --simulate` takes the tuner's range from it)."""
-    from npuserve.operator.planner import PlanError, plan
-
     spec, name = _model(args)
     bench = BenchConfig(dataset=cli_args.dataset_config(args), load=cli_args.load_config(args),
                         slo=cli_args.slo_config(args), ignore_eos=args.ignore_eos)

@@ -12,7 +12,14 @@ import pytest
 
 from npuserve.catalog.accelerators import ACCELERATORS, get_accelerator
 from npuserve.catalog.models import get_model_preset
-from npuserve.engine.simulated import (
+from npuserve.loadgen.arrivals import send_offsets
+from npuserve.loadgen.config import BenchConfig, DatasetConfig, DatasetName, LoadConfig
+from npuserve.loadgen.metrics import compute_metrics
+from npuserve.loadgen.records import TokenCountSource
+from npuserve.loadgen.report_mindie import render_mindie
+from npuserve.loadgen.report_vllm import render_vllm
+from npuserve.mindie_config import MindIEConfig
+from npuserve.sim import (
     CostModel,
     CostParams,
     Hardware,
@@ -23,17 +30,10 @@ from npuserve.engine.simulated import (
     simulate,
     sweep,
 )
-from npuserve.engine.simulated import calibration as cal
-from npuserve.engine.simulated.cost_model import decode_shape, prefill_shape
-from npuserve.engine.simulated.lengths import draw_output
-from npuserve.engine.simulated.load import LoadDriver
-from npuserve.loadgen.arrivals import send_offsets
-from npuserve.loadgen.config import BenchConfig, DatasetConfig, DatasetName, LoadConfig
-from npuserve.loadgen.metrics import compute_metrics
-from npuserve.loadgen.records import TokenCountSource
-from npuserve.loadgen.report_mindie import render_mindie
-from npuserve.loadgen.report_vllm import render_vllm
-from npuserve.mindie_config import MindIEConfig
+from npuserve.sim import calibration as cal
+from npuserve.sim.cost_model import decode_shape, prefill_shape
+from npuserve.sim.lengths import draw_output
+from npuserve.sim.load import LoadDriver
 
 LLAMA = get_model_preset("llama3-8b")
 H100 = Hardware.of(get_accelerator("nvidia-h100-80gb"))

@@ -1,7 +1,7 @@
 """The simulated engine (docs/simulator.md): the real scheduler and KV manager on a virtual clock priced by a cost
 model. No torch: `npuserve simulate` runs with only the operator's dependencies installed.
 
-    from npuserve.engine.simulated import SimulationConfig, simulate
+    from npuserve.sim import SimulationConfig, simulate
     result = simulate(SimulationConfig(engine=mindie_config, model=spec, accelerator="ascend-910b4",
                                        bench=bench_config, num_kv_blocks=2176))
     result.bench            # a loadgen BenchResult (simulated=True): loadgen.metrics and the reports read it

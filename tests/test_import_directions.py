@@ -1,0 +1,208 @@
+"""The dependency arrows between the parts (docs/architecture.md, "Parts and arrows"), read from the source:
+
+    contracts (npuserve/) <- torch-free core (engine's scheduler, kvcache) <- engine / sim / loadgen <- operator
+
+Every import in every .py file of npuserve/, engine/, operator/, loadgen/ and sim/ counts, function-level and
+TYPE_CHECKING ones included: a lazy import is still an arrow. A second check imports every engine module in a fresh
+interpreter where the operator, the simulator and the load generator cannot be imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = {"npuserve": "npuserve", "engine": "npuserve.engine", "operator": "npuserve.operator",
+           "loadgen": "npuserve.loadgen", "sim": "npuserve.sim"}
+PARTS = ("engine", "operator", "loadgen", "sim")  # npuserve.<part>; any other npuserve module is a contract
+
+# What the simulator takes from the engine: the torch-free core it runs on a virtual clock, and nothing that touches
+# a device (tests/engine/test_imports.py checks that these import no torch).
+SIM_ENGINE_CORE = {
+    "npuserve.engine.scheduler": "the scheduler the simulator drives, the real one",
+    "npuserve.engine.kvcache": "the KV block manager the scheduler allocates from",
+    "npuserve.engine.sequence": "the request state the scheduler schedules",
+    "npuserve.engine.output_processor": "request_metrics: a request's timings computed as the engine reports them",
+}
+# What the simulator takes from the operator: the plan it starts from and the tuner it runs trials for. All pure
+# (no cluster, no Prometheus): `npuserve simulate` and `npuserve tune --simulate` run without a cluster.
+SIM_OPERATOR_PURE = {
+    "npuserve.operator.api": "the InferenceService spec and plan types the planner takes and gives",
+    "npuserve.operator.planner": "simulate_cli: the plan the operator would compute (engine config, KV blocks)",
+    "npuserve.operator.problem": "tune_cli: the tuning problem and its judge",
+    "npuserve.operator.tuner": "tune_cli: next_step, the search the operator runs",
+    "npuserve.operator.tuning_status": "tune_cli: the trials as status.tuning shows them",
+}
+# The operator's I/O modules read the cluster and Prometheus and return facts; the pure modules decide. These are
+# all the operator modules an I/O module may import: types and names, no decision logic.
+OPERATOR_IO = ("npuserve.operator.kube", "npuserve.operator.prometheus")
+OPERATOR_TYPES = ("npuserve.operator.api", "npuserve.operator.autotune_types", "npuserve.operator.names")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = [FOLDERS[rel.parts[0]], *rel.parts[1:]]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sources() -> dict[str, Path]:
+    return {_module_name(p): p for folder in FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))}
+
+
+SOURCES = _sources()
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """The npuserve modules `module` imports anywhere in its file. `from a import b` counts as a.b when b is a module
+    of ours (`from npuserve.operator import handlers`), else as a."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in SOURCES else target)
+    return {m for m in found if m == "npuserve" or m.startswith("npuserve.")}
+
+
+def _part(module: str) -> str:
+    """contracts, engine, operator, loadgen or sim."""
+    segments = module.split(".")
+    return segments[1] if len(segments) > 1 and segments[1] in PARTS else "contracts"
+
+
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _arrows() -> Iterator[tuple[str, str]]:
+    for module, path in SOURCES.items():
+        for target in sorted(_imports(module, path)):
+            yield module, target
+
+
+ARROWS = sorted(set(_arrows()))
+
+
+def _wrong(allowed: dict[str, tuple[str, ...]]) -> list[str]:
+    """Arrows from a part to a part it may not import: `allowed` maps a part to the parts it may besides itself and
+    the contracts."""
+    return [f"{m} -> {t}" for m, t in ARROWS
+            if _part(m) in allowed and _part(t) not in (_part(m), "contracts", *allowed[_part(m)])]
+
+
+def test_the_source_is_read() -> None:
+    """The reader finds the arrows that exist, so an empty list of wrong ones means something."""
+    assert {"npuserve.engine", "npuserve.operator", "npuserve.loadgen", "npuserve.sim"} <= set(SOURCES)
+    for arrow in [("npuserve.sim.engine", "npuserve.engine.scheduler"),  # from ... import
+                  ("npuserve.sim.runner", "npuserve.sim.cost_model"),  # relative
+                  ("npuserve.engine.server.metrics", "npuserve.engine_contract"),  # from npuserve import module
+                  ("npuserve.engine.sequence", "npuserve.engine.guided")]:  # under TYPE_CHECKING
+        assert arrow in ARROWS, arrow
+
+
+def test_contracts_import_no_part() -> None:
+    assert _wrong({"contracts": ()}) == []
+
+
+def test_the_engine_imports_only_contracts() -> None:
+    """Not the operator, the simulator or the load generator: the engine image has none of them to run."""
+    assert _wrong({"engine": ()}) == []
+
+
+def test_the_load_generator_imports_only_contracts() -> None:
+    """`npuserve bench` runs against any OpenAI server: it knows the engine only by the contracts."""
+    assert _wrong({"loadgen": ()}) == []
+
+
+def test_the_operator_imports_neither_the_engine_nor_the_load_generator() -> None:
+    """It renders the engine's and the load generator's command lines from the contracts; it may use the simulator."""
+    assert _wrong({"operator": ("sim",)}) == []
+
+
+def test_the_simulator_imports_the_torch_free_core_the_load_generator_and_the_pure_planner_and_tuner() -> None:
+    wrong = _wrong({"sim": ("engine", "loadgen", "operator")})
+    for module, target in ARROWS:
+        if _part(module) != "sim":
+            continue
+        if _part(target) == "engine" and not any(_under(target, core) for core in SIM_ENGINE_CORE):
+            wrong.append(f"{module} -> {target} (not the engine's torch-free core)")
+        if _part(target) == "operator" and target not in SIM_OPERATOR_PURE:
+            wrong.append(f"{module} -> {target} (not a pure planner or tuner module)")
+    assert wrong == []
+    # The lists name modules that exist and are used: a stale entry would allow an arrow nobody checks.
+    used = {t for m, t in ARROWS if _part(m) == "sim"}
+    assert all(any(_under(t, core) for t in used) for core in SIM_ENGINE_CORE)
+    assert set(SIM_OPERATOR_PURE) <= used
+
+
+def test_the_operator_modules_the_simulator_uses_reach_no_simulator() -> None:
+    """The operator may use the simulator, and the simulator uses these: they must not lead back to it (a cycle)."""
+    reached, todo = set(SIM_OPERATOR_PURE), list(SIM_OPERATOR_PURE)
+    while todo:
+        module = todo.pop()
+        for m, t in ARROWS:
+            if m == module and t not in reached:
+                reached.add(t)
+                todo.append(t)
+    assert sorted(m for m in reached if _part(m) == "sim") == []
+
+
+@pytest.mark.parametrize("io_module", OPERATOR_IO)
+def test_the_operators_io_modules_import_no_decision_logic(io_module: str) -> None:
+    own = sorted(t for m, t in ARROWS if m == io_module and _part(t) == "operator")
+    assert own and set(own) <= set(OPERATOR_TYPES), own
+
+
+def test_the_handlers_and_the_command_line_import_nothing_of_each_other() -> None:
+    """`npuserve operator` loads the handlers by module name, as `kopf run -m` does; what both need is in names.py."""
+    handlers, cli = "npuserve.operator.handlers", "npuserve.operator.operator_cli"
+    assert [a for a in ARROWS if a in ((handlers, cli), (cli, handlers))] == []
+
+
+# A fresh interpreter where the operator, the simulator and the load generator cannot be imported: every engine
+# module imports (the import hook of the editable install maps the folders, so the source alone cannot show that).
+_BLOCKED_IMPORT = """
+import importlib, importlib.abc, json, pkgutil, sys
+BLOCKED = ("npuserve.operator", "npuserve.sim", "npuserve.loadgen")
+tried = []
+class Blocker(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+            tried.append(name)
+            raise ImportError(f"{name} is not installed here")
+        return None
+sys.meta_path.insert(0, Blocker())
+import npuserve.engine
+names = sorted(m.name for m in pkgutil.walk_packages(npuserve.engine.__path__, "npuserve.engine."))
+failed = {}
+for name in names:
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        failed[name] = repr(e)
+print(json.dumps({"modules": names, "blocked": sorted(set(tried)), "failed": failed}))
+"""
+
+
+def test_every_engine_module_imports_without_the_operator_the_simulator_and_the_load_generator() -> None:
+    # -P: the repository root is the working directory, and its `operator/` folder must not shadow the stdlib.
+    out = subprocess.run([sys.executable, "-P", "-c", _BLOCKED_IMPORT], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["modules"] == sorted(m for m in SOURCES if _part(m) == "engine" and m != "npuserve.engine")
+    assert (result["blocked"], result["failed"]) == ([], {})
