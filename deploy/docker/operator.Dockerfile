@@ -11,6 +11,7 @@ COPY npuserve/ npuserve/
 COPY engine/ engine/
 COPY operator/ operator/
 COPY loadgen/ loadgen/
+COPY sim/ sim/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # --- the operator image -----------------------------------------------------------------------------------------
