@@ -34,6 +34,7 @@ from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from npuserve.engine.servable import check_servable
+from npuserve.engine.step_builder import StepBuilder
 from npuserve.engine_contract import EngineInfo
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
 from npuserve.modelspec import ModelSpec
@@ -140,6 +141,7 @@ class LLMEngine:
         self.kv_plan: KVPlan = built.kv_plan
         self.runner = built.runner
         self.tp = built.tp
+        self.step_builder = StepBuilder(self.kv_plan.block_size, self.backend.device, self.spec.vocab_size)
         deploy = config.BackendConfig.ModelDeployConfig
         schedule = config.schedule
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens per rank (%s)", self.kv_plan.num_blocks,
@@ -337,8 +339,9 @@ class LLMEngine:
             t0 = time.perf_counter()
             self.runner.swap(out.swap_out, out.swap_in)
             mixed = out.kind is StepKind.MIXED
-            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
-                                          num_new_tokens=out.num_new_tokens if mixed else None)
+            step = self.step_builder.build(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
+                                           num_new_tokens=out.num_new_tokens if mixed else None)
+            sampled = self.runner.execute(step)
             for seq in out.seqs:
                 if seq.seq_id in sampled.prompt_logprobs:
                     seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
