@@ -1,10 +1,12 @@
-"""The engine's decode step at batch 64 on the CPU (the tiny dummy model), and the share of it the output processing
-(incremental detokenization, stop-string checks, `RequestOutput` assembly) takes on the step thread.
+"""The engine's decode step at batch 64 on the CPU (the tiny dummy model), and the output processing's time
+(incremental detokenization, stop-string checks, `RequestOutput` assembly) against it.
 
 Two runs in one process, same engine, same prompts: requests with stop strings (that never match, so every request
 runs its whole length), and the same requests without. Per decode step it reports the step thread's wall time
-(median over the steps of a batch of 64), the runner's share (the step's `StepStats.seconds`), and the time spent
-in the output processor, and their ratios: no wall time is asserted, these machines are shared and noisy.
+(median over the steps of a batch of 64), the runner's part (the step's `StepStats.seconds`), and the time spent
+in the output processor, and their ratios: no wall time is asserted, these machines are shared and noisy. Where
+the engine has `run_step()` the output processor runs apart from the step (the server's output thread) and is
+timed apart; before that split it ran inside `step()`, on the step thread, and is timed there.
 
     .venv/bin/python benchmarks/decode_step.py [--batch 64] [--max-tokens 64] [--repeats 3]
 """
@@ -54,22 +56,27 @@ def run_batch(engine: Any, batch: int, max_tokens: int, stop: tuple[str, ...]) -
     for i in range(batch):
         engine.add_request(f"b{time.monotonic_ns()}-{i}", f"Question {i}: how many apples are left if you eat "
                            f"{i % 7} of {i + 10}?", params)
+    split = hasattr(engine, "run_step")  # the step thread hands raw updates to the output side
     spent: list[float] = []
-    engine.outputs.process = _timed(engine.outputs.process, spent)
+    if not split:  # the output processor runs inside step(): time it there
+        engine.outputs.process = _timed(engine.outputs.process, spent)
     result = DecodeSteps([], [], [])
     try:
         while engine.has_unfinished():
             spent.clear()
             t0 = time.perf_counter()
-            step = engine.step()
+            step = engine.run_step() if split else engine.step()
             wall = time.perf_counter() - t0
+            if split:  # what the server's output thread does with it, timed apart
+                _timed(engine.outputs.process, spent)(step.updates)
             stats = step.stats
             if stats is not None and stats.kind is StepKind.DECODE and stats.num_seqs == batch:
                 result.step_ms.append(wall * 1e3)
                 result.runner_ms.append(stats.seconds * 1e3)
                 result.output_ms.append(sum(spent) * 1e3)
     finally:
-        del engine.outputs.process  # the instance attribute: the class's method again
+        if not split:
+            del engine.outputs.process  # the instance attribute: the class's method again
     return result
 
 
@@ -98,6 +105,8 @@ def main() -> int:
 
     print(f"tiny dummy model on the CPU, batch {args.batch}, {args.max_tokens} output tokens, "
           f"{args.repeats} runs each (medians of the per-run medians)")
+    where = "off the step thread" if hasattr(engine, "run_step") else "on the step thread"
+    print(f"output processing: {where}; output share = output ms / step ms")
     print(f"{'requests':<17} {'step ms':>8} {'runner ms':>10} {'output ms':>10} {'output share':>13}")
     figures = {}
     for name, summaries in runs.items():
