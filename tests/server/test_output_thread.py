@@ -81,3 +81,40 @@ def _steps_while(served: AsyncEngine, start: int, tokenizer: HeldTokenizer) -> i
         poll.wait(0.01)
     assert tokenizer.blocked.is_set() and not tokenizer.release.is_set()  # still held all along
     return served.steps_run - start
+
+
+class BrokenTokenizer(HeldTokenizer):
+    """Its `decode` raises once `hold` is set."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.hold.is_set():
+            raise RuntimeError("injected detokenizer failure")
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_a_failing_detokenizer_ends_its_requests_with_an_error_and_frees_their_blocks(tiny_model_dir: Path) -> None:
+    # on the step thread such a failure failed the step; on the output thread it must still end the requests it
+    # hit (the client gets the error, the engine aborts them) and the next requests are served
+    engine = LLMEngine(make_config(tiny_model_dir, max_seq_len=256, maxIterTimes=128))
+    assert engine.tokenizer is not None
+    tokenizer = BrokenTokenizer(engine.tokenizer)
+    engine.outputs.tokenizer = tokenizer
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[list[RequestOutput], list[RequestOutput]]:
+        served = AsyncEngine(engine)
+        served.start()
+        try:
+            tokenizer.hold.set()
+            broken = await asyncio.wait_for(_collect(served.submit([5, 6, 7], params)), WAIT_SECONDS)
+            tokenizer.hold.clear()
+            after = await asyncio.wait_for(_collect(served.submit([5, 6, 7], params)), WAIT_SECONDS)
+            return broken, after
+        finally:
+            served.stop()
+
+    broken, after = asyncio.run(run())
+    assert broken[-1].finish_reason is FinishReason.ERROR and broken[-1].last
+    assert broken[-1].error is not None and "injected detokenizer failure" in broken[-1].error
+    assert after[-1].finish_reason is FinishReason.LENGTH and len(after[-1].token_ids) == 30
+    assert engine.kv.num_used_blocks == 0
