@@ -11,7 +11,7 @@ from npuserve.engine.detokenizer import TokenizerLike
 from npuserve.engine.engine import LLMEngine, make_config
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
-from npuserve.engine.server.async_engine import AsyncEngine
+from npuserve.engine.server.async_engine import AsyncEngine, RequestStream
 
 WAIT_SECONDS = 60  # a bound on waiting for a thread, never a measured time
 
@@ -33,8 +33,8 @@ class HeldTokenizer:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-async def _collect(stream: object) -> list[RequestOutput]:
-    return [o async for o in stream]  # type: ignore[attr-defined]
+async def _collect(stream: RequestStream) -> list[RequestOutput]:
+    return [o async for o in stream]
 
 
 def test_a_blocked_detokenizer_does_not_hold_up_the_steps(tiny_model_dir: Path) -> None:
