@@ -4,18 +4,54 @@ Prefill: each sequence contributes tokens `num_cached_tokens .. num_tokens - 1` 
 chunk of them (chunked prefill, where decodes ride along as one-token chunks).
 Decode: each sequence contributes its last token. Every token gets its position and its KV slot
 (`block * block_size + offset`); each sequence its padded block table and context length.
+
+The builders read rows through `BatchRow` (what a `Sequence` has), so the step builder passes sequences and the
+runner's warm-up passes a `ScratchRow` of plain values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from npuserve.engine.backends.base import AttentionMetadata
-from npuserve.engine.sequence import Sequence
+
+
+class BatchRow(Protocol):
+    """What the builders read of a sequence: its tokens, its blocks and how many tokens already have their KV."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def block_table(self) -> list[int]: ...
+
+    @property
+    def num_cached_tokens(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+@dataclass(slots=True)
+class ScratchRow:
+    """A row of plain values (the warm-up's, over scratch blocks)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    num_cached_tokens: int = 0
+    seq_id: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 @dataclass(slots=True)
@@ -26,7 +62,7 @@ class FlatBatch:
     logits_indices: torch.Tensor  # (batch,) row of each sequence's last token
 
 
-def _block_tables(seqs: Seq[Sequence], max_blocks: int) -> np.ndarray:
+def _block_tables(seqs: Seq[BatchRow], max_blocks: int) -> np.ndarray:
     tables = np.zeros((len(seqs), max(1, max_blocks)), dtype=np.int64)
     for i, seq in enumerate(seqs):
         table = seq.block_table[:max_blocks]
@@ -34,7 +70,7 @@ def _block_tables(seqs: Seq[Sequence], max_blocks: int) -> np.ndarray:
     return tables
 
 
-def build_prefill(seqs: Seq[Sequence], block_size: int, device: torch.device,
+def build_prefill(seqs: Seq[BatchRow], block_size: int, device: torch.device,
                   num_new_tokens: Seq[int] | None = None) -> FlatBatch:
     """`num_new_tokens` (chunked prefill): compute only that many tokens of each sequence from its cached ones (a
     decode is 1); the sequence's logits row is its last computed token. Decodes leading such a batch get their
@@ -78,7 +114,7 @@ def build_prefill(seqs: Seq[Sequence], block_size: int, device: torch.device,
     )
 
 
-def _meta(is_prefill: bool, seqs: Seq[Sequence], query_lens: list[int], context_lens: list[int],
+def _meta(is_prefill: bool, seqs: Seq[BatchRow], query_lens: list[int], context_lens: list[int],
           slot_mapping: torch.Tensor, block_size: int, device: torch.device) -> AttentionMetadata:
     max_blocks = (max(context_lens) + block_size - 1) // block_size
     return AttentionMetadata(
@@ -94,7 +130,7 @@ def _meta(is_prefill: bool, seqs: Seq[Sequence], query_lens: list[int], context_
     )
 
 
-def build_decode(seqs: Seq[Sequence], block_size: int, device: torch.device) -> FlatBatch:
+def build_decode(seqs: Seq[BatchRow], block_size: int, device: torch.device) -> FlatBatch:
     """One token per sequence. The step's integers travel to the device in one copy (ids, positions, slots,
     context lengths, block tables end to end), not one per tensor: on an accelerator each copy is a launch and a
     wait on the host, and a small batch's decode step is short enough for them to count."""

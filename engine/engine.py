@@ -1,9 +1,13 @@
-"""`LLMEngine`: the offline/online engine loop. One `step()` = `Scheduler.schedule()` -> `ModelRunner` ->
-`Scheduler.update()` -> the output processor (detokenization, stop strings) -> a `StepResult`.
+"""`LLMEngine`: the offline/online engine loop. One `run_step()` = `Scheduler.schedule()` -> the step builder ->
+`ModelRunner` -> `Scheduler.update()` -> each sequence's raw results (`SeqUpdate`s: token ids, logprobs, finish
+reasons). The output processor (`outputs`: detokenization, stop strings, `RequestOutput`s) turns those into
+outputs off the step thread in the server (`server/async_engine.py`); `step()` runs both, one after the other, for
+offline use.
 
-Thread model (for the HTTP server): `add_request`, `abort` and `update_schedule` may be called from any thread;
-they validate and queue, and the step-loop thread applies them at the start of the next `step()`. Everything else
-runs on the step-loop thread only; other threads read `snapshot` (replaced, never mutated, after each step).
+Thread model (for the HTTP server): `add_request`, `abort`, `stop_sequence` and `update_schedule` may be called
+from any thread; they validate and queue, and the step-loop thread applies them at the start of the next step.
+Everything else but `outputs` runs on the step-loop thread only; other threads read `snapshot` (replaced, never
+mutated, after each step). `outputs` is used by one thread (the server's output thread, or the caller of `step()`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from npuserve.engine.servable import check_servable
+from npuserve.engine.step_builder import StepBuilder
+from npuserve.engine.step_output import SeqTracker, SeqUpdate
 from npuserve.engine_contract import EngineInfo
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
 from npuserve.modelspec import ModelSpec
@@ -74,10 +80,22 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
-    outputs: list[RequestOutput]
+class StepUpdates:
+    """What one step of the step thread did: each sequence's raw results, for the output processor."""
+
+    updates: list[SeqUpdate]
     stats: StepStats | None  # None: no model ran (idle, or waiting out maxQueueDelayMicroseconds)
     num_preemptions: int  # requests preempted (swapped or recomputed) in this step
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """A step and its outputs (`step()`: offline and tests)."""
+
+    outputs: list[RequestOutput]
+    stats: StepStats | None
+    num_preemptions: int
     snapshot: EngineSnapshot
 
 
@@ -140,6 +158,7 @@ class LLMEngine:
         self.kv_plan: KVPlan = built.kv_plan
         self.runner = built.runner
         self.tp = built.tp
+        self.step_builder = StepBuilder(self.kv_plan.block_size, self.backend.device, self.spec.vocab_size)
         deploy = config.BackendConfig.ModelDeployConfig
         schedule = config.schedule
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens per rank (%s)", self.kv_plan.num_blocks,
@@ -162,15 +181,16 @@ class LLMEngine:
             self.tokenizer = Tokenizer(folder)
         elif ext.loadFormat == "dummy":  # random weights without a tokenizer (the operator's dummy pods): ours
             self.tokenizer = Tokenizer.dummy(self.spec.vocab_size)
-        self.outputs = OutputProcessor(self.tokenizer, self.scheduler.finish)
+        self.outputs = OutputProcessor(self.tokenizer, self.stop_sequence)
         self.grammars: guided.GrammarCompiler | None = None  # structured output; None without a tokenizer
         if isinstance(self.tokenizer, Tokenizer):
             vocab_json = self.tokenizer.to_json()
             self.grammars = guided.GrammarCompiler(vocab_json, self.spec.vocab_size,
                                                   sorted(self.eos_token_ids))
-        self._request_ids: dict[str, list[int]] = {}  # unfinished request id -> its seq ids (step thread)
+        self.tracker = SeqTracker()  # the unfinished sequences, their requests, what was reported (step thread)
         self._inbox: list[_PendingRequest] = []
         self._aborts: list[str] = []
+        self._stops: list[int] = []  # seq ids a stop string ended (the output side)
         self._schedule_updates: list[tuple[ScheduleSection, Future[ScheduleSection]]] = []
         self._lock = threading.Lock()
         self._preemptions_seen = 0
@@ -270,7 +290,7 @@ class LLMEngine:
             params.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)
         with self._lock:
-            if request_id in self._request_ids or any(r.request_id == request_id for r in self._inbox):
+            if self.tracker.has_request(request_id) or any(r.request_id == request_id for r in self._inbox):
                 raise RequestError(f"request id {request_id!r} is already in use")
             self._inbox.append(_PendingRequest(request_id, seq))
         return seq
@@ -287,6 +307,12 @@ class LLMEngine:
         with self._lock:
             self._aborts.append(request_id)
 
+    def stop_sequence(self, seq_id: int) -> None:
+        """A stop string ended the sequence (the output processor saw it); the next step ends it with finish_reason
+        "stop" and frees its blocks (what it sampled meanwhile is dropped from its outputs)."""
+        with self._lock:
+            self._stops.append(seq_id)
+
     def update_schedule(self, schedule: ScheduleSection) -> Future[ScheduleSection]:
         """Hot-apply ScheduleConfig: the scheduler takes it at the next step, which resolves the future with the
         schedule it then runs."""
@@ -298,31 +324,46 @@ class LLMEngine:
     # --- the step loop (one thread) ------------------------------------------------------------------------------
 
     def has_unfinished(self) -> bool:
-        """Work for `step()`: queued requests, aborts or schedule updates, or unfinished requests."""
+        """Work for a step: queued requests, aborts, stops or schedule updates, or unfinished requests."""
         with self._lock:
-            if self._inbox or self._aborts or self._schedule_updates:
+            if self._inbox or self._aborts or self._stops or self._schedule_updates:
                 return True
-        return bool(self.outputs) or self.scheduler.has_unfinished()
+        return bool(self.tracker) or self.scheduler.has_unfinished()
 
-    def _drain_inbox(self) -> list[Future[ScheduleSection]]:
+    def _drain_inbox(self) -> tuple[list[Future[ScheduleSection]], list[Sequence]]:
+        """Applies what other threads queued; returns the schedule updates' futures and the sequences a stop
+        string ended (their blocks now freed)."""
         with self._lock:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+            stops, self._stops = self._stops, []
             updates, self._schedule_updates = self._schedule_updates, []
         for pending in inbox:
-            self._request_ids[pending.request_id] = [pending.seq.seq_id]
-            self.outputs.track(pending.request_id, pending.seq)
+            self.tracker.add(pending.request_id, pending.seq)
             self.scheduler.add(pending.seq)
         for request_id in aborts:
-            for seq_id in self._request_ids.get(request_id, []):
+            for seq_id in self.tracker.request_seq_ids(request_id):
                 self.scheduler.abort(seq_id)
+        stopped = []
+        for seq_id in stops:
+            seq = self.tracker.sequence(seq_id)
+            if seq is not None and seq.finish_reason is None:
+                self.scheduler.finish(seq, FinishReason.STOP)
+                stopped.append(seq)
         for schedule, _ in updates:
             self.scheduler.update_schedule(schedule)
-        return [done for _, done in updates]
+        return [done for _, done in updates], stopped
 
     def step(self) -> StepResult:
-        """One scheduler step: the outputs of every request that got a token or ended, and what the step ran."""
-        applied = self._drain_inbox()
+        """One step and its outputs on the calling thread (offline use): `run_step()`, then the output processor.
+        A stop string found in this step's text ends its sequence at the next step."""
+        core = self.run_step()
+        return StepResult(self.outputs.process(core.updates), core.stats, core.num_preemptions, core.snapshot)
+
+    def run_step(self) -> StepUpdates:
+        """One scheduler step on the step thread: the raw results of every sequence that got a token or ended, and
+        what the step ran."""
+        applied, stopped = self._drain_inbox()
         out = self.scheduler.schedule()  # takes a pending schedule update first
         for done in applied:
             done.set_result(self.scheduler.schedule_config)
@@ -337,8 +378,9 @@ class LLMEngine:
             t0 = time.perf_counter()
             self.runner.swap(out.swap_out, out.swap_in)
             mixed = out.kind is StepKind.MIXED
-            sampled = self.runner.execute(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
-                                          num_new_tokens=out.num_new_tokens if mixed else None)
+            step = self.step_builder.build(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
+                                           num_new_tokens=out.num_new_tokens if mixed else None)
+            sampled = self.runner.execute(step)
             for seq in out.seqs:
                 if seq.seq_id in sampled.prompt_logprobs:
                     seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
@@ -346,37 +388,35 @@ class LLMEngine:
             self.runner.copy_blocks(out.block_copies)  # a fork's partial prompt blocks, before anything reuses them
             ran = list(out.seqs)
             for parent, child in out.forked:
-                request_id = self.outputs.track_fork(parent, child)
-                if request_id is not None:
-                    self._request_ids.setdefault(request_id, []).append(child.seq_id)
+                self.tracker.add_fork(parent, child)
                 ran.append(child)
             for seq in guided.advance(out.sampled_by, sampled.token_ids):  # the grammar is complete: stop here
                 self.scheduler.finish(seq, FinishReason.STOP)
             num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
             stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
-        outputs = self.outputs.process(out.finished, ran)
-        for output in outputs:
-            if output.last:
-                self._request_ids.pop(output.request_id, None)
+        updates = self.tracker.updates(stopped + out.finished, ran, self.clock())
         preemptions = self.scheduler.num_preemptions_total - self._preemptions_seen
         self._preemptions_seen = self.scheduler.num_preemptions_total
         self.snapshot = self._snapshot()
-        return StepResult(outputs, stats, preemptions, self.snapshot)
+        return StepUpdates(updates, stats, preemptions, self.snapshot)
 
-    def fail_all(self, error: str) -> list[RequestOutput]:
-        """After a step raised: ends every unfinished request with `error` (their blocks freed), so none hangs."""
-        self._drain_inbox()
-        failed = []
-        for request_id, seq_ids in list(self._request_ids.items()):
-            for seq_id in seq_ids:
-                seq = self.outputs.sequence(seq_id)
-                if seq is not None:
-                    seq.error = error
+    def fail_all(self, error: str) -> list[SeqUpdate]:
+        """After a step raised: ends every unfinished request with `error` (their blocks freed), so none hangs;
+        returns their last updates, for the output processor."""
+        _, stopped = self._drain_inbox()
+        failed: list[Sequence] = []
+        for request_id in self.tracker.requests():
+            for seq_id in self.tracker.request_seq_ids(request_id):
+                seq = self.tracker.sequence(seq_id)
+                if seq is None:
+                    continue
+                seq.error = error
+                if seq.finish_reason is None:
                     self.scheduler.finish(seq, FinishReason.ERROR)
-                    failed.extend(self.outputs.process([seq], []))
-            self._request_ids.pop(request_id, None)
+                failed.append(seq)  # also one the broken step ended without reporting it
+        updates = self.tracker.updates(stopped + failed, [], self.clock())
         self.snapshot = self._snapshot()
-        return failed
+        return updates
 
     def _snapshot(self) -> EngineSnapshot:
         scheduler, kv = self.scheduler, self.kv

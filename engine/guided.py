@@ -4,9 +4,10 @@ A request's constraint (`GuidedSpec`: a JSON schema, any JSON object, a regex, a
 grammar) is compiled by `GrammarCompiler` in the request path, off the asyncio loop (`asyncio.to_thread`): the
 grammar is validated against the model's vocabulary (from the model folder's tokenizer.json) and a template
 matcher is built once and cached by the constraint's text, so a repeated schema costs a dictionary look-up. Each
-sequence gets its own `Guide` (a copy of the template). On the step thread the runner fills one bitmask row per
-guided sequence (`guided_mask.py`) and, after sampling, `advance` feeds each guide the token it got; a guide whose
-grammar has ended (nothing but end-of-sequence may follow) ends its request with finish_reason "stop".
+sequence gets its own `Guide` (a copy of the template). On the step thread the step builder fills one bitmask row
+per guided sequence (`guided_mask.py`), the runner applies them, and after sampling `advance` feeds each guide the
+token it got; a guide whose grammar has ended (nothing but end-of-sequence may follow) ends its request with
+finish_reason "stop".
 
 Why llguidance: no Python dependencies (xgrammar pulls in transformers, triton and a TVM runtime), one abi3 wheel
 per platform (x86_64 and aarch64, the Ascend hosts' architecture), masks computed lazily per step on the CPU

@@ -1,9 +1,11 @@
-"""From scheduled sequences to per-request outputs: incremental detokenization, stop strings, output assembly.
+"""The output side of a step: `SeqUpdate`s (raw token ids, logprobs, finish reasons) -> per-request outputs, with
+incremental detokenization and stop strings.
 
-vLLM's front end keeps this apart from the core loop; so do we. The engine hands over, after each step, the
-sequences that got a token or ended; the processor turns them into `RequestOutput`s (the increments since the last
-output and the totals). A stop string found in the text ends its request through `Scheduler.finish`, the one way
-back into the scheduler, so its blocks are freed in the same step. Runs on the step-loop thread only.
+vLLM v1's output processor: it never touches a sequence, the scheduler or the runner, so it may run on any one
+thread (the server's output thread; the caller's, offline). A stop string found in the text ends its request at
+once in the outputs; the engine is told (`stop`: it ends the sequence at its next step, freeing its blocks then),
+and the updates that sequence still gets meanwhile (a token sampled by a step already running) are dropped, as vLLM
+v1 drops them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from npuserve.engine.detokenizer import IncrementalDetokenizer, TokenizerLike
-from npuserve.engine.sequence import FinishReason, PromptLogprob, Sequence, TopLogprobs
+from npuserve.engine.sequence import FinishReason, PromptLogprob, TopLogprobs
+from npuserve.engine.step_output import SeqUpdate, end_metrics
 
 
 @dataclass(slots=True)
@@ -52,105 +55,78 @@ class _Group:
 
 @dataclass(slots=True)
 class _Tracked:
-    request_id: str
-    seq: Sequence
     detok: IncrementalDetokenizer | None
     group: _Group
-    num_emitted: int = 0  # output tokens already reported
+    token_ids: list[int] = field(default_factory=list)  # all output tokens reported so far
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: TokenizerLike | None, finish: Callable[[Sequence, FinishReason], None]) -> None:
+    def __init__(self, tokenizer: TokenizerLike | None, stop: Callable[[int], None]) -> None:
+        """`stop(seq_id)`: a stop string ended that sequence (thread-safe: `LLMEngine.stop_sequence`)."""
         self.tokenizer = tokenizer
-        self._finish = finish  # Scheduler.finish
+        self._stop = stop
         self._by_seq: dict[int, _Tracked] = {}
+        self._groups: dict[str, _Group] = {}
+        self._stopped: set[int] = set()  # ended here by a stop string; the engine has not reported their end yet
 
     def __len__(self) -> int:
         return len(self._by_seq)
 
-    def sequence(self, seq_id: int) -> Sequence | None:
-        tracked = self._by_seq.get(seq_id)
-        return tracked.seq if tracked is not None else None
-
-    def _detokenizer(self, seq: Sequence) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, update: SeqUpdate) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        sp = seq.sampling
+        sp = update.sampling
         return IncrementalDetokenizer(self.tokenizer, sp.stop, skip_special_tokens=sp.skip_special_tokens,
                                       include_stop_str_in_output=sp.include_stop_str_in_output,
                                       min_tokens=sp.min_tokens)
 
-    def track(self, request_id: str, seq: Sequence) -> None:
-        self._by_seq[seq.seq_id] = _Tracked(request_id, seq, self._detokenizer(seq), _Group(seq.num_samples))
-
-    def track_fork(self, parent: Sequence, child: Sequence) -> str | None:
-        """Track a child forked from `parent` as another choice of its request; returns the request id."""
-        tracked = self._by_seq.get(parent.seq_id)
-        if tracked is None:
-            return None
-        self._by_seq[child.seq_id] = _Tracked(tracked.request_id, child, self._detokenizer(child), tracked.group)
-        return tracked.request_id
-
-    def process(self, ended: Iterable[Sequence], stepped: Iterable[Sequence]) -> list[RequestOutput]:
-        """`ended`: sequences the scheduler ended outside the model (aborts, admission errors); `stepped`: those
-        the step ran, finished or not. Returns an output for each one that got a token or ended."""
-        outputs = [self._output(t, finished=True) for t in self._tracked(ended)]
-        for tracked in self._tracked(stepped):
-            seq = tracked.seq
-            finished = seq.finish_reason is not None
-            if finished or seq.num_output_tokens > tracked.num_emitted:
-                outputs.append(self._output(tracked, finished))
+    def process(self, updates: Iterable[SeqUpdate]) -> list[RequestOutput]:
+        """An output for each update, in order, except those of a sequence a stop string already ended."""
+        outputs = []
+        for update in updates:
+            if update.seq_id in self._stopped:
+                if update.finish_reason is not None:
+                    self._stopped.discard(update.seq_id)
+                continue
+            tracked = self._by_seq.get(update.seq_id)
+            if tracked is None:  # its first update: a new request, or a choice forked from one
+                group = self._groups.get(update.request_id)
+                if group is None:
+                    group = self._groups[update.request_id] = _Group(update.sampling.n)
+                tracked = self._by_seq[update.seq_id] = _Tracked(self._detokenizer(update), group)
+            outputs.append(self._output(update, tracked))
         return outputs
 
-    def _tracked(self, seqs: Iterable[Sequence]) -> list[_Tracked]:
-        return [t for t in (self._by_seq.get(s.seq_id) for s in seqs) if t is not None]
-
-    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
-        seq = tracked.seq
-        new_ids = seq.output_token_ids[tracked.num_emitted :]
-        new_logprobs = seq.output_logprobs[tracked.num_emitted :] if seq.sampling.wants_logprobs else None
-        new_top = seq.output_top_logprobs[tracked.num_emitted :] if seq.sampling.top_logprobs else None
+    def _output(self, update: SeqUpdate, tracked: _Tracked) -> RequestOutput:
+        new_ids = update.new_token_ids
+        tracked.token_ids.extend(new_ids)
+        finished = update.finish_reason is not None
+        reason, metrics = update.finish_reason, update.metrics
         new_text = text = ""
         if tracked.detok is not None:
             new_text = tracked.detok.add(new_ids) if new_ids else ""
             if tracked.detok.stopped and not finished:
-                self._finish(seq, FinishReason.STOP)  # its blocks are freed now
-                finished = True
+                self._stop(update.seq_id)  # the engine frees its blocks at its next step
+                self._stopped.add(update.seq_id)
+                finished, reason = True, FinishReason.STOP
+                metrics = dict(metrics)
+                end_metrics(metrics, update.time)
             if finished:
                 new_text += tracked.detok.finish()
             text = tracked.detok.text
-        tracked.num_emitted = seq.num_output_tokens
         group = tracked.group
         if finished:
-            self._by_seq.pop(seq.seq_id, None)
+            self._by_seq.pop(update.seq_id, None)
             # A parent that ended before its prefill forked (abort, error) takes its unborn choices with it.
-            group.remaining -= 1 + seq.num_forks_pending
+            group.remaining -= 1 + update.num_forks_pending
+            if group.remaining <= 0:
+                self._groups.pop(update.request_id, None)
         return RequestOutput(
-            request_id=tracked.request_id, new_token_ids=new_ids, new_text=new_text, new_logprobs=new_logprobs,
-            token_ids=seq.output_token_ids, text=text, num_prompt_tokens=seq.num_prompt_tokens, finished=finished,
-            finish_reason=seq.finish_reason if finished else None, error=seq.error, metrics=request_metrics(seq),
-            num_cached_prompt_tokens=seq.num_prompt_cached_tokens or 0, index=seq.index,
-            last=finished and group.remaining <= 0, new_top_logprobs=new_top,
-            cumulative_logprob=seq.cumulative_logprob, prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=seq.prompt_logprobs,
+            request_id=update.request_id, new_token_ids=new_ids, new_text=new_text,
+            new_logprobs=update.new_logprobs, token_ids=list(tracked.token_ids), text=text,
+            num_prompt_tokens=len(update.prompt_token_ids), finished=finished, finish_reason=reason,
+            error=update.error, metrics=metrics, num_cached_prompt_tokens=update.num_cached_prompt_tokens,
+            index=update.index, last=finished and group.remaining <= 0, new_top_logprobs=update.new_top_logprobs,
+            cumulative_logprob=update.cumulative_logprob, prompt_token_ids=update.prompt_token_ids,
+            prompt_logprobs=update.prompt_logprobs,
         )
-
-
-def request_metrics(seq: Sequence) -> dict[str, float]:
-    """Per-request timings (seconds) and batch sizes: the `npuserve` field of responses, and the histograms."""
-    m: dict[str, float] = {"arrival_time": seq.arrival_time}
-    if seq.first_scheduled_time is not None:
-        m["queue_time"] = seq.first_scheduled_time - seq.arrival_time
-        if seq.first_token_time is not None:
-            m["prefill_time"] = seq.first_token_time - seq.first_scheduled_time
-    if seq.first_token_time is not None:
-        m["ttft"] = seq.first_token_time - seq.arrival_time
-        if seq.finished_time is not None:
-            m["decode_time"] = seq.finished_time - seq.first_token_time
-    if seq.finished_time is not None:
-        m["e2e"] = seq.finished_time - seq.arrival_time
-    m["prefill_batch_size"] = float(seq.prefill_batch_size)
-    if seq.num_decode_steps:
-        m["mean_decode_batch_size"] = seq.decode_batch_size_sum / seq.num_decode_steps
-    m["num_preemptions"] = float(seq.num_preemptions)
-    return m

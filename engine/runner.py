@@ -1,14 +1,15 @@
 """The model runner: owns the model and the paged KV cache, runs one scheduler step, samples on the device.
 
-It sees sequences only to read their token ids, block tables and cached-token counts (through `batch.py`);
-everything it hands the model is a tensor. Swaps are block copies between the device cache and a host cache of
-the same layout, done before the model runs (swap out first, then swap in). A fork's copy-on-write block copies
-(`copy_blocks`) are device-to-device, done right after the step that forked.
+It takes a `StepInput` (tensors and plain per-row values: `step_input.py`), which the step builder makes from the
+scheduled sequences on the scheduler's side; it never reads a `Sequence` or a grammar. Swaps are block copies
+between the device cache and a host cache of the same layout, done before the model runs (swap out first, then
+swap in). A fork's copy-on-write block copies (`copy_blocks`) are device-to-device, done right after the step that
+forked.
 
-A sequence about to fork (n > 1, at its first prefill) gets its last logits row repeated once per choice, each row
-sampled with that choice's seed. Prompt logprobs, when a sequence asks for them at its first prefill, are computed
-from the hidden states of every prompt position (in chunks), on the device; only the prompt tokens' logprobs and
-ranks, and the top k, leave it.
+A sequence about to fork (n > 1, at its first prefill) gets its last logits row repeated once per choice
+(`sample_rows`), each row sampled with that choice's seed. Prompt logprobs, when a sequence asks for them at its
+first prefill, are computed from the hidden states of every prompt position (in the step's chunks), on the device;
+only the prompt tokens' logprobs and ranks, and the top k, leave it.
 
 Tensor parallel: rank 0's runner holds a `StepChannel` and sends each operation (forward, swap, block copy) to the
 other ranks before doing it; their runners `follow` it: the same forward over their slice of the model and of the
@@ -26,21 +27,20 @@ from dataclasses import dataclass
 import torch
 
 from npuserve.engine.backends.base import Backend
-from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
+from npuserve.engine.batch import FlatBatch, ScratchRow, build_decode, build_prefill
 from npuserve.engine.decode_graphs import DecodeGraphs
-from npuserve.engine.guided_mask import GuidedMasker
-from npuserve.engine.logits_processors import needs_history
+from npuserve.engine.guided_mask import apply_bitmask
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
 from npuserve.engine.sampler import Sampler, SamplerOutput
-from npuserve.engine.sequence import PromptLogprob, SamplingParams, Sequence
+from npuserve.engine.sequence import PromptLogprob, SamplingParams
+from npuserve.engine.step_input import PromptLogprobChunk, StepInput
 from npuserve.mindie_config import LogprobsMode
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 GiB = 1024**3
-_PROMPT_LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at once (rows x vocab floats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,38 +102,6 @@ def plan_kv_blocks(
     return KVPlan(int(num_blocks), int(host_blocks), block_size, per_block, source)
 
 
-@dataclass(frozen=True, slots=True)
-class _LogprobChunk:
-    """Prompt positions `lo..hi-1` of sequence `seq_index`, whose logits are hidden rows `row_lo..row_hi-1`."""
-
-    seq_index: int
-    lo: int
-    hi: int
-    row_lo: int
-    row_hi: int
-
-
-def _prompt_logprob_chunks(seqs: Seq[Sequence], batch: FlatBatch,
-                           num_new_tokens: Seq[int] | None) -> list[_LogprobChunk]:
-    """The prompt positions this step computes logprobs for, in chunks of at most `_PROMPT_LOGITS_CHUNK`: of each
-    sequence that asks, the positions of this step's rows after those it already has (a recompute keeps them)."""
-    chunks: list[_LogprobChunk] = []
-    for i, s in enumerate(seqs):
-        if s.sampling.prompt_logprobs is None:
-            continue
-        first = s.num_cached_tokens  # the position of this step's first row
-        end = first + (num_new_tokens[i] if num_new_tokens is not None else s.num_tokens - first)
-        known = len(s.prompt_logprobs or [])  # positions 0..known-1 are done
-        if known < first:
-            continue  # cannot happen: prompt logprobs turn prefix-cache hits off
-        lo_pos, hi_pos = max(first, known), min(end, s.num_prompt_tokens - 1)
-        start = batch.meta.query_start[i] - first
-        for lo in range(lo_pos, hi_pos, _PROMPT_LOGITS_CHUNK):
-            hi = min(hi_pos, lo + _PROMPT_LOGITS_CHUNK)
-            chunks.append(_LogprobChunk(i, lo, hi, start + lo, start + hi))
-    return chunks
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
                  logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None,
@@ -164,7 +132,6 @@ class ModelRunner:
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler(logprobs_mode)
-        self.guided_masker = GuidedMasker()
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -228,71 +195,42 @@ class ModelRunner:
             self.decode_graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, seqs: Seq[Sequence], is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> SamplerOutput:
-        """Runs the model over the step's sequences and samples `seq.num_samples` tokens for each, in order
-        (`num_new_tokens`: a chunked step's tokens per sequence; the scheduler drops what a chunk short of its
-        prompt's end sampled)."""
-        if num_new_tokens is not None:
-            batch = build_prefill(seqs, self.block_size, self.backend.device, num_new_tokens)
-        elif is_prefill:
-            batch = build_prefill(seqs, self.block_size, self.backend.device)
-        else:
-            batch = build_decode(seqs, self.block_size, self.backend.device)
-        chunks: list[_LogprobChunk] = []
-        if is_prefill or num_new_tokens is not None:
-            chunks = _prompt_logprob_chunks(seqs, batch, num_new_tokens)
+    def execute(self, step: StepInput) -> SamplerOutput:
+        """Runs the model over the step's batch and samples one token per sampled row, in order."""
+        batch = step.batch
+        chunks = step.prompt_logprob_chunks
         self._tell(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]))
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        prompt_logprobs = {}
-        if is_prefill or num_new_tokens is not None:
-            prompt_logprobs = self._prompt_logprobs(seqs, hidden, chunks)
-        if any(s.guide is not None for s in seqs):  # structured output: the grammar's mask, before sampling
-            # (not for a prompt chunk short of its last token: what it samples is dropped)
-            guides = [s.guide if num_new_tokens is None or s.num_cached_tokens + num_new_tokens[i] >= s.num_tokens
-                      else None for i, s in enumerate(seqs)]
-            self.guided_masker.apply(logits, guides)
-        rows = [i for i, s in enumerate(seqs) for _ in range(s.num_samples)]
-        params: list[SamplingParams] = []
-        positions: list[int] = []
-        seeds: list[int | None] = []
-        for s in seqs:
-            for j in range(s.num_samples):
-                params.append(s.sampling)
-                positions.append(s.num_tokens)
-                seeds.append(s.sample_seed(s.index + j))
-        if len(rows) != len(seqs):  # a forking prefill: its (masked) row once per choice
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        history = None
-        if needs_history(params):  # penalties, min_tokens, logit_bias read each row's tokens
-            history = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rows]
-        out = self.sampler(logits, params, positions, seeds, history)
+        prompt_logprobs = self._prompt_logprobs(step, hidden) if step.computes_prompt else {}
+        if step.guided_bitmask is not None:  # structured output: the grammar's mask, before sampling
+            apply_bitmask(logits, step.guided_rows, step.guided_bitmask)
+        if step.sample_rows is not None:  # a forking prefill: its (masked) row once per choice
+            logits = logits.index_select(0, torch.tensor(step.sample_rows, device=logits.device))
+        out = self.sampler(logits, step.params, step.positions, step.seeds, step.history)
         out.prompt_logprobs = prompt_logprobs
         return out
 
-    def _prompt_logprobs(self, seqs: Seq[Sequence], hidden: torch.Tensor,
-                         chunks: list[_LogprobChunk]) -> dict[int, list[PromptLogprob]]:
+    def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:
         """seq_id -> the logprobs of the prompt tokens this step's rows predict (raw distribution), following those
         the sequence already has: tokens 1..L-1 in all, over one prefill or its chunks."""
-        result: dict[int, list[PromptLogprob]] = {  # every sequence that asks, even with no position this step
-            s.seq_id: [] for s in seqs
-            if s.sampling.prompt_logprobs is not None and len(s.prompt_logprobs or []) >= s.num_cached_tokens}
-        for c in chunks:
-            s = seqs[c.seq_index]
-            k = s.sampling.prompt_logprobs or 0
-            lp = torch.log_softmax(self.model.compute_logits(hidden[c.row_lo : c.row_hi]).float(), dim=-1)
-            targets = torch.tensor(s.prompt_token_ids[c.lo + 1 : c.hi + 1], device=lp.device).unsqueeze(1)
-            token_lp = lp.gather(1, targets)
-            ranks = (lp > token_lp).sum(dim=-1) + 1
-            tops: list[tuple[tuple[int, float], ...]] = [()] * (c.hi - c.lo)
-            if k:
-                values, ids = lp.topk(min(k, lp.shape[1]), dim=-1)
-                tops = [tuple(zip(r_ids, r_vals, strict=True))
-                        for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
-            result.setdefault(s.seq_id, []).extend(
-                PromptLogprob(lp_, rank, top)
-                for lp_, rank, top in zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True))
+        result: dict[int, list[PromptLogprob]] = {seq_id: [] for seq_id in step.prompt_logprob_seq_ids}
+        for c in step.prompt_logprob_chunks:
+            result.setdefault(c.seq_id, []).extend(self._chunk_logprobs(c, hidden))
         return result
+
+    def _chunk_logprobs(self, c: PromptLogprobChunk, hidden: torch.Tensor) -> list[PromptLogprob]:
+        lp = torch.log_softmax(self.model.compute_logits(hidden[c.row_lo : c.row_hi]).float(), dim=-1)
+        targets = torch.tensor(c.targets, device=lp.device).unsqueeze(1)
+        token_lp = lp.gather(1, targets)
+        ranks = (lp > token_lp).sum(dim=-1) + 1
+        tops: list[tuple[tuple[int, float], ...]] = [()] * (c.row_hi - c.row_lo)
+        if c.top_k:
+            values, ids = lp.topk(min(c.top_k, lp.shape[1]), dim=-1)
+            tops = [tuple(zip(r_ids, r_vals, strict=True))
+                    for r_ids, r_vals in zip(ids.tolist(), values.tolist(), strict=True)]
+        return [PromptLogprob(lp_, rank, top)
+                for lp_, rank, top in zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True)]
 
     # --- warm-up ------------------------------------------------------------------------------------------------
 
@@ -301,10 +239,10 @@ class ModelRunner:
         graphs' capture."""
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size - 1))
         blocks = list(range(math.ceil((num_tokens + 1) / self.block_size)))
-        seq = Sequence([1] * num_tokens, SamplingParams(temperature=0.0), arrival_time=0.0)
-        seq.block_table = blocks
-        self.execute([seq], is_prefill=True)
-        seq.token_ids.append(1)
-        self.execute([seq], is_prefill=False)
+        device, greedy = self.backend.device, [SamplingParams(temperature=0.0)]
+        row = ScratchRow([1] * num_tokens, blocks)
+        self.execute(StepInput(build_prefill([row], self.block_size, device), greedy, [num_tokens], [None]))
+        row = ScratchRow([1] * (num_tokens + 1), blocks, num_cached_tokens=num_tokens)
+        self.execute(StepInput(build_decode([row], self.block_size, device), greedy, [num_tokens + 1], [None]))
         self.capture_graphs()  # every bucket runs once before it is captured
         self.backend.synchronize()

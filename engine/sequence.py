@@ -1,7 +1,7 @@
-"""The request as the engine's parts see it: shared by the scheduler, the KV manager and the batch builder.
+"""The request as the engine's parts see it: shared by the scheduler, the KV manager and the step builder.
 
 No torch here. The scheduler owns a sequence's queue state and block table; the engine appends tokens through
-`Scheduler.update`; the batch builder reads token ids, block tables and cached-token counts to make tensors.
+`Scheduler.update`; the step builder reads token ids, block tables and cached-token counts to make tensors.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from npuserve.engine.output_processor import request_metrics
 from npuserve.engine.scheduler import Scheduler, SchedulerOutput, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
+from npuserve.engine.step_output import request_metrics
 from npuserve.engine_contract import RequestTimings
 from npuserve.loadgen.records import RequestRecord, TokenCountSource
 

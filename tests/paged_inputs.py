@@ -10,7 +10,9 @@ import random
 import torch
 
 from npuserve.engine.runner import ModelRunner
+from npuserve.engine.sampler import SamplerOutput
 from npuserve.engine.sequence import SamplingParams, Sequence
+from npuserve.engine.step_builder import StepBuilder
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 32  # one attention layer in the backend tests (GQA: 4 query heads a KV head)
 # A backend's attention against the CPU backend's: float32 to its accumulation order, the half types within a few
@@ -55,6 +57,13 @@ def random_kv_cache(dtype: torch.dtype, seed: int, *, num_blocks: int, block_siz
     return torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
 
 
+def run_step(runner: ModelRunner, seqs: list[Sequence], *, is_prefill: bool,
+             num_new_tokens: list[int] | None = None) -> SamplerOutput:
+    """One step of `seqs` the engine's way: the step builder's `StepInput`, run by `runner`."""
+    builder = StepBuilder(runner.block_size, runner.backend.device, runner.spec.vocab_size)
+    return runner.execute(builder.build(seqs, is_prefill=is_prefill, num_new_tokens=num_new_tokens))
+
+
 def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int, seed: int) -> list[list[int]]:
     """Greedy: one prefill of all prompts but the last, a second prefill (the last prompt behind the second prompt's
     first two blocks: a prefix-cache hit), then decodes of all; blocks drawn from a shuffled pool."""
@@ -76,14 +85,14 @@ def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], steps: int, see
             seq.token_ids.append(token)
 
     first = [admit(p, []) for p in prompts[:-1]]
-    advance(first, runner.execute(first, is_prefill=True).token_ids)
+    advance(first, run_step(runner, first, is_prefill=True).token_ids)
     assert len(prompts[1]) > 2 * block_size  # the hit covers two whole blocks
     hit_prompt = prompts[1][: 2 * block_size] + prompts[-1]
     second = [admit(hit_prompt, first[1].block_table[:2])]
-    advance(second, runner.execute(second, is_prefill=True).token_ids)
+    advance(second, run_step(runner, second, is_prefill=True).token_ids)
     seqs = first + second
     for _ in range(steps - 1):
-        advance(seqs, runner.execute(seqs, is_prefill=False).token_ids)
+        advance(seqs, run_step(runner, seqs, is_prefill=False).token_ids)
     return [s.token_ids[s.num_prompt_tokens:] for s in seqs]
 
 
@@ -122,9 +131,9 @@ def greedy_tokens_chunked(runner: ModelRunner, prompts: list[list[int]], steps: 
         step = decodes + chunks
         new = [1] * len(decodes) + [min(chunk, s.num_prompt_tokens - s.num_cached_tokens) for s in chunks]
         if chunks:
-            out = runner.execute(step, is_prefill=True, num_new_tokens=new)
+            out = run_step(runner, step, is_prefill=True, num_new_tokens=new)
         else:
-            out = runner.execute(step, is_prefill=False)
+            out = run_step(runner, step, is_prefill=False)
         for seq, n, token in zip(step, new, out.token_ids, strict=True):
             seq.num_cached_tokens += n
             if seq.num_cached_tokens == seq.num_tokens:  # the step reached the sequence's end: its token counts

@@ -1,8 +1,12 @@
-"""`AsyncEngine`: runs `LLMEngine.step()` in its own thread and hands each request's outputs to asyncio.
+"""`AsyncEngine`: runs the engine's steps in one thread, its output processing in another, and hands each
+request's outputs to asyncio.
 
-The event loop never blocks on the device: requests are queued into the engine (thread-safe), the step thread
-pushes outputs into per-request asyncio queues with `call_soon_threadsafe`, and a consumer that goes away (client
-disconnect, cancellation) aborts its request so its KV blocks are freed at the next step.
+The event loop never blocks on the device: requests are queued into the engine (thread-safe). The step thread runs
+`LLMEngine.run_step()` back to back and queues each step's raw results (`SeqUpdate`s) to the output thread, which
+detokenizes, checks stop strings (a hit is sent back with `LLMEngine.stop_sequence`, applied at the next step) and
+pushes outputs into per-request asyncio queues with `call_soon_threadsafe`: a slow detokenize never stretches a
+step (vLLM v1's engine-core / output-processor split). A consumer that goes away (client disconnect, cancellation)
+aborts its request so its KV blocks are freed at the next step.
 """
 
 from __future__ import annotations
@@ -10,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from npuserve.engine.engine import EngineSnapshot, LLMEngine, StepResult
+from npuserve.engine.engine import EngineSnapshot, LLMEngine, StepUpdates
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
+from npuserve.engine.step_output import SeqUpdate
 from npuserve.mindie_config import ScheduleSection
 
 log = logging.getLogger(__name__)
@@ -50,6 +56,15 @@ class EngineDraining(RuntimeError):
     """The server is shutting down and takes no new requests; the server answers 503."""
 
 
+@dataclass(frozen=True, slots=True)
+class _ForOutput:
+    """What the step thread queues to the output thread: raw updates to process, then outputs made already (the
+    errors of requests the engine no longer knows)."""
+
+    updates: list[SeqUpdate]
+    made: list[RequestOutput]
+
+
 @dataclass(slots=True)
 class _Stream:
     queue: asyncio.Queue[RequestOutput]
@@ -67,6 +82,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
+        self._for_output: queue.SimpleQueue[_ForOutput | None] = queue.SimpleQueue()
+        self.steps_run = 0  # steps that ran the model (the step thread's count)
         self._ids = itertools.count()
         self.draining = False
         self.step_error: str | None = None
@@ -85,6 +103,8 @@ class AsyncEngine:
         """Starts the step thread; called on the asyncio loop, whose outputs it then serves."""
         self._loop = asyncio.get_running_loop()
         if self._thread is None:
+            self._output_thread = threading.Thread(target=self._emit, name="npuserve-outputs", daemon=True)
+            self._output_thread.start()
             self._thread = threading.Thread(target=self._run, name="npuserve-step-loop", daemon=True)
             self._thread.start()
 
@@ -93,6 +113,9 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._output_thread is not None:
+            self._for_output.put(None)  # after the step thread's last updates
+            self._output_thread.join(timeout=10)
 
     def num_in_flight(self) -> int:
         with self._lock:
@@ -193,23 +216,49 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                result = engine.step()
+                result = engine.run_step()
             except Exception as e:  # a broken step must fail its requests, not hang them
                 log.exception("engine step failed")
                 self.step_error = f"{type(e).__name__}: {e}"
                 self._fail_all(ENGINE_FAILURE_PREFIX + self.step_error)
                 continue
             self.step_error = None
-            now = time.monotonic()
+            if result.updates:
+                self._for_output.put(_ForOutput(result.updates, []))
             self._record_step(result)
-            for output in result.outputs:
-                self._deliver(output, now)
             if result.stats is None:  # no model ran: waiting out maxQueueDelayMicroseconds
                 time.sleep(_DELAY_POLL_SECONDS)
 
-    def _record_step(self, result: StepResult) -> None:
+    # --- the output thread -------------------------------------------------------------------------------------
+
+    def _emit(self) -> None:
+        """Turns each step's updates into outputs (detokenization, stop strings) and delivers them, in order."""
+        outputs = self.engine.outputs  # this thread's alone
+        while (item := self._for_output.get()) is not None:
+            made = item.made
+            try:
+                processed = outputs.process(item.updates)
+            except Exception as e:  # its requests end with the error (aborted in the engine), the others go on
+                log.exception("output processing failed")
+                processed, error = [], f"{ENGINE_FAILURE_PREFIX}{type(e).__name__}: {e}"
+                for rid in dict.fromkeys(u.request_id for u in item.updates):
+                    self.engine.abort(rid)
+                    made = [*made, RequestOutput(
+                        request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
+                        num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error)]
+            now = time.monotonic()
+            for output in processed:
+                self._deliver(output, now)
+            for output in made:
+                with self._lock:
+                    stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+
+    def _record_step(self, result: StepUpdates) -> None:
         step = result.stats
         if step is not None:
+            self.steps_run += 1
             preemptions = result.num_preemptions
             if step.num_prefill_seqs:
                 self.metrics.observe_step("prefill", step.num_prefill_seqs, preemptions)
@@ -245,16 +294,12 @@ class AsyncEngine:
         except Exception:  # the engine's state is past repair: answer the clients anyway
             log.exception("could not end the requests of a failed step")
             failed = []
-        now = time.monotonic()
-        for output in failed:
-            self._deliver(output, now)
+        known = {u.request_id for u in failed}
         with self._lock:
-            orphans = [(rid, stream) for rid, stream in self._streams.items()
-                       if rid not in {o.request_id for o in failed}]
-        for rid, stream in orphans:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, RequestOutput(
-                request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
-                num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error))
+            orphans = [rid for rid in self._streams if rid not in known]
+        self._for_output.put(_ForOutput(failed, [RequestOutput(
+            request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
+            num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error) for rid in orphans]))
         self._publish_state(self.engine.snapshot)
 
 

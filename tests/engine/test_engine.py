@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 
 from npuserve.cli import main as cli_main  # noqa: E402
 from npuserve.engine.engine import LLMEngine, RequestError, make_config  # noqa: E402
+from npuserve.engine.output_processor import RequestOutput  # noqa: E402
 from npuserve.engine.sequence import FinishReason, SamplingParams  # noqa: E402
+from npuserve.engine.step_output import SeqUpdate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,35 @@ def test_stop_string_ends_request(engine: LLMEngine) -> None:
     assert out.text == free_run.text[: free_run.text.index(stop)]
     assert len(out.token_ids) < 24
     assert engine.kv.num_used_blocks == 0
+
+
+def test_a_stop_string_seen_steps_late_drops_what_was_sampled_meanwhile(engine: LLMEngine) -> None:
+    # the server's output side runs behind the step thread: here two steps behind. The output ends at the stop
+    # string all the same; the engine ends the sequence at its next step after the hit (blocks freed then), and the
+    # tokens it sampled in between are dropped from the outputs (vLLM v1)
+    prompt = [5, 6, 7, 8, 9]
+    free_run = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    stop = free_run.text[3:6]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=(stop,))
+    expected = engine.generate([prompt], params)[0]
+    engine.add_request("late-stop", None, params, prompt_token_ids=prompt)
+    behind: list[list[SeqUpdate]] = []
+    outputs: list[RequestOutput] = []
+    sampled = 0
+    while engine.has_unfinished():
+        updates = engine.run_step().updates
+        sampled += sum(len(u.new_token_ids) for u in updates)
+        behind.append(updates)
+        if len(behind) > 2:
+            outputs += engine.outputs.process(behind.pop(0))
+    for late in behind:
+        outputs += engine.outputs.process(late)
+    assert outputs[-1].last and all(not o.finished for o in outputs[:-1])
+    assert (outputs[-1].finish_reason, outputs[-1].text, outputs[-1].token_ids) == (
+        FinishReason.STOP, expected.text, expected.token_ids)
+    assert [t for o in outputs for t in o.new_token_ids] == expected.token_ids
+    assert len(expected.token_ids) < sampled <= len(expected.token_ids) + 3  # ended soon after the hit
+    assert engine.kv.num_used_blocks == 0 and not engine.has_unfinished()
 
 
 def test_seeded_sampling_is_reproducible_and_logprobs(engine: LLMEngine) -> None:

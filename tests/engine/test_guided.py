@@ -12,7 +12,7 @@ import torch
 
 from npuserve.engine.engine import LLMEngine, make_config
 from npuserve.engine.guided import GrammarError, GuidedSpec
-from npuserve.engine.guided_mask import GuidedMasker
+from npuserve.engine.guided_mask import GuidedMasker, apply_bitmask
 from npuserve.engine.sequence import FinishReason, SamplingParams
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -38,7 +38,7 @@ def test_masker_touches_only_guided_rows(engine: LLMEngine) -> None:
     vocab = engine.spec.vocab_size
     logits = torch.randn(3, vocab)
     before = logits.clone()
-    GuidedMasker().apply(logits, [None, guide, None])
+    apply_bitmask(logits, [1], GuidedMasker().fill([guide], vocab))
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert 0 < len(allowed) < vocab

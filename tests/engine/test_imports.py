@@ -63,3 +63,17 @@ def test_a_scheduler_step_runs_without_torch() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[7, 7] length 0.0"
+
+
+@pytest.mark.parametrize("module", ["npuserve.engine.runner", "npuserve.engine.step_input"])
+def test_the_runner_sees_no_sequence_and_no_grammar(module: str) -> None:
+    # docs/engine.md: the runner takes a StepInput of tensors and plain values, built on the scheduler's side
+    import ast
+    import importlib
+    import inspect
+
+    tree = ast.parse(inspect.getsource(importlib.import_module(module)))
+    imported = {(node.module, alias.name) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                and (node.module or "").startswith("npuserve") for alias in node.names}
+    assert not {name for _, name in imported} & {"Sequence", "Guide", "CompiledGrammar"}, imported
+    assert not {m for m, _ in imported} & {"npuserve.engine.guided", "npuserve.engine.step_builder"}, imported

@@ -47,6 +47,7 @@ from tests.npu_testing import (
     qkv,
     sequences,
 )
+from tests.paged_inputs import run_step
 
 GiB = 1024**3
 
@@ -314,7 +315,7 @@ def test_the_prefill_mask_is_built_once_at_the_longest_sequence(fake: FakeTorchN
     for n, first_block in ((7, 0), (40, 4)):  # two prefill steps of different lengths
         seq = Sequence(list(range(1, n + 1)), SamplingParams(temperature=0.0), arrival_time=0.0)
         seq.block_table = list(range(first_block, first_block + 3))
-        runner.execute([seq], is_prefill=True)
+        run_step(runner, [seq], is_prefill=True)
     masks = [call["mask"] for call in fake.args["_npu_flash_attention"]]
     assert len(masks) == 2 * spec.num_layers
     assert all(tuple(m.shape) == (96, 96) and m.data_ptr() == masks[0].data_ptr() for m in masks)
@@ -357,11 +358,11 @@ def test_decode_runs_eagerly_where_graphs_are_asked_for(fake: FakeTorchNPU, npu:
     seqs = [Sequence(list(range(1, n + 1)), SamplingParams(temperature=0.0), arrival_time=0.0) for n in (5, 9)]
     for i, seq in enumerate(seqs):
         seq.block_table = [i]
-    tokens = runner.execute(seqs, is_prefill=True).token_ids
+    tokens = run_step(runner, seqs, is_prefill=True).token_ids
     for step in range(2):
         for seq, token in zip(seqs, tokens, strict=True):
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(token)
         fake.calls.clear()
-        tokens = runner.execute(seqs, is_prefill=False).token_ids
+        tokens = run_step(runner, seqs, is_prefill=False).token_ids
         assert _kernels(fake) == {"_npu_paged_attention": spec.num_layers}, step

@@ -49,6 +49,7 @@ from npuserve.engine.sequence import SamplingParams, Sequence
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
 from tests.kernel_workers import Check, run_workers, work
+from tests.paged_inputs import run_step
 
 CPU = torch.device("cpu")
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -160,7 +161,7 @@ def _greedy(backend: CPUBackend, steps: int) -> list[list[int]]:
         seq.block_table, order = order[:blocks], order[blocks:]
         seqs.append(seq)
     for step in range(steps):
-        sampled = runner.execute(seqs, is_prefill=step == 0).token_ids
+        sampled = run_step(runner, seqs, is_prefill=step == 0).token_ids
         for seq, token in zip(seqs, sampled, strict=True):
             seq.num_cached_tokens = seq.num_tokens
             seq.token_ids.append(token)
