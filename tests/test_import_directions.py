@@ -29,7 +29,7 @@ SIM_ENGINE_CORE = {
     "npuserve.engine.scheduler": "the scheduler the simulator drives, the real one",
     "npuserve.engine.kvcache": "the KV block manager the scheduler allocates from",
     "npuserve.engine.sequence": "the request state the scheduler schedules",
-    "npuserve.engine.output_processor": "request_metrics: a request's timings computed as the engine reports them",
+    "npuserve.engine.step_output": "request_metrics: a request's timings computed as the engine reports them",
 }
 # What the simulator takes from the operator: the plan it starts from and the tuner it runs trials for. All pure
 # (no cluster, no Prometheus): `npuserve simulate` and `npuserve tune --simulate` run without a cluster.
