@@ -49,7 +49,7 @@ from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, Pla
 from npuserve.operator.planner import model_spec
 from npuserve.operator.problem import max_batch_size_limit
 
-from .names import COMPONENT_LABEL, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
@@ -353,7 +353,7 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
     ]
     mounts += _model_mounts(isvc)
     container: dict[str, Any] = {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.imagePullPolicy,
         "command": serve_command(model_path(isvc), CONFIG_PATH),
