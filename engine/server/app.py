@@ -78,7 +78,8 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     def ready_probe() -> tuple[int, dict[str, Any]]:
         if engine.ready:
             return 200, {"ready": True}
-        return 503, {"ready": False, "reason": "draining" if engine.draining else engine.step_error or "loading"}
+        reason = engine.fatal_error or ("draining" if engine.draining else engine.step_error or "loading")
+        return 503, {"ready": False, "reason": reason}
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     # outermost (added last): probes answered before anything else, admission bounded (admission.py)
