@@ -375,7 +375,7 @@ def _serve_2_ranks(command: list[str], model_dir: Path, termination: Path,
 def test_a_rank_0_step_that_fails_after_the_broadcast_ends_every_rank_and_the_server(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     termination = tmp_path / "termination-log"
-    proc, url = _serve_2_ranks([sys.executable, str(FAULT_SERVE), "serve"], tiny_model_dir, termination)
+    proc, url = _serve_2_ranks([sys.executable, str(FAULT_SERVE), "rank0", "serve"], tiny_model_dir, termination)
     workers: list[int] = []
     try:
         wait_ready(url, proc, timeout=180)
@@ -395,6 +395,26 @@ def test_a_rank_0_step_that_fails_after_the_broadcast_ends_every_rank_and_the_se
     assert "tensor-parallel rank 0 failed in FORWARD #" in r.json()["error"]["message"]
     assert "tensor-parallel rank 0 failed in FORWARD #" in termination.read_text()  # the pod's termination message
     assert workers and all(_ends(w) for w in workers)  # every rank ended
+
+
+def test_a_worker_whose_operation_fails_ends_every_rank_and_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    proc, url = _serve_2_ranks([sys.executable, str(FAULT_SERVE), "rank1", "serve"], tiny_model_dir, termination)
+    try:
+        wait_ready(url, proc, timeout=180)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [7] * 11, "max_tokens": 4}, timeout=120)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=30)
+    assert code == 1, out
+    # the worker's one line names its rank and the operation rank 0 sent it
+    named = [line for line in out.splitlines() if "tensor-parallel rank 1 failed in FORWARD #" in line]
+    assert len(named) == 1 and "(sent by rank 0)" in named[0] and "injected fault on rank 1" in named[0], out
+    # rank 0 ends too (it sees the rank exit, or its collective fail, whichever comes first), the request answered
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith("the engine failed and exits: "), r.text
+    assert "tensor-parallel rank" in termination.read_text()
 
 
 def test_a_rank_that_stops_answering_fails_health_then_ends_the_server(tiny_model_dir: Path,
