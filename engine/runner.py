@@ -15,12 +15,15 @@ Tensor parallel: rank 0's runner holds a `StepChannel` and sends each operation 
 other ranks before doing it; their runners `follow` it: the same forward over their slice of the model and of the
 KV heads, the same logits rows (gathered to rank 0), the same block copies on their own caches. Only rank 0
 samples.
+
+Each runner records the operation it last started (`progress`): the step watchdog and a fatal error name it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -102,6 +105,36 @@ def plan_kv_blocks(
     return KVPlan(int(num_blocks), int(host_blocks), block_size, per_block, source)
 
 
+@dataclass(slots=True)
+class OperationProgress:
+    """The operation a runner last started, numbered (on rank 0 the number of operations sent to the other ranks
+    so far), and how far it got: "sending" it to the other ranks, "running" it, or "done". Written by the step
+    thread only; other threads (the watchdog) read it, and a torn read shows a stale name at worst."""
+
+    op: str = "no operation yet"  # the step message's operation (FORWARD, SWAP, COPY, CAPTURE)
+    detail: str = ""
+    number: int = 0
+    phase: str = "done"
+    started: float = 0.0  # time.monotonic()
+
+    def start(self, op: str, detail: str, phase: str) -> None:
+        self.op, self.detail, self.phase, self.started = op, detail, phase, time.monotonic()
+        self.number += 1
+
+    @property
+    def name(self) -> str:
+        return self.op if self.number == 0 else f"{self.op} #{self.number}"
+
+    def describe(self, now: float | None = None) -> str:
+        if self.number == 0:
+            return self.name
+        ago = (time.monotonic() if now is None else now) - self.started
+        state = {"sending": "while sending it to the other ranks", "running": "and has not finished it",
+                 "done": "and finished it"}.get(self.phase, self.phase)
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.name}{detail}, started {ago:.1f} s ago {state}"
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
                  logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None,
@@ -132,6 +165,7 @@ class ModelRunner:
             layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler(logprobs_mode)
+        self.progress = OperationProgress()
 
     # --- one step -----------------------------------------------------------------------------------------------
 
@@ -147,13 +181,21 @@ class ModelRunner:
             )
         return self._host_kv_caches
 
-    def _tell(self, msg: StepMessage) -> None:
+    def _begin(self, msg: StepMessage, detail: str) -> None:
+        """Records the operation, then sends it to the other ranks (rank 0 of several) before running it here."""
+        self.progress.start(msg.op.name, detail, "sending" if self.channel is not None else "running")
         if self.channel is not None:
             self.channel.send(msg)
+            self.progress.phase = "running"
 
     def swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
         if swap_out or swap_in:
-            self._tell(StepMessage(Op.SWAP, pairs=list(swap_out), pairs_in=list(swap_in)))
+            self._begin(StepMessage(Op.SWAP, pairs=list(swap_out), pairs_in=list(swap_in)),
+                        f"{len(swap_out)} blocks out, {len(swap_in)} in")
+            self._swap(swap_out, swap_in)
+            self.progress.phase = "done"
+
+    def _swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
         if swap_out:
             self.backend.copy_blocks(self.kv_caches, self.host_kv_caches, list(swap_out))
         if swap_in:
@@ -162,12 +204,14 @@ class ModelRunner:
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Device-to-device block copies (a fork's copy-on-write of a partly filled prompt block)."""
         if pairs:
-            self._tell(StepMessage(Op.COPY, pairs=list(pairs)))
+            self._begin(StepMessage(Op.COPY, pairs=list(pairs)), f"{len(pairs)} blocks")
             self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(pairs))
+            self.progress.phase = "done"
 
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:
         """A rank other than 0: rank 0's operation on this rank's slice (the logits gathered to rank 0)."""
+        self.progress.start(msg.op.name, "", "running")
         if msg.op is Op.FORWARD:
             assert msg.batch is not None
             hidden = self._forward(msg.batch)
@@ -175,11 +219,12 @@ class ModelRunner:
             for lo, hi in msg.logit_rows:
                 self.model.compute_logits(hidden[lo:hi])
         elif msg.op is Op.SWAP:
-            self.swap(msg.pairs, msg.pairs_in)
+            self._swap(msg.pairs, msg.pairs_in)
         elif msg.op is Op.COPY:
-            self.copy_blocks(msg.pairs)
+            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(msg.pairs))
         elif msg.op is Op.CAPTURE:
             self.capture_graphs()
+        self.progress.phase = "done"
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The model's hidden states: a captured decode graph's when one holds the batch, else eagerly."""
@@ -191,15 +236,19 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Captures the decode graphs (every rank at once: the all-reduces are captured too)."""
         if self.decode_graphs is not None:
-            self._tell(StepMessage(Op.CAPTURE))
+            if self.channel is not None or self.progress.phase != "running":  # rank 0, or alone (not following)
+                self._begin(StepMessage(Op.CAPTURE), "decode graphs")
             self.decode_graphs.capture()
+            self.progress.phase = "done"
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
         """Runs the model over the step's batch and samples one token per sampled row, in order."""
         batch = step.batch
         chunks = step.prompt_logprob_chunks
-        self._tell(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]))
+        seqs, kind = len(batch.meta.query_start) - 1, "prefill" if batch.meta.is_prefill else "decode"
+        self._begin(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]),
+                    f"{kind}: {seqs} sequence{'s' * (seqs != 1)}, {batch.input_ids.numel()} tokens")
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_logprobs = self._prompt_logprobs(step, hidden) if step.computes_prompt else {}
@@ -209,6 +258,7 @@ class ModelRunner:
             logits = logits.index_select(0, torch.tensor(step.sample_rows, device=logits.device))
         out = self.sampler(logits, step.params, step.positions, step.seeds, step.history)
         out.prompt_logprobs = prompt_logprobs
+        self.progress.phase = "done"
         return out
 
     def _prompt_logprobs(self, step: StepInput, hidden: torch.Tensor) -> dict[int, list[PromptLogprob]]:

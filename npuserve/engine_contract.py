@@ -9,6 +9,7 @@ engine.
 What lives here:
 - the HTTP port and the `npuserve serve` command line the renderer passes;
 - the environment variables (admin token, CPU binding, NUMA node, multi-node layout, MindIE's own variables);
+- the termination-message path, the liveness probe's numbers and the step watchdog's defaults that fit them;
 - the ScheduleConfig field table: each field's type, MindIE default, range, and whether the engine applies it live
   (`hot`) or needs a restart. Every schema of ScheduleConfig (MindIE's `config.json`, the CRD's
   `spec.engine.schedule`, the plan, `PUT /admin/schedule`) takes its ranges from `schedule_field()`;
@@ -64,6 +65,23 @@ NPU_MEMORY_FRACTION_ENV = "NPU_MEMORY_FRACTION"
 
 CpuBinding = Literal["numa", "none"]
 CPU_BINDINGS: tuple[str, ...] = get_args(CpuBinding)
+
+# --- failing loudly: the termination message, the step watchdog, the liveness probe (docs/engine.md#errors-and-health)
+# Where the engine writes its last fatal message (the kubelet shows it as the container's termination message, and
+# the operator as the InferenceService's Ready condition). Unset: the kubelet's default path, written only when it
+# exists (in a pod the kubelet creates it; on a workstation nothing is written under /dev).
+TERMINATION_LOG_ENV = "NPUSERVE_TERMINATION_LOG"
+DEFAULT_TERMINATION_LOG = "/dev/termination-log"
+# The engine container's liveness probe on /health: the kubelet restarts the container after this many failures
+# this many seconds apart. /health fails once the step watchdog finds a stuck step; the engine then exits by itself
+# after a grace of one period less than the probe's budget, so the message the pod records is the engine's own.
+LIVENESS_PERIOD_S = 10
+LIVENESS_FAILURE_THRESHOLD = 3
+LIVENESS_BUDGET_S = LIVENESS_PERIOD_S * LIVENESS_FAILURE_THRESHOLD
+DEFAULT_STEP_TIMEOUT_GRACE_S = LIVENESS_BUDGET_S - LIVENESS_PERIOD_S
+# No step may take longer: far above the slowest legitimate one (a prefill of the largest maxPrefillTokens, which
+# takes seconds to tens of seconds on a card), far below "never".
+DEFAULT_STEP_TIMEOUT_S = 300
 
 # --- names shared by the CRD, config.json and the engine -----------------------------------------------------------
 

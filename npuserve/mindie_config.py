@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from npuserve.engine_contract import (
+    DEFAULT_STEP_TIMEOUT_GRACE_S,
+    DEFAULT_STEP_TIMEOUT_S,
     NPU_MEMORY_FRACTION_ENV,
     RECOMPUTE_THRESHOLD_ENVS,
     SCHEDULE_FIELD_BY_NAME,
@@ -168,6 +170,14 @@ class NpuserveExtensions(BaseModel):
         "maximum); the KV pool's CPU cap and the decode graphs are sized for it at start-up. Omitted: the "
         "start-up maxBatchSize")
     scheduleGeneration: int | None = schedule_generation_field()
+    stepTimeoutSeconds: float = Field(
+        default=DEFAULT_STEP_TIMEOUT_S, gt=0, description="the step watchdog: with work pending and no step "
+        "completed for this long, /health fails and the engine exits after stepTimeoutGraceSeconds; keep it well "
+        "above the slowest legitimate step (a prefill of maxPrefillTokens)")
+    stepTimeoutGraceSeconds: float = Field(
+        default=DEFAULT_STEP_TIMEOUT_GRACE_S, ge=0, description="how long /health fails before the engine exits "
+        "by itself; below the liveness probe's budget (periodSeconds x failureThreshold) so that its own message "
+        "is the pod's termination message")
 
 
 class MindIEConfig(_MindIEModel):

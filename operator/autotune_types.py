@@ -22,13 +22,25 @@ JobPhase = Literal["active", "succeeded", "failed", "missing"]
 
 
 @dataclass(frozen=True)
+class Termination:
+    """How an engine container last ended, as its pod's status says (the current or last terminated state)."""
+
+    exit_code: int
+    reason: str | None = None  # the kubelet's: Error, OOMKilled, Completed...
+    message: str | None = None  # the termination message: the engine's fatal message, else its last log lines
+
+
+@dataclass(frozen=True)
 class EngineReport:
-    """One engine pod as the operator sees it (its readiness and `/info`, read by `kube.read_engines`)."""
+    """One engine pod as the operator sees it (its readiness and `/info`, read by `kube.read_engines`), and how its
+    engine container last ended and how often it restarted (from the pod's status)."""
 
     pod: str
     ready: bool
     kv_blocks: int | None = None  # from the engine's /info
     error: str | None = None
+    restarts: int = 0
+    terminated: Termination | None = None
 
 
 # --- time ----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ kopf settings, chosen on purpose:
 - no finalizer: the delete handler is optional, and readiness comes from watching the engine workloads rather
   than from a timer or daemon on the InferenceService (kopf puts a finalizer on objects with timers, which would
   block `kubectl delete` while the operator is down); children go with their owner by garbage collection;
-- events at info level: ours (Planned, Applied, Ready; warnings PlanFailed, EngineCannotServe, <Kind>NotInstalled)
+- events at info level: ours (Planned, Applied, Ready; warnings PlanFailed, EngineCannotServe, <Kind>NotInstalled,
+  EngineCrashed, EngineCrashLooping)
   and kopf's per-handler outcomes; the autotune loop posts its own (TrialStarted, TrialMeasured, RolledBack, ...).
 - autotune: a thread (`autotune_loop.AutotuneLoop`) started at start-up; `track_autotune`, an event handler, tells
   it which InferenceServices to tune. Its state is all in their status (module docstring of `autotune.py`).
@@ -278,7 +279,15 @@ def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:
     engines = kube_module.read_engines(pods)
     update = client.update_status(namespace, name, lambda o: st.readiness(
         o.get("status") or {}, ready, engines, o["metadata"].get("generation"), st.now_rfc3339()))
-    if update is None or update.new.get("phase") != "Ready" or update.old.get("phase") == "Ready":
+    if update is None:
+        return
+    crash = st.condition(update.new, "Ready") or {}
+    if crash.get("reason") in st.ENGINE_CRASH_REASONS and crash.get("reason") != (
+            st.condition(update.old, "Ready") or {}).get("reason"):  # once per change, not per workload event
+        kopf.warn(kopf.Body(cast(kopf.RawBody, obj)), reason=str(crash["reason"]),
+                  message=str(crash.get("message", ""))[:1024])
+        logger.warning("%s/%s: %s", namespace, name, crash.get("message"))
+    if update.new.get("phase") != "Ready" or update.old.get("phase") == "Ready":
         return
     message = str((st.condition(update.new, "Ready") or {}).get("message", ""))
     kopf.info(kopf.Body(cast(kopf.RawBody, obj)), reason="Ready", message=message)

@@ -34,8 +34,8 @@ from pydantic import ValidationError
 
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
 
-from .autotune_types import EngineReport, JobPhase, PodState, Status
-from .names import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .autotune_types import EngineReport, JobPhase, PodState, Status, Termination
+from .names import ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,24 @@ class EnginePod:
     ip: str | None
     ready: bool
     serves_http: bool = True  # a LeaderWorkerSet's worker pods run no HTTP server; their leader answers /info
+    restarts: int = 0  # of its engine container
+    terminated: Termination | None = None  # how the engine container last ended, if it did
+
+
+
+def engine_termination(status: client.V1PodStatus) -> tuple[int, Termination | None]:
+    """The engine container's restart count and how it last ended: its terminated state now (it is down), else the
+    last one (it was restarted); None if it never ended."""
+    for c in status.container_statuses or []:
+        if c.name != ENGINE_CONTAINER:
+            continue
+        ended = (c.state.terminated if c.state is not None else None) or (
+            c.last_state.terminated if c.last_state is not None else None)
+        if ended is None:
+            return int(c.restart_count or 0), None
+        return int(c.restart_count or 0), Termination(int(ended.exit_code), ended.reason,
+                                                      (ended.message or "").strip() or None)
+    return 0, None
 
 
 class Kube:
@@ -238,11 +256,18 @@ class Kube:
 
     def engine_pods(self, namespace: str, selector: str) -> list[EnginePod]:
         """The engine pods (not being deleted) and whether each is Ready."""
-        out: list[EnginePod] = []
-        for meta, status, ready in live_pods(self.core.list_namespaced_pod(namespace, label_selector=selector).items):
-            worker_index = (meta.labels or {}).get(LWS_WORKER_INDEX_LABEL)
-            out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=worker_index in (None, "0")))
-        return out
+        return engine_pods(self.core.list_namespaced_pod(namespace, label_selector=selector).items)
+
+
+def engine_pods(pods: Iterable[client.V1Pod]) -> list[EnginePod]:
+    """The engine pods not being deleted: readiness, address, and how their engine container last ended."""
+    out: list[EnginePod] = []
+    for meta, status, ready in live_pods(pods):
+        worker_index = (meta.labels or {}).get(LWS_WORKER_INDEX_LABEL)
+        restarts, terminated = engine_termination(status)
+        out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=worker_index in (None, "0"),
+                             restarts=restarts, terminated=terminated))
+    return out
 
 
 def live_pods(pods: Iterable[client.V1Pod]) -> Iterator[tuple[client.V1ObjectMeta, client.V1PodStatus, bool]]:
@@ -268,10 +293,13 @@ async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, li
     async with httpx.AsyncClient(transport=transport, timeout=timeout) as http:
 
         async def one(pod: EnginePod) -> EngineReport:
+            def report(ready: bool, kv_blocks: int | None = None, error: str | None = None) -> EngineReport:
+                return EngineReport(pod.name, ready, kv_blocks, error, pod.restarts, pod.terminated)
+
             if not pod.ready:
-                return EngineReport(pod.name, False, error="not ready" if pod.ip else "no pod IP yet")
+                return report(False, error="not ready" if pod.ip else "no pod IP yet")
             if not pod.serves_http or not pod.ip:
-                return EngineReport(pod.name, True)
+                return report(True)
             async with gate:
                 try:
                     async with asyncio.timeout(timeout):
@@ -279,8 +307,8 @@ async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, li
                     response.raise_for_status()
                     info = EngineInfo.model_validate(response.json())
                 except (httpx.HTTPError, TimeoutError, ValueError, ValidationError) as e:
-                    return EngineReport(pod.name, True, error=f"{INFO_PATH} unreadable: {e!r}")
-            return EngineReport(pod.name, True, kv_blocks=info.kv_blocks)
+                    return report(True, error=f"{INFO_PATH} unreadable: {e!r}")
+            return report(True, kv_blocks=info.kv_blocks)
 
         return list(await asyncio.gather(*(one(p) for p in pods)))
 

@@ -10,3 +10,5 @@ LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # the Leade
 
 PROMETHEUS_URL_ENV = "NPUSERVE_PROMETHEUS_URL"  # `npuserve operator --prometheus-url`'s default
 MEMO_PROMETHEUS_URL = "prometheus_url"  # the key of kopf's memo that carries --prometheus-url to the handlers
+# The engine container of every engine pod: render names it, kube reads its state (restarts, termination message).
+ENGINE_CONTAINER = "engine"

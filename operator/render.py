@@ -30,9 +30,12 @@ from npuserve.catalog.accelerators import get_accelerator
 from npuserve.engine_contract import (
     ADMIN_TOKEN_ENV,
     CPU_BINDING_ENV,
+    DEFAULT_TERMINATION_LOG,
     ENGINE_PORT,
     HEALTH_PATH,
     HOT_SCHEDULE_FIELDS,
+    LIVENESS_FAILURE_THRESHOLD,
+    LIVENESS_PERIOD_S,
     METRICS_PATH,
     NNODES_ENV,
     NODE_RANK_ENV,
@@ -46,7 +49,7 @@ from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, Pla
 from npuserve.operator.planner import model_spec
 from npuserve.operator.problem import max_batch_size_limit
 
-from .names import COMPONENT_LABEL, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
@@ -350,12 +353,14 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
     ]
     mounts += _model_mounts(isvc)
     container: dict[str, Any] = {
-        "name": "engine",
+        "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.imagePullPolicy,
         "command": serve_command(model_path(isvc), CONFIG_PATH),
-        # An engine that stops at start-up (on npu, `npuserve doctor`'s failed checks: docs/engine.md) leaves its last
-        # log lines as the container's termination message, where `kubectl describe` shows them.
+        # A fatal engine error writes its message here (docs/engine.md#errors-and-health); an engine that stops
+        # without one (on npu, `npuserve doctor`'s failed checks at start-up) leaves its last log lines instead. The
+        # operator shows it in the Ready condition and `kubectl describe` in the pod.
+        "terminationMessagePath": DEFAULT_TERMINATION_LOG,
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": _env(isvc, plan),
         "resources": _resources(isvc, plan),
@@ -373,7 +378,9 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
         container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
         # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
         container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES)
-        container["livenessProbe"] = _probe(HEALTH_PATH, 10, 3)
+        # /health fails once a step is stuck past npuserve.stepTimeoutSeconds; the engine exits by itself within
+        # this budget (its grace is one period shorter), the kubelet restarts it at the latest when it runs out.
+        container["livenessProbe"] = _probe(HEALTH_PATH, LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD)
         container["readinessProbe"] = _probe(READY_PATH, 5, 3)
     return container
 

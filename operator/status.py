@@ -22,6 +22,11 @@ from .autotune_types import EngineReport, Status
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")
 # Reasons a person acts on (docs/operator.md lists them).
 ENGINE_CANNOT_SERVE = "EngineCannotServe"
+ENGINE_CRASHED = "EngineCrashed"  # an engine container that is not ready ended with an error: its message
+ENGINE_CRASH_LOOPING = "EngineCrashLooping"  # the same, restarted more than CRASH_LOOP_RESTARTS times
+ENGINE_CRASH_REASONS = (ENGINE_CRASHED, ENGINE_CRASH_LOOPING)
+CRASH_LOOP_RESTARTS = 3
+_CRASH_MESSAGE_CHARS = 600  # of the termination message, in the condition (the pod's status has it whole)
 # Phases the first successful plan moves on from: nothing runs yet, or what ran was refused.
 _UNDEPLOYED_PHASES = (None, "Pending", "Failed", "Planned")
 
@@ -162,6 +167,26 @@ def engines_expected(status: Mapping[str, Any]) -> bool:
             and cond.get("reason") != ENGINE_CANNOT_SERVE)
 
 
+def engine_crash(engines: Sequence[EngineReport]) -> tuple[str, str] | None:
+    """(reason, message) when an engine that is not ready ended with an error (a fatal engine error, a crash at
+    start-up, an OOM kill): EngineCrashLooping once it restarted more than CRASH_LOOP_RESTARTS times, else
+    EngineCrashed; the message names the pod, the exit and the engine's own termination message. None otherwise."""
+    crashed = [e for e in engines if not e.ready and e.terminated is not None and e.terminated.exit_code != 0]
+    if not crashed:
+        return None
+    worst = max(crashed, key=lambda e: e.restarts)
+    ended = worst.terminated
+    assert ended is not None
+    reason = ENGINE_CRASH_LOOPING if worst.restarts > CRASH_LOOP_RESTARTS else ENGINE_CRASHED
+    how = f"exited with code {ended.exit_code}" + (f" ({ended.reason})" if ended.reason else "")
+    text = ended.message or "no termination message"
+    if len(text) > _CRASH_MESSAGE_CHARS:
+        text = text[:_CRASH_MESSAGE_CHARS] + "..."
+    others = f"; {len(crashed) - 1} more engine pod(s) crashed too" if len(crashed) > 1 else ""
+    return reason, (f"engine pod {worst.pod} {how}, restarted {worst.restarts} time(s): {text}{others}; the pod's "
+                    "status and its previous log (kubectl logs --previous) say more")
+
+
 def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[EngineReport], generation: int | None,
               now: str) -> Status | None:
     """Phase, the Ready condition, replicas and the KV blocks the engines actually allocated, from the plan in
@@ -176,6 +201,8 @@ def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[Engi
     elif not engines:
         reason, message = "NoEnginePods", (f"0/{desired_pods} engine pods exist yet; check the workload's events "
                                            "(scheduling, image pulls, accelerator resources)")
+    elif (crash := engine_crash(engines)) is not None:
+        reason, message = crash[0], f"{ready_pods}/{desired_pods} engine pods ready; {crash[1]}"
     else:
         waiting = [e.pod + (f" ({e.error})" if e.error else "") for e in engines if not e.ready]
         reason, message = "EnginesNotReady", (f"{ready_pods}/{desired_pods} engine pods ready; waiting for "

@@ -163,3 +163,15 @@ def test_without_a_limit_the_engine_is_sized_for_the_start_up_max_batch_size() -
         running.with_schedule(maxBatchSize=201)
     limited = MindIEConfig.from_dict(json.loads(EXAMPLE.read_text()) | {"npuserve": {"maxBatchSizeLimit": 400}})
     assert limited.with_batch_size_limit().extensions.maxBatchSizeLimit == 400  # a given limit is kept
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    ({"stepTimeoutSeconds": 0}, "npuserve.stepTimeoutSeconds"),
+    ({"stepTimeoutSeconds": "soon"}, "npuserve.stepTimeoutSeconds"),
+    ({"stepTimeoutGraceSeconds": -1}, "npuserve.stepTimeoutGraceSeconds"),
+])
+def test_the_step_watchdog_keys_are_validated_naming_the_key(change: dict[str, object], key: str) -> None:
+    data = json.loads(EXAMPLE.read_text())
+    assert MindIEConfig.from_dict(data | {"npuserve": {"stepTimeoutSeconds": 60}}).extensions.stepTimeoutSeconds == 60
+    with pytest.raises(MindIEConfigError, match=key.replace(".", r"\.")):
+        MindIEConfig.from_dict(data | {"npuserve": change})

@@ -4,8 +4,9 @@ on the host for the step messages.
 
 A rank that dies takes the engine down: rank 0 watches its workers and exits with a log line naming the rank, so
 Kubernetes restarts the pod (a collective would otherwise wait for it forever); a worker whose rank 0 is gone exits
-too. The collectives' own timeout is long on purpose: an idle server waits between steps as long as it likes, and
-liveness is the watchers' job.
+too, and a worker whose operation raises logs one line naming its rank and the operation, and exits. The
+collectives' own timeout is long on purpose: an idle server waits between steps as long as it likes, and liveness
+is the watchers' job, and the step watchdog's (engine/server/watchdog.py) for a rank that hangs without dying.
 """
 
 from __future__ import annotations
@@ -98,6 +99,14 @@ class WorkerRanks:
             self.on_death(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}; the engine "
                           f"cannot go on without it and exits (its own log, above, says why)")
 
+    def kill(self) -> None:
+        """Ends the workers at once (rank 0 is exiting on a fatal error: a worker may be stopped, or stuck in a
+        collective); SIGKILL ends a stopped process too."""
+        self._closing = True
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.kill()
+
     def stop(self, tell: Callable[[], None] | None) -> None:
         """Ends the workers: `tell` them (rank 0's STOP) and wait, killing any that do not stop in time; without
         `tell` (rank 0 failed while building and they wait in a collective for it), kill them at once."""
@@ -142,17 +151,19 @@ def worker_main(args: WorkerArgs) -> None:
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: "
                         "%(message)s", stream=sys.stderr)
     code = 0
+    doing = ["while starting"]  # what this rank was doing, for its failure line
     try:
         apply_cpu_binding(rank=args.rank, world_size=args.world_size)
-        _follow(args)
-    except Exception:
-        log.exception("tensor-parallel rank %d failed", args.rank)
+        _follow(args, doing)
+    except Exception as e:
+        log.critical("tensor-parallel rank %d failed %s: %s: %s; it exits, and rank 0 with it", args.rank,
+                     doing[0], type(e).__name__, e, exc_info=True)
         code = 1
     logging.shutdown()
     os._exit(code)  # not a normal exit: the stdin watcher thread is blocked in a read
 
 
-def _follow(args: WorkerArgs) -> None:
+def _follow(args: WorkerArgs, doing: list[str]) -> None:
     import torch
     import torch.distributed as dist
 
@@ -167,6 +178,12 @@ def _follow(args: WorkerArgs) -> None:
                               init_method=args.init_method, env=args.env, num_kv_blocks=args.num_kv_blocks,
                               num_host_blocks=args.num_host_blocks)
     assert built.channel is not None
-    while (msg := built.channel.receive()).op is not Op.STOP:
+    progress = built.runner.progress
+    while True:
+        doing[0] = f"while waiting for rank 0's operation #{progress.number + 1}"
+        msg = built.channel.receive()
+        if msg.op is Op.STOP:
+            break
+        doing[0] = f"in {msg.op.name} #{progress.number + 1} (sent by rank 0)"
         built.runner.follow(msg)
     dist.destroy_process_group()

@@ -70,12 +70,16 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app.state.server = state
     app.state.config_watcher = watcher
     def health_probe() -> tuple[int, dict[str, Any]]:
+        error = engine.health_error  # a stuck step (the watchdog), or the engine exiting
+        if error is not None:
+            return 503, {"status": "failing", "reason": error}
         return 200, {"status": "ok"}
 
     def ready_probe() -> tuple[int, dict[str, Any]]:
         if engine.ready:
             return 200, {"ready": True}
-        return 503, {"ready": False, "reason": "draining" if engine.draining else engine.step_error or "loading"}
+        reason = engine.fatal_error or ("draining" if engine.draining else engine.step_error or "loading")
+        return 503, {"ready": False, "reason": reason}
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
     # outermost (added last): probes answered before anything else, admission bounded (admission.py)
@@ -87,12 +91,14 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app.include_router(tgi_api.router)
     app.include_router(admin.router)
 
-    @app.get(HEALTH_PATH)
-    @app.head(HEALTH_PATH, include_in_schema=False)  # probes and load balancers use HEAD
-    async def health() -> dict[str, Any]:
-        """The process is alive (liveness). Answered by the admission layer before routing; declared here for the
-        API schema."""
-        return health_probe()[1]
+    @app.get(HEALTH_PATH, response_model=None)
+    @app.head(HEALTH_PATH, response_model=None, include_in_schema=False)  # probes and load balancers use HEAD
+    async def health() -> dict[str, Any] | JSONResponse:
+        """The process is alive and its steps complete (liveness): 503 with the reason once a step is stuck past
+        npuserve.stepTimeoutSeconds or the engine is exiting. Answered by the admission layer before routing;
+        declared here for the API schema."""
+        status, body = health_probe()
+        return body if status == 200 else JSONResponse(body, status_code=status)
 
     @app.get(READY_PATH, response_model=None)
     @app.head(READY_PATH, response_model=None, include_in_schema=False)

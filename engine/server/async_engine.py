@@ -7,6 +7,12 @@ detokenizes, checks stop strings (a hit is sent back with `LLMEngine.stop_sequen
 pushes outputs into per-request asyncio queues with `call_soon_threadsafe`: a slow detokenize never stretches a
 step (vLLM v1's engine-core / output-processor split). A consumer that goes away (client disconnect, cancellation)
 aborts its request so its KV blocks are freed at the next step.
+
+Failing loudly (docs/engine.md#errors-and-health): with one rank, a step that raises fails its requests and the
+server goes on, unless `MAX_CONSECUTIVE_STEP_FAILURES` steps fail in a row. With several ranks any step error is
+fatal: the other ranks are inside the operation rank 0 sent them, and the next collective would wait forever. A
+fatal error (that, a rank that dies, the step watchdog's expiry) sends every request in flight its error, writes
+the termination message, ends the other ranks and exits the process non-zero.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from npuserve.engine.engine import EngineSnapshot, LLMEngine, StepUpdates
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
+from npuserve.engine.server.fatal import EXIT_CODE, hard_exit, write_termination_message
 from npuserve.engine.server.metrics import EngineMetrics, FinishedRequestSample
+from npuserve.engine.server.watchdog import StepWatchdog
 from npuserve.engine.step_output import SeqUpdate
 from npuserve.mindie_config import ScheduleSection
 
@@ -34,13 +42,23 @@ _IDLE_WAIT_SECONDS = 0.05  # how long the step thread sleeps with nothing to do 
 _DELAY_POLL_SECONDS = 0.0005  # requests wait out maxQueueDelayMicroseconds: poll, do not spin
 
 
+# One rank: this many failed steps in a row (none completing between them) and the engine exits; a step that
+# fails now and then (one bad batch) fails its requests and the server goes on.
+MAX_CONSECUTIVE_STEP_FAILURES = 5
+# A fatal error: how long the requests in flight have to be sent their error before the process exits, and how
+# long their last bytes have to leave once every handler is done.
+FATAL_FLUSH_SECONDS = 5.0
+_FATAL_LINGER_SECONDS = 0.5
+
 ENGINE_FAILURE_PREFIX = "engine step failed: "
+ENGINE_FATAL_PREFIX = "the engine failed and exits: "
 SHUTDOWN_PREFIX = "the server is shutting down"
 
 
 def is_engine_failure(output: RequestOutput) -> bool:
-    """The request ended because a step crashed (the server's fault), not because of the request itself."""
-    return output.error is not None and output.error.startswith(ENGINE_FAILURE_PREFIX)
+    """The request ended because a step crashed or the engine failed (the server's fault), not because of the
+    request itself."""
+    return output.error is not None and output.error.startswith((ENGINE_FAILURE_PREFIX, ENGINE_FATAL_PREFIX))
 
 
 def is_shutdown_cut(output: RequestOutput) -> bool:
@@ -73,7 +91,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None, max_waiting: int | None = None,
+                 exit_process: Callable[[int], None] = hard_exit):
+        """`exit_process(code)` ends the process on a fatal error (in-process tests record it instead)."""
         self.engine = engine
         self.metrics = metrics or EngineMetrics(engine.model_name)
         self.max_waiting = max_waiting if max_waiting is not None else engine.extensions.maxWaitingRequests
@@ -88,6 +108,15 @@ class AsyncEngine:
         self._ids = itertools.count()
         self.draining = False
         self.step_error: str | None = None
+        self.fatal_error: str | None = None  # set once: the engine is exiting
+        self._fatal_lock = threading.Lock()
+        self._exit_process = exit_process
+        self._consecutive_failures = 0
+        ext = engine.extensions
+        self.watchdog = StepWatchdog(ext.stepTimeoutSeconds, ext.stepTimeoutGraceSeconds, self._describe_ranks,
+                                     on_stuck=write_termination_message, on_expired=self.fatal)
+        if engine.workers is not None:  # a rank that dies: its requests get their error before the process exits
+            engine.workers.on_death = self.fatal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[bool] | None = None
         self._publish_state(engine.snapshot)
@@ -99,6 +128,11 @@ class AsyncEngine:
     def ready(self) -> bool:
         return self.engine.ready and self._thread is not None and self._thread.is_alive() and not self.draining
 
+    @property
+    def health_error(self) -> str | None:
+        """Why /health fails (the engine is exiting, or a step is stuck), or None when the process is healthy."""
+        return self.fatal_error or self.watchdog.stuck
+
     def start(self) -> None:
         """Starts the step thread; called on the asyncio loop, whose outputs it then serves."""
         self._loop = asyncio.get_running_loop()
@@ -107,8 +141,10 @@ class AsyncEngine:
             self._output_thread.start()
             self._thread = threading.Thread(target=self._run, name="npuserve-step-loop", daemon=True)
             self._thread.start()
+            self.watchdog.start()
 
     def stop(self) -> None:
+        self.watchdog.stop()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -156,11 +192,49 @@ class AsyncEngine:
             cut, self._streams = list(self._streams.items()), {}
         for rid, stream in cut:
             self.engine.abort(rid)
-            stream.queue.put_nowait(RequestOutput(
-                request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
-                num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=message))
+            stream.queue.put_nowait(_error_output(rid, message))
             log.warning("request %s cut at shutdown: still running when the drain timeout passed", rid)
         self._wake.set()
+
+    def fatal(self, message: str) -> None:
+        """Ends the engine (any thread, once): one critical log line, the termination message, an error for every
+        request in flight (their handlers get up to FATAL_FLUSH_SECONDS to send it), the other ranks killed, then
+        the process exits non-zero. The step thread is not waited for: it may be the thing that is stuck."""
+        with self._fatal_lock:
+            if self.fatal_error is not None:
+                return  # another thread is already ending the engine
+            self.fatal_error = message
+        self.draining = True  # /ready fails and new requests get 503 while the last errors go out
+        log.critical("%s", message)
+        write_termination_message(message)
+        with self._lock:
+            streams = list(self._streams.items())
+        error = ENGINE_FATAL_PREFIX + message
+        for rid, stream in streams:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _error_output(rid, error))
+        deadline = time.monotonic() + FATAL_FLUSH_SECONDS
+        while self.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if streams:
+            time.sleep(_FATAL_LINGER_SECONDS)  # their last bytes leave the socket
+        if self.engine.workers is not None:
+            self.engine.workers.kill()
+        self.watchdog.stop()
+        self._stop.set()
+        self._wake.set()
+        self._exit_process(EXIT_CODE)
+
+    def _describe_ranks(self, now: float) -> str:
+        """The last operation each rank started, as rank 0 knows it (the other ranks do not report theirs)."""
+        progress = self.engine.runner.progress
+        world = self.engine.tp.world_size
+        if world == 1:
+            return f"the engine's one rank last started {progress.describe(now)}"
+        others = "rank 1" if world == 2 else f"ranks 1-{world - 1}"
+        told = ("rank 0 was still sending it to them: they may not have received it" if progress.phase == "sending"
+                else f"the last operation rank 0 sent them is {progress.name}")
+        return (f"tensor-parallel rank 0 last started {progress.describe(now)}; {others}: {told} (each rank's own "
+                "progress is not reported: its log says more)")
 
     # --- requests ----------------------------------------------------------------------------------------------
 
@@ -210,24 +284,42 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self.fatal_error is None:
             if not engine.has_unfinished():
                 self._wake.wait(_IDLE_WAIT_SECONDS)
                 self._wake.clear()
                 continue
+            self.watchdog.step_started()
             try:
                 result = engine.run_step()
             except Exception as e:  # a broken step must fail its requests, not hang them
-                log.exception("engine step failed")
-                self.step_error = f"{type(e).__name__}: {e}"
-                self._fail_all(ENGINE_FAILURE_PREFIX + self.step_error)
+                self.watchdog.step_finished()
+                self._step_failed(e)
                 continue
+            self.watchdog.step_finished()
             self.step_error = None
+            self._consecutive_failures = 0
             if result.updates:
                 self._for_output.put(_ForOutput(result.updates, []))
             self._record_step(result)
             if result.stats is None:  # no model ran: waiting out maxQueueDelayMicroseconds
                 time.sleep(_DELAY_POLL_SECONDS)
+
+    def _step_failed(self, e: Exception) -> None:
+        error = f"{type(e).__name__}: {e}"
+        operation = self.engine.runner.progress.describe()
+        if self.engine.tp.world_size > 1:
+            log.error("the traceback of tensor-parallel rank 0's failure", exc_info=e)
+            self.fatal(f"tensor-parallel rank 0 failed in {operation}: {error}; the other ranks are inside the "
+                       "operation it sent them and cannot go on without it, so the engine exits")
+            return
+        log.exception("engine step failed")
+        self.step_error = error
+        self._consecutive_failures += 1
+        self._fail_all(ENGINE_FAILURE_PREFIX + error)
+        if self._consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            self.fatal(f"{self._consecutive_failures} engine steps failed in a row, none completing between them "
+                       f"(the last in {operation}: {error}); the engine exits for a restart")
 
     # --- the output thread -------------------------------------------------------------------------------------
 
@@ -243,9 +335,7 @@ class AsyncEngine:
                 processed, error = [], f"{ENGINE_FAILURE_PREFIX}{type(e).__name__}: {e}"
                 for rid in dict.fromkeys(u.request_id for u in item.updates):
                     self.engine.abort(rid)
-                    made = [*made, RequestOutput(
-                        request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
-                        num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error)]
+                    made = [*made, _error_output(rid, error)]
             now = time.monotonic()
             for output in processed:
                 self._deliver(output, now)
@@ -297,9 +387,7 @@ class AsyncEngine:
         known = {u.request_id for u in failed}
         with self._lock:
             orphans = [rid for rid in self._streams if rid not in known]
-        self._for_output.put(_ForOutput(failed, [RequestOutput(
-            request_id=rid, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[], text="",
-            num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error) for rid in orphans]))
+        self._for_output.put(_ForOutput(failed, [_error_output(rid, error) for rid in orphans]))
         self._publish_state(self.engine.snapshot)
 
 
@@ -329,6 +417,12 @@ class RequestStream:
         if not self._closed:
             self._closed = True
             self._owner._release(self.request_id, self._finished)
+
+
+def _error_output(request_id: str, error: str) -> RequestOutput:
+    """The last output of a request that ends with `error`, sent to its handler."""
+    return RequestOutput(request_id=request_id, new_token_ids=[], new_text="", new_logprobs=None, token_ids=[],
+                         text="", num_prompt_tokens=0, finished=True, finish_reason=FinishReason.ERROR, error=error)
 
 
 def _sample(output: RequestOutput) -> FinishedRequestSample:

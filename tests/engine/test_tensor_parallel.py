@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -337,3 +338,127 @@ def test_a_rank_0_that_fails_while_building_ends_its_workers(tiny_model_dir: Pat
     assert not dist.is_initialized()  # and the world left: the process can build another engine
     monkeypatch.undo()
     _engine(tiny_model_dir, 2).close()
+
+
+# --- fatal means exit: a failed step, a rank that stops answering (docs/engine.md#errors-and-health) ---------------
+
+FAULT_SERVE = Path(__file__).with_name("tp_fault_serve.py")
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie not yet reaped counts as ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def _ends(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _gone(pid)
+
+
+def _serve_2_ranks(command: list[str], model_dir: Path, termination: Path,
+                   *extra: str) -> tuple[subprocess.Popen[str], str]:
+    from npuserve.engine.parallel.ranks import free_port
+    from npuserve.engine_contract import TERMINATION_LOG_ENV
+
+    port = free_port()
+    proc = subprocess.Popen([*command, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                             "--world-size", "2", *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, TERMINATION_LOG_ENV: str(termination)})
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def test_a_rank_0_step_that_fails_after_the_broadcast_ends_every_rank_and_the_server(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    proc, url = _serve_2_ranks([sys.executable, str(FAULT_SERVE), "rank0", "serve"], tiny_model_dir, termination)
+    workers: list[int] = []
+    try:
+        wait_ready(url, proc, timeout=180)
+        workers = _children(proc.pid)
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4}, timeout=120)
+        code = proc.wait(timeout=120)  # never a hang: the worker sits in a collective rank 0 never joins
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=30)
+    assert code == 1, out
+    # one line naming the rank and the operation
+    named = [line for line in out.splitlines() if "tensor-parallel rank 0 failed in FORWARD #" in line]
+    assert len(named) == 1 and "CRITICAL" in named[0] and "injected fault on rank 0" in named[0], out
+    # the request in flight got its error first
+    assert r.status_code == 500, r.text
+    assert "tensor-parallel rank 0 failed in FORWARD #" in r.json()["error"]["message"]
+    assert "tensor-parallel rank 0 failed in FORWARD #" in termination.read_text()  # the pod's termination message
+    assert workers and all(_ends(w) for w in workers)  # every rank ended
+
+
+def test_a_worker_whose_operation_fails_ends_every_rank_and_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    proc, url = _serve_2_ranks([sys.executable, str(FAULT_SERVE), "rank1", "serve"], tiny_model_dir, termination)
+    try:
+        wait_ready(url, proc, timeout=180)
+        r = httpx.post(url + "/v1/completions", json={"prompt": [7] * 11, "max_tokens": 4}, timeout=120)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=30)
+    assert code == 1, out
+    # the worker's one line names its rank and the operation rank 0 sent it
+    named = [line for line in out.splitlines() if "tensor-parallel rank 1 failed in FORWARD #" in line]
+    assert len(named) == 1 and "(sent by rank 0)" in named[0] and "injected fault on rank 1" in named[0], out
+    # rank 0 ends too (it sees the rank exit, or its collective fail, whichever comes first), the request answered
+    assert r.status_code == 500 and r.json()["error"]["message"].startswith("the engine failed and exits: "), r.text
+    assert "tensor-parallel rank" in termination.read_text()
+
+
+def test_a_rank_that_stops_answering_fails_health_then_ends_the_server(tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    config = make_config(tiny_model_dir, extensions={"stepTimeoutSeconds": 3, "stepTimeoutGraceSeconds": 3})
+    config.save(tmp_path / "config.json")
+    termination = tmp_path / "termination-log"
+    proc, url = _serve_2_ranks([NPUSERVE, "serve"], tiny_model_dir, termination, "--config",
+                               str(tmp_path / "config.json"))
+    workers: list[int] = []
+    failing: list[dict[str, str]] = []
+    try:
+        wait_ready(url, proc, timeout=180)
+        workers = _children(proc.pid)
+        os.kill(workers[0], signal.SIGSTOP)  # alive, and answering nothing: rank 0's next collective waits for it
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(httpx.post, url + "/v1/completions", json={"prompt": "hello", "max_tokens": 4},
+                               timeout=120)
+            while proc.poll() is None and not failing:
+                try:
+                    health = httpx.get(url + "/health", timeout=5)
+                    if health.status_code == 503:
+                        failing.append(health.json())
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.1)
+            code = proc.wait(timeout=120)
+            ended = [_ends(w) for w in workers]  # rank 0 ended the stopped rank before it went
+            r = sent.result(timeout=60)
+    finally:
+        for w in workers:
+            if not _gone(w):
+                os.kill(w, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+        out, _ = proc.communicate(timeout=30)
+    assert code == 1, out
+    # /health failed in the grace, naming what each rank last started
+    assert failing and "no engine step has completed" in failing[0]["reason"], out
+    reason = failing[0]["reason"]
+    assert "tensor-parallel rank 0 last started FORWARD #" in reason and "rank 1:" in reason
+    assert "stepTimeoutGraceSeconds" in out and "tensor-parallel rank 0 last started FORWARD #" in out
+    assert r.status_code == 500 and "no engine step has completed" in r.json()["error"]["message"]
+    assert "rank 1:" in termination.read_text()
+    assert ended == [True]

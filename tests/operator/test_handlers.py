@@ -15,7 +15,7 @@ import pytest
 from fake_kube import TINY, FakeKube
 
 from npuserve.operator import handlers, kube
-from npuserve.operator.autotune_types import EngineReport
+from npuserve.operator.autotune_types import EngineReport, Termination
 
 LOG = logging.getLogger("test")
 
@@ -190,6 +190,30 @@ def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatc
     assert fake.status["phase"] == "Ready" and fake.status["observed"] == {"kvBlocksAllocated": 8192}
     assert _conditions(fake)["Ready"]["message"] == "1/1 engine pods ready"
     assert events[-1] == ("Normal", "Ready", "1/1 engine pods ready")
+
+
+def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monkeypatch: pytest.MonkeyPatch,
+                                                                          events: list[Any]) -> None:
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)
+    fatal = Termination(1, "Error", "no engine step has completed for 301.0 s (npuserve.stepTimeoutSeconds 300): ...")
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", False)])
+    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=1,
+                                                                         terminated=fatal)])
+    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    ready = _conditions(fake)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "EngineCrashed")
+    assert "engine pod tiny-a exited with code 1 (Error), restarted 1 time(s): no engine step has completed" in (
+        ready["message"])
+    assert [e[:2] for e in events if e[0] == "Warning"] == [("Warning", "EngineCrashed")]
+    assert "no engine step has completed" in events[-1][2]
+    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]  # the next workload event
+    assert [e[1] for e in events].count("EngineCrashed") == 1  # one event per change, not one per workload event
+    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=4,
+                                                                         terminated=fatal)])
+    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    assert _conditions(fake)["Ready"]["reason"] == "EngineCrashLooping"
+    assert events[-1][:2] == ("Warning", "EngineCrashLooping")
 
 
 # --- how the operator starts: `npuserve operator` loads the handlers by name and hands them its Prometheus --------

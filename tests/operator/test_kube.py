@@ -1,5 +1,5 @@
-"""kube.py: the one status writer (optimistic concurrency, retry on 409), pruning of what a previous render made, and
-the engines' /info read concurrently with a bound and a timeout."""
+"""kube.py: the one status writer (optimistic concurrency, retry on 409), pruning of what a previous render made, the
+engines' /info read concurrently with a bound and a timeout, and how each engine container last ended."""
 
 from __future__ import annotations
 
@@ -10,14 +10,16 @@ from typing import Any
 import httpx
 import pytest
 from fake_kube import TINY, FakeKube, FakeStatusApi
+from kubernetes import client
 
 from npuserve.operator import status as st
 from npuserve.operator.api import InferenceService
-from npuserve.operator.autotune_types import EngineReport
+from npuserve.operator.autotune_types import EngineReport, Termination
 from npuserve.operator.kube import (
     STATUS_WRITE_ATTEMPTS,
     EnginePod,
     StatusConflict,
+    engine_pods,
     merge_patch,
     read_engines,
     update_status,
@@ -179,3 +181,36 @@ def test_merge_patch_sends_changes_and_nulls_removed_keys() -> None:
         "conditions": [{"type": "Ready", "status": "True"}, {"type": "Deployed", "status": "False"}]}
     assert merge_patch(new, new) == {}
     assert merge_patch({"observed": {"a": 1}}, {}) == {"observed": None}
+
+
+# --- how an engine container last ended: facts from the pod's status --------------------------------------------------
+
+
+def _pod(name: str, *, state: client.V1ContainerState | None = None, last: client.V1ContainerState | None = None,
+         restarts: int = 0, ready: bool = False) -> client.V1Pod:
+    engine = client.V1ContainerStatus(name="engine", image="i", image_id="", ready=ready, restart_count=restarts,
+                                      state=state, last_state=last)
+    sidecar = client.V1ContainerStatus(name="other", image="i", image_id="", ready=True, restart_count=7,
+                                       state=client.V1ContainerState(terminated=client.V1ContainerStateTerminated(
+                                           exit_code=2, message="not the engine")))
+    conditions = [client.V1PodCondition(type="Ready", status="True" if ready else "False")]
+    return client.V1Pod(metadata=client.V1ObjectMeta(name=name, labels={}),
+                        status=client.V1PodStatus(pod_ip="10.0.0.1", conditions=conditions,
+                                                  container_statuses=[sidecar, engine]))
+
+
+def test_engine_pods_carry_how_their_engine_container_last_ended() -> None:
+    crash = client.V1ContainerStateTerminated(exit_code=1, reason="Error",
+                                              message="tensor-parallel rank 0 failed in FORWARD #3: boom\n")
+    waiting = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(reason="CrashLoopBackOff"))
+    pods = engine_pods([
+        _pod("down", state=client.V1ContainerState(terminated=crash), restarts=2),
+        _pod("backing-off", state=waiting, last=client.V1ContainerState(terminated=crash), restarts=5),
+        _pod("fine", state=client.V1ContainerState(running=client.V1ContainerStateRunning()), ready=True),
+    ])
+    ended = Termination(1, "Error", "tensor-parallel rank 0 failed in FORWARD #3: boom")
+    assert [(p.name, p.restarts, p.terminated) for p in pods] == [
+        ("down", 2, ended), ("backing-off", 5, ended), ("fine", 0, None)]
+    reports = read_engines([p for p in pods if not p.ready])  # not ready: no /info read, the facts carried over
+    assert reports == [EngineReport("down", False, error="not ready", restarts=2, terminated=ended),
+                       EngineReport("backing-off", False, error="not ready", restarts=5, terminated=ended)]

@@ -114,6 +114,14 @@ def test_engine_container_command_resources_and_probes() -> None:
     assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     # a refusal at start-up (npuserve doctor's failed checks on npu) is the container's termination message
     assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    # the engine's fatal message, written where the kubelet reads it
+    assert engine["terminationMessagePath"] == "/dev/termination-log"
+    # the liveness budget fits the step watchdog: the engine exits by itself (after its grace) before the kubelet
+    # would kill it, so the pod's termination message is the engine's
+    liveness = engine["livenessProbe"]
+    budget = liveness["periodSeconds"] * liveness["failureThreshold"]
+    grace = r.mindie_config(isvc, p).extensions.stepTimeoutGraceSeconds
+    assert 0 < grace < budget
     env = {e["name"]: e.get("value") for e in engine["env"]}
     assert env["NPUSERVE_CPU_BINDING"] == "numa"
     assert env["LD_PRELOAD"].endswith("libjemalloc.so.2") and "background_thread:true" in env["MALLOC_CONF"]

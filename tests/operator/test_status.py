@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from npuserve.operator.api import InferenceServiceSpec
-from npuserve.operator.autotune_types import EngineReport
+from npuserve.operator.autotune_types import EngineReport, Termination
 from npuserve.operator.planner import plan
 from npuserve.operator.status import (
     cannot_serve,
     deployed,
+    engine_crash,
     engines_expected,
     plan_failed,
     planned,
@@ -187,3 +188,39 @@ def test_no_pods_tells_where_to_look() -> None:
 def test_readiness_needs_a_plan_and_skips_a_failed_one() -> None:
     assert readiness({}, 1, [], 1, "t") is None
     assert readiness(plan_failed(_deployed_tiny(), "bad", 2, "t"), 1, [], 2, "t") is None
+
+
+# --- an engine that crashed: its termination message on the Ready condition -----------------------------------------
+
+FATAL = Termination(1, "Error", "tensor-parallel rank 0 failed in FORWARD #12 (decode: 8 sequences, 8 tokens): "
+                                "RuntimeError: device lost; the engine exits")
+
+
+def test_a_crashed_engine_says_why_on_the_ready_condition() -> None:
+    engines = [EngineReport("tiny-a", True, kv_blocks=TINY_BLOCKS),
+               EngineReport("tiny-b", False, error="not ready", restarts=1, terminated=FATAL)]
+    status = readiness(_deployed_tiny(), 1, engines, 1, "t")
+    assert status is not None and status["phase"] == "Deploying"
+    ready = _conditions(status)["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "EngineCrashed")
+    assert ready["message"].startswith("1/2 engine pods ready; engine pod tiny-b exited with code 1 (Error), "
+                                       "restarted 1 time(s): tensor-parallel rank 0 failed in FORWARD #12")
+
+    looping = [engines[0], EngineReport("tiny-b", False, restarts=4, terminated=FATAL)]
+    status = readiness(status, 1, looping, 1, "t2")
+    assert status is not None and _conditions(status)["Ready"]["reason"] == "EngineCrashLooping"
+
+
+def test_only_an_engine_down_after_an_error_counts_as_crashed() -> None:
+    assert engine_crash([EngineReport("a", False, restarts=3, terminated=FATAL)]) is not None
+    assert engine_crash([EngineReport("a", False, restarts=3, terminated=FATAL)])[0] == "EngineCrashed"  # type: ignore[index]
+    # up again after the crash, a clean stop (SIGTERM drained: exit 0), a pod that never ended: no crash
+    assert engine_crash([EngineReport("a", True, restarts=9, terminated=FATAL)]) is None
+    assert engine_crash([EngineReport("a", False, restarts=1, terminated=Termination(0, "Completed"))]) is None
+    assert engine_crash([EngineReport("a", False, error="not ready")]) is None
+    # no message of its own (an OOM kill): said so; a long one is cut
+    oom = engine_crash([EngineReport("a", False, terminated=Termination(137, "OOMKilled"))])
+    assert oom == ("EngineCrashed", "engine pod a exited with code 137 (OOMKilled), restarted 0 time(s): no "
+                   "termination message; the pod's status and its previous log (kubectl logs --previous) say more")
+    long = engine_crash([EngineReport("a", False, terminated=Termination(1, None, "x" * 5000))])
+    assert long is not None and len(long[1]) < 1000

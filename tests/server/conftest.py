@@ -24,6 +24,7 @@ class RunningServer:
     url: str
     engine: AsyncEngine
     server: uvicorn.Server
+    exits: list[int]  # the exit codes a fatal error asked for: recorded, so the test process lives on
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
@@ -44,7 +45,9 @@ def running_server(model_dir: Path, *, admin_token: str | None = None, config_pa
     mindie = make_config(model_dir, **{"max_seq_len": 512, "maxIterTimes": 256, **config})
     if config_path is not None:
         mindie.save(config_path)
-    engine = AsyncEngine(LLMEngine(mindie, **(engine_kwargs or {})), max_waiting=max_waiting)
+    exits: list[int] = []
+    engine = AsyncEngine(LLMEngine(mindie, **(engine_kwargs or {})), max_waiting=max_waiting,
+                         exit_process=exits.append)
     app = build_app(engine, admin_token=admin_token, config_path=config_path, drain_timeout=5, **(app_kwargs or {}))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -58,7 +61,7 @@ def running_server(model_dir: Path, *, admin_token: str | None = None, config_pa
     if config_path is not None:
         app.state.config_watcher.interval = 0.1
     try:
-        yield RunningServer(f"http://127.0.0.1:{port}", engine, server)
+        yield RunningServer(f"http://127.0.0.1:{port}", engine, server, exits)
     finally:
         server.should_exit = True
         thread.join(timeout=30)

@@ -1,8 +1,9 @@
-"""Test control over a served engine's model runner: hold steps until requests have arrived, make steps crash.
+"""Test control over a served engine's model runner: hold steps until requests have arrived, make steps crash,
+make a forward pass hang.
 
-Wraps `LLMEngine.add_request` (to count arrivals) and `LLMEngine.runner.execute` (the model call of each step) with
-pytest's monkeypatch; nothing else of the engine is touched, so the server runs its real paths. Also reads
-histograms from `/metrics`.
+Wraps `LLMEngine.add_request` (to count arrivals), `LLMEngine.runner.execute` (the model call of each step) and the
+runner's `_forward` (inside the operation the runner has started) with pytest's monkeypatch; nothing else of the
+engine is touched, so the server runs its real paths. Also reads histograms from `/metrics`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class RunnerControl:
         self._full_batch_steps = 0
         self.broken = False
         self.kv_usage_at_crash: float | None = None
-        add_request, execute = engine.add_request, engine.runner.execute
+        self.hanging = False
+        self._released = threading.Event()
+        add_request, execute, forward = engine.add_request, engine.runner.execute, engine.runner._forward
 
         def counting_add_request(*args: Any, **kwargs: Any) -> Any:
             result = add_request(*args, **kwargs)
@@ -51,8 +54,23 @@ class RunnerControl:
                 raise RunnerFailure("injected runner failure")
             return execute(*args, **kwargs)
 
+        def hanging_forward(*args: Any, **kwargs: Any) -> Any:
+            if self.hanging:
+                self._released.wait()
+            return forward(*args, **kwargs)
+
         monkeypatch.setattr(engine, "add_request", counting_add_request)
         monkeypatch.setattr(engine.runner, "execute", controlled_execute)
+        monkeypatch.setattr(engine.runner, "_forward", hanging_forward)
+
+    def hang(self) -> None:
+        """The next forward pass never returns, until `release()`."""
+        self._released.clear()
+        self.hanging = True
+
+    def release(self) -> None:
+        self.hanging = False
+        self._released.set()
 
     def hold_until(self, num_more_requests: int) -> None:
         """Steps from now on wait in the runner until `num_more_requests` more requests reached the engine, so

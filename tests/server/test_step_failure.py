@@ -1,10 +1,13 @@
 """A step that crashes (the model runner raises): every request in flight ends with its error, streamed or not, on
-the OpenAI and the TGI routes; no KV block is left held; the server stays up and serves once the runner works."""
+the OpenAI and the TGI routes; no KV block is left held; the server stays up and serves once the runner works,
+unless its steps keep failing (then it exits). A step that never returns: /health fails, then the engine exits.
+(Tensor parallel, where any step error is fatal: tests/engine/test_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from npuserve.engine.server.async_engine import MAX_CONSECUTIVE_STEP_FAILURES
+from npuserve.engine_contract import TERMINATION_LOG_ENV
 from tests.server.conftest import RunningServer, running_server, wait_until
 from tests.server.runner_control import RunnerControl
 
@@ -108,6 +113,7 @@ def test_every_request_in_flight_gets_its_error(crashing: tuple[RunningServer, R
 
     # The server stays up: health is fine, and once the runner works it serves again.
     assert s.get("/health").status_code == 200
+    assert s.exits == []
     control.repair()
     _serves(s)
     assert s.get("/ready").status_code == 200
@@ -124,3 +130,65 @@ def test_a_request_sent_while_the_runner_is_broken_fails_and_the_next_one_runs(
     wait_until(lambda: s.metric("npuserve:kv_cache_usage_perc") == 0.0)
     control.repair()
     _serves(s)
+
+
+def test_one_rank_exits_once_its_steps_keep_failing(crashing: tuple[RunningServer, RunnerControl]) -> None:
+    s, control = crashing
+    control.broken = True  # every step fails: each request below is one failed step
+    for _ in range(MAX_CONSECUTIVE_STEP_FAILURES):
+        assert s.exits == []  # failures short of the bound: the server goes on
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "doomed", "max_tokens": 8}, timeout=30)
+        assert r.status_code == 500 and _error_message(r.json()).startswith(FAILURE)
+    wait_until(lambda: s.exits == [1])
+    assert f"{MAX_CONSECUTIVE_STEP_FAILURES} engine steps failed in a row" in (s.engine.fatal_error or "")
+    assert "RunnerFailure: injected runner failure" in (s.engine.fatal_error or "")
+    assert s.get("/health").status_code == 503  # exiting
+
+
+async def _completion_and_stream(url: str) -> tuple[Reply, Reply]:
+    payload = {"prompt": "a step that never returns", "max_tokens": 8}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        whole, streamed = await asyncio.gather(_post(client, "/v1/completions", payload),
+                                               _stream(client, "/v1/completions", {**payload, "stream": True}))
+    return whole, streamed
+
+
+def test_a_step_that_never_returns_fails_health_then_exits(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    termination = tmp_path / "termination-log"
+    monkeypatch.setenv(TERMINATION_LOG_ENV, str(termination))
+    watchdog = {"stepTimeoutSeconds": 2, "stepTimeoutGraceSeconds": 2}
+    with running_server(tiny_model_dir, extensions=watchdog) as s:
+        control = RunnerControl(s.engine.engine, monkeypatch)
+        try:
+            assert s.get("/health").status_code == 200
+            control.hang()  # inside the forward pass: the operation has started and never ends
+            with ThreadPoolExecutor(1) as pool:
+                replies = pool.submit(asyncio.run, _completion_and_stream(s.url))
+                failing: list[dict[str, Any]] = []
+
+                def health_fails() -> bool:
+                    r = s.get("/health")
+                    if r.status_code == 503:
+                        failing.append(r.json())
+                    return bool(failing)
+
+                wait_until(health_fails, timeout=60)
+                wait_until(lambda: s.exits == [1], timeout=60)
+                whole, streamed = replies.result(timeout=60)
+        finally:
+            control.release()
+    reason = failing[0]["reason"]
+    assert failing[0]["status"] == "failing"
+    # /health failed while the step was stuck, in the grace before the exit (the exit's message names the grace)
+    assert "no engine step has completed" in reason and "npuserve.stepTimeoutSeconds 2" in reason
+    assert "stepTimeoutGraceSeconds" not in reason
+    assert "last started FORWARD #" in reason and "has not finished it" in reason  # the operation it hangs in
+    fatal = s.engine.fatal_error or ""
+    assert fatal.startswith("no engine step has completed") and "stepTimeoutGraceSeconds" in fatal
+    # the requests in flight got their error before the exit: a 5xx, and a stream's last event
+    assert whole.status == 500 and "the engine failed and exits: no engine step has completed" in _error_message(
+        whole.body)
+    assert streamed.events is not None and streamed.events[-1] == "[DONE]"
+    assert "no engine step has completed" in _error_message(streamed.events[-2])
+    assert "last started FORWARD #" in termination.read_text()  # the pod's termination message
