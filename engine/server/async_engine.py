@@ -209,9 +209,13 @@ class AsyncEngine:
         write_termination_message(message)
         with self._lock:
             streams = list(self._streams.items())
-        error = ENGINE_FATAL_PREFIX + message
-        for rid, stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, _error_output(rid, error))
+        errors = [_error_output(rid, ENGINE_FATAL_PREFIX + message) for rid, _ in streams]
+        if self._output_thread is not None and self._output_thread.is_alive():
+            # behind the outputs already queued: a request the failing step ended gets that end first
+            self._for_output.put(_ForOutput([], errors))
+        else:
+            for (_, stream), output in zip(streams, errors, strict=True):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
         deadline = time.monotonic() + FATAL_FLUSH_SECONDS
         while self.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -29,6 +29,8 @@ import pytest
 import yaml
 from operator_harness import REPO, Operator, scratch_namespace, wait_for
 
+from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, INFO_PATH, SCHEDULE_GENERATION_KEY
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 WINDOW = "20s"
@@ -90,12 +92,16 @@ class Traffic:
 
 
 def set_batch(cluster: localk8s.Cluster, namespace: str, name: str, ips: list[str], batch: int) -> None:
-    """maxBatchSize on every engine, as the operator sets it (PUT /admin/schedule with the admin Secret's token)."""
+    """maxBatchSize on every engine, as the operator sets it (PUT /admin/schedule with the admin Secret's token), at
+    the schedule generation after the one the engine runs: an older or equal one is refused (409). The operator's
+    own generations (autotune.next_generation) go past it once the spec changes to turn tuning on."""
     secret = cluster.kubectl_json("get", "secret", f"{name}-admin", "-n", namespace)
     token = base64.b64decode(secret["data"]["token"]).decode()  # type: ignore[index]
     for ip in ips:
-        answer = httpx.put(f"http://{ip}:8000/admin/schedule", headers={"Authorization": f"Bearer {token}"},
-                           json={"maxBatchSize": batch, "maxPrefillBatchSize": max(1, batch // 2)}, timeout=10)
+        running = httpx.get(f"http://{ip}:8000{INFO_PATH}", timeout=10).json().get(SCHEDULE_GENERATION_KEY) or 0
+        answer = httpx.put(f"http://{ip}:8000{ADMIN_SCHEDULE_PATH}", headers={"Authorization": f"Bearer {token}"},
+                           json={"maxBatchSize": batch, "maxPrefillBatchSize": max(1, batch // 2),
+                                 SCHEDULE_GENERATION_KEY: running + 1}, timeout=10)
         assert answer.status_code == 200, answer.text
 
 
