@@ -293,14 +293,16 @@ def serve_process(model: Path) -> Iterator[str]:
 
 
 def test_bench_agrees_with_an_independent_client(tiny_model_dir: Path) -> None:
-    """TTFT and output tok/s of `npuserve bench` within 15% of what the official openai client measures with its own
-    clock. The two run at the same time against one server, each with two users sending the same prompts, so both
-    see the same engine load (a noisy neighbour on this shared machine hits both alike)."""
+    """TTFT within 25% and output tok/s within 15% of what the official openai client measures with its own clock.
+    The two run at the same time against one server, each with two users sending the same prompts, so both see the
+    same engine load (a noisy neighbour on this shared machine hits both alike). TTFT is a wait for the next step
+    plus a prefill, spread over about half its mean: two means of 64 requests each differ by about 9% (one sigma)
+    from sampling alone, so 25% is near three sigma; a bias in either client's clock larger than that still fails."""
     with serve_process(tiny_model_dir) as url:
         config = BenchConfig(base_url=url, ignore_eos=True,
                              dataset=DatasetConfig(name=DatasetName.RANDOM, random_input_len=500,
                                                    random_output_len=32),
-                             load=LoadConfig(num_prompts=32, max_concurrency=2, warmup_requests=2, seed=3))
+                             load=LoadConfig(num_prompts=64, max_concurrency=2, warmup_requests=2, seed=3))
         prompts = _prompts_of(config)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 
@@ -311,12 +313,12 @@ def test_bench_agrees_with_an_independent_client(tiny_model_dir: Path) -> None:
 
         result, (their_ttft, their_tps) = asyncio.run(both())
     metrics = compute_metrics(result.measured, result.duration_s)
-    assert metrics.completed == 32
+    assert metrics.completed == 64
     ttft_ratio = metrics.ttft_ms.mean / their_ttft
     tps_ratio = metrics.output_throughput / their_tps
     print(f"bench/openai: TTFT {metrics.ttft_ms.mean:.1f}/{their_ttft:.1f} ms = {ttft_ratio:.3f}, "
           f"output tok/s {metrics.output_throughput:.1f}/{their_tps:.1f} = {tps_ratio:.3f}")
-    assert 0.85 <= ttft_ratio <= 1.15
+    assert 0.75 <= ttft_ratio <= 1.25
     assert 0.85 <= tps_ratio <= 1.15
 
 
