@@ -3,7 +3,6 @@ test process (signals, probe latency, third-party clients)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,9 @@ from typing import IO
 
 import httpx
 
+from npuserve.engine.parallel.ranks import free_port
+
 SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen[str], timeout: float = 90) -> None:
