@@ -3,11 +3,15 @@ Standard library only."""
 
 from __future__ import annotations
 
+import os
+
 # The extended resource and the two fake nodes.
 ACCELERATOR_RESOURCE = "huawei.com/Ascend910"
 NODE_NAMES = ("npu-node-0", "npu-node-1")
 NPUS_PER_NODE = 8
-POD_CIDR = "127.1.0.1/16"
+# Overridable (NPUSERVE_POD_CIDR) so that two local clusters on one machine (a second one on other ports) give their
+# pods different loopback addresses, each engine binding its pod IP's port 8000.
+POD_CIDR = os.environ.get("NPUSERVE_POD_CIDR") or "127.1.0.1/16"
 # KWOK manages the nodes with this annotation (the process kubelet runs the engine pods on them).
 NODE_ANNOTATION, NODE_ANNOTATION_VALUE = "kwok.x-k8s.io/node", "fake"
 
