@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -124,19 +125,76 @@ class Selection:
 # --- the queries of one window -------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Selections:
+    """Several InferenceServices' series, read with one query per figure for all of them, grouped by namespace and
+    InferenceService (and by pod where each is narrowed to one pod: benchmark mode measures one). The matchers select
+    a superset (every namespace by every name); the grouping keeps each InferenceService's own series apart."""
+
+    members: tuple[Selection, ...]
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise ValueError("members: give at least one selection")
+        shapes = {None if s.pods is None else len(s.pods) for s in self.members}
+        if shapes not in ({None}, {1}) and len(self.members) > 1:
+            raise ValueError("members: all read every pod, or all one pod each (a selection of several pods is "
+                             "read alone)")
+
+    @property
+    def by_pod(self) -> bool:
+        return self.members[0].pods is not None and len(self.members) > 1
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """The grouping labels, in the order `key` gives their values."""
+        return ("namespace", INSTANCE_PROM_LABEL, "pod") if self.by_pod else ("namespace", INSTANCE_PROM_LABEL)
+
+    def key(self, selection: Selection) -> tuple[str, ...]:
+        base = (selection.namespace, selection.inference_service)
+        return (*base, selection.pods[0]) if self.by_pod and selection.pods else base
+
+    def matchers(self, **extra: str) -> str:
+        def one_of(values: set[str]) -> str:
+            return promql_string("|".join(regex_quote(v) for v in sorted(values)))
+
+        parts = [f"namespace=~{one_of({s.namespace for s in self.members})}",
+                 f"{INSTANCE_PROM_LABEL}=~{one_of({s.inference_service for s in self.members})}"]
+        pods = {p for s in self.members for p in s.pods or ()}
+        if pods:
+            parts.append(f"pod=~{one_of(pods)}")
+        parts.extend(f"{k}={promql_string(v)}" for k, v in extra.items())
+        return "{" + ",".join(parts) + "}"
+
+
 def window_queries(selection: Selection, window_s: int) -> dict[str, str]:
-    """The PromQL of every figure of a reading, by figure name; each runs at the window's end."""
-    sel = selection.matchers()
+    """The PromQL of every figure of one InferenceService's reading, by figure name; each runs at the window's end
+    and answers one series."""
+    return _queries(selection.matchers, None, window_s)
+
+
+def grouped_window_queries(selections: Selections, window_s: int) -> dict[str, str]:
+    """The same figures for every member of `selections` at once: each query answers one series per member (none
+    for a member without series), labelled with `selections.labels`."""
+    return _queries(selections.matchers, ",".join(selections.labels), window_s)
+
+
+def _queries(matchers: Callable[..., str], by: str | None, window_s: int) -> dict[str, str]:
+    sel = matchers()
     rng = f"[{window_s}s]"
 
+    def agg(op: str, expr: str) -> str:
+        return f"{op}({expr})" if by is None else f"{op} by ({by}) ({expr})"
+
     def increase(series: str, matchers: str = sel) -> str:
-        return f"sum(increase({series}{matchers}{rng}))"
+        return agg("sum", f"increase({series}{matchers}{rng})")
 
     def mean_ms(m: EngineMetric) -> str:
         return f"1000 * {increase(m.sum_series)} / {increase(m.count_series)}"
 
     def quantile_ms(m: EngineMetric, q: float) -> str:
-        return f"1000 * histogram_quantile({q}, sum by (le) (increase({m.bucket}{sel}{rng})))"
+        le = "le" if by is None else f"{by},le"
+        return f"1000 * histogram_quantile({q}, sum by ({le}) (increase({m.bucket}{sel}{rng})))"
 
     queries: dict[str, str] = {}
     for prefix, m in (("ttft_ms", contract.METRIC_TIME_TO_FIRST_TOKEN),
@@ -154,20 +212,20 @@ def window_queries(selection: Selection, window_s: int) -> dict[str, str]:
         "e2e_mean_ms": mean_ms(contract.METRIC_E2E_REQUEST_LATENCY),
         "output_tokens_per_s": f"{increase(contract.METRIC_GENERATION_TOKENS.series)} / {window_s}",
         "requests_finished": increase(success),
-        "errors": increase(success, selection.matchers(**{reason: contract.FINISHED_REASON_ERROR})),
-        "aborts": increase(success, selection.matchers(**{reason: contract.FINISHED_REASON_ABORT})),
+        "errors": increase(success, matchers(**{reason: contract.FINISHED_REASON_ERROR})),
+        "aborts": increase(success, matchers(**{reason: contract.FINISHED_REASON_ABORT})),
         "preemptions": increase(contract.METRIC_NUM_PREEMPTIONS.series),
-        "kv_usage_max": f"max(max_over_time({contract.METRIC_KV_CACHE_USAGE_PERC.series}{sel}{rng}))",
-        "in_flight_sum": f"sum({in_flight})",
-        "pods_reporting": f"count({in_flight})",
+        "kv_usage_max": agg("max", f"max_over_time({contract.METRIC_KV_CACHE_USAGE_PERC.series}{sel}{rng})"),
+        "in_flight_sum": agg("sum", in_flight),
+        "pods_reporting": agg("count", in_flight),
     }
     # The schedule generation each pod ran: its lowest and highest sample in the window, over every pod, and how
     # many pods reported one (a pod without the gauge ran something unknown).
     generation = f"{contract.METRIC_SCHEDULE_GENERATION.series}{sel}{rng}"
     queries |= {
-        "schedule_generation_min": f"min(min_over_time({generation}))",
-        "schedule_generation_max": f"max(max_over_time({generation}))",
-        "schedule_generation_pods": f"count(max_over_time({generation}))",
+        "schedule_generation_min": agg("min", f"min_over_time({generation})"),
+        "schedule_generation_max": agg("max", f"max_over_time({generation})"),
+        "schedule_generation_pods": agg("count", f"max_over_time({generation})"),
     }
     return queries
 
@@ -315,12 +373,15 @@ class WindowReading:
 
 
 class PrometheusClient:
-    """Instant queries against Prometheus's HTTP API (`GET /api/v1/query`). Not async: called from a worker thread.
+    """Instant queries against Prometheus's HTTP API (`POST /api/v1/query`, form-encoded: a query over many
+    InferenceServices is longer than a URL may be). Not async: called from a worker thread. Each query is bounded by
+    `timeout`, on the wire and on Prometheus's side (its `timeout` parameter).
 
     `transport` replaces the network (tests pass an `httpx.MockTransport`)."""
 
     def __init__(self, url: str, timeout: float = 5.0, transport: httpx.BaseTransport | None = None) -> None:
         self.url = url.rstrip("/")
+        self.timeout = timeout
         self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
 
     def close(self) -> None:
@@ -339,11 +400,11 @@ class PrometheusClient:
         except httpx.HTTPError:
             return False
 
-    def query(self, promql: str, at: float) -> float | Empty | NotANumber | Unreachable:
-        """One instant query at unix time `at`. The query must aggregate to at most one series: more is a bug in the
-        query, and raises ValueError."""
+    def _ask(self, promql: str, at: float) -> list[tuple[dict[str, str], str]] | Unreachable:
+        """The answer's series (labels, value as Prometheus wrote it); a scalar is one series without labels."""
         try:
-            response = self._http.get(QUERY_PATH, params={"query": promql, "time": f"{at:.3f}"})
+            response = self._http.post(QUERY_PATH, data={"query": promql, "time": f"{at:.3f}",
+                                                         "timeout": f"{self.timeout:g}s"})
         except httpx.HTTPError as e:
             return Unreachable(self.url, f"{type(e).__name__}: {e}".rstrip(": "))
         answered = f"HTTP {response.status_code}"
@@ -359,35 +420,99 @@ class PrometheusClient:
         try:
             result_type, result = body["data"]["resultType"], body["data"]["result"]
             if result_type == "scalar":
-                text = str(result[1])
-            elif result_type == "vector":
-                if not result:
-                    return Empty(promql)
-                if len(result) > 1:
-                    labels = [r.get("metric", {}) for r in result[:3]]
-                    raise ValueError(f"query answered {len(result)} series, not one ({labels} ...): {promql}")
-                text = str(result[0]["value"][1])
-            else:
-                raise ValueError(f"query answered a {result_type}, not one number: {promql}")
+                return [({}, str(result[1]))]
+            if result_type == "vector":
+                return [(dict(r.get("metric", {})), str(r["value"][1])) for r in result]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             return Unreachable(self.url, f"{answered}, malformed answer ({type(e).__name__}: {e})")
+        raise ValueError(f"query answered a {result_type}, not numbers: {promql}")
+
+    def _number(self, promql: str, text: str) -> float | NotANumber | Unreachable:
         try:
             value = float(text)  # Prometheus writes "NaN", "+Inf", "-Inf" for the non-finite
         except ValueError:
-            return Unreachable(self.url, f"{answered}, a value that is not a number: {text!r}")
+            return Unreachable(self.url, f"a value that is not a number: {text!r}")
         if not math.isfinite(value):
             return NotANumber(promql, text)
         return value
 
+    def query(self, promql: str, at: float) -> float | Empty | NotANumber | Unreachable:
+        """One instant query at unix time `at`. The query must aggregate to at most one series: more is a bug in the
+        query, and raises ValueError."""
+        answer = self._ask(promql, at)
+        if isinstance(answer, Unreachable):
+            return answer
+        if not answer:
+            return Empty(promql)
+        if len(answer) > 1:
+            raise ValueError(f"query answered {len(answer)} series, not one ({[m for m, _ in answer[:3]]} ...): "
+                             f"{promql}")
+        return self._number(promql, answer[0][1])
+
+    def query_by(self, promql: str, at: float, labels: tuple[str, ...],
+                 ) -> dict[tuple[str, ...], float | NotANumber] | Unreachable:
+        """One instant query that answers a series per value of `labels` (a `... by (labels)` aggregation): each
+        series' number by those values. Two series with the same values are a bug in the query, and raise."""
+        answer = self._ask(promql, at)
+        if isinstance(answer, Unreachable):
+            return answer
+        out: dict[tuple[str, ...], float | NotANumber] = {}
+        for metric, text in answer:
+            key = tuple(metric.get(label, "") for label in labels)
+            if key in out:
+                raise ValueError(f"query answered two series for {dict(zip(labels, key, strict=True))}: {promql}")
+            number = self._number(promql, text)
+            if isinstance(number, Unreachable):
+                return number
+            out[key] = number
+        return out
+
     def read_window(self, selection: Selection, start: float, end: float) -> WindowReading | Unreachable:
         """Every figure of `selection` over the window ending at `end`: each query runs at `end` over
         `ceil(end - start)` seconds (at least 1). Stops at the first query Prometheus does not answer."""
-        # Rounded to Prometheus's milliseconds first: two scrape timestamps 30 s apart differ by 30.000000000x here.
-        window_s = max(1, math.ceil(round(end - start, 3)))
+        window_s = _window_seconds(start, end)
         figures: dict[str, Figure] = {}
         for name, promql in window_queries(selection, window_s).items():
             answer = self.query(promql, end)
             if isinstance(answer, Unreachable):
                 return answer
-            figures[name] = float(round(answer)) if name in _COUNTS and isinstance(answer, float) else answer
+            figures[name] = _count(name, answer)
         return WindowReading.from_figures(selection, end, window_s, figures)
+
+    def read_windows(self, windows: Sequence[tuple[Selection, float, float]]) -> list[WindowReading | Unreachable]:
+        """The readings of many windows (selection, start, end), in their order, with one query per figure for every
+        window that ends at the same time and is as long (`grouped_window_queries`): the autotune loop aligns window
+        ends to a grid so that they do. A selection of several pods is read alone. Once Prometheus does not answer,
+        every window not read yet is Unreachable with that answer."""
+        groups: dict[tuple[int, int, object], list[int]] = {}
+        for i, (selection, start, end) in enumerate(windows):
+            shape: object = None if selection.pods is None else (1 if len(selection.pods) == 1 else i)
+            groups.setdefault((_window_seconds(start, end), round(end * 1000), shape), []).append(i)
+        out: list[WindowReading | Unreachable | None] = [None] * len(windows)
+        down: Unreachable | None = None
+        for (window_s, _, _), members in groups.items():
+            end = windows[members[0]][2]
+            selections = Selections(tuple(dict.fromkeys(windows[i][0] for i in members)))
+            figures: dict[tuple[str, ...], dict[str, Figure]] = {selections.key(s): {} for s in selections.members}
+            for name, promql in ([] if down else grouped_window_queries(selections, window_s).items()):
+                answer = self.query_by(promql, end, selections.labels)
+                if isinstance(answer, Unreachable):
+                    down = answer
+                    break
+                for key, held in figures.items():
+                    held[name] = _count(name, answer[key]) if key in answer else Empty(promql)
+            for i in members:
+                selection = windows[i][0]
+                out[i] = down or WindowReading.from_figures(selection, end, window_s,
+                                                            figures[selections.key(selection)])
+        return [r for r in out if r is not None]
+
+
+def _window_seconds(start: float, end: float) -> int:
+    # Rounded to Prometheus's milliseconds first: two scrape timestamps 30 s apart differ by 30.000000000x here.
+    return max(1, math.ceil(round(end - start, 3)))
+
+
+def _count(name: str, figure: Figure) -> Figure:
+    """A request count as a whole number (`increase` extrapolates: 20.4 for 20 requests); other figures as they are."""
+    return float(round(figure)) if name in _COUNTS and isinstance(figure, float) else figure

@@ -29,8 +29,10 @@ from npuserve.operator.prometheus import (
     NotANumber,
     PrometheusClient,
     Selection,
+    Selections,
     Unreachable,
     WindowReading,
+    grouped_window_queries,
     prometheus_label_name,
     window_queries,
 )
@@ -66,8 +68,12 @@ def test_a_number() -> None:
 
     assert client(handler).query("sum(x)", at=1700000000.25) == 12.5
     (request,) = seen
-    assert request.url.path == "/api/v1/query"
-    assert parse_qs(request.url.query.decode()) == {"query": ["sum(x)"], "time": ["1700000000.250"]}
+    # POST, form-encoded (a query over hundreds of InferenceServices is longer than a URL may be), with
+    # Prometheus's own timeout beside the client's.
+    assert (request.method, request.url.path) == ("POST", "/api/v1/query")
+    assert request.headers["content-type"] == "application/x-www-form-urlencoded"
+    assert parse_qs(request.content.decode()) == {"query": ["sum(x)"], "time": ["1700000000.250"],
+                                                  "timeout": ["5s"]}
 
 
 def test_a_scalar_answer_is_a_number_too() -> None:
@@ -172,6 +178,89 @@ def test_window_queries() -> None:
     assert q["in_flight_sum"] == f"sum({per_pod})" and q["pods_reporting"] == f"count({per_pod})"
 
 
+def test_grouped_window_queries_select_every_member_and_keep_each_apart() -> None:
+    group = Selections((Selection("ns1", "tiny"), Selection("ns2", "a.b"), Selection("ns1", "big")))
+    assert group.labels == ("namespace", "npuserve_io_inferenceservice") and not group.by_pod
+    matchers = '{namespace=~"ns1|ns2",npuserve_io_inferenceservice=~"a\\\\.b|big|tiny"}'
+    q = grouped_window_queries(group, 30)
+    by = "namespace,npuserve_io_inferenceservice"
+    ttft = "npuserve:time_to_first_token_seconds"
+    assert q["ttft_ms.samples"] == f"sum by ({by}) (increase({ttft}_count{matchers}[30s]))"
+    assert q["ttft_ms.mean"] == (f"1000 * sum by ({by}) (increase({ttft}_sum{matchers}[30s]))"
+                                 f" / sum by ({by}) (increase({ttft}_count{matchers}[30s]))")
+    assert q["ttft_ms.p90"] == (f"1000 * histogram_quantile(0.9, sum by ({by},le) "
+                                f"(increase({ttft}_bucket{matchers}[30s])))")
+    assert q["errors"] == (f"sum by ({by}) (increase(npuserve:request_success_total"
+                           '{namespace=~"ns1|ns2",npuserve_io_inferenceservice=~"a\\\\.b|big|tiny",'
+                           'finished_reason="error"}[30s]))')
+    assert q["kv_usage_max"] == f"max by ({by}) (max_over_time(npuserve:kv_cache_usage_perc{matchers}[30s]))"
+    assert q["pods_reporting"].startswith(f"count by ({by}) (avg_over_time(npuserve:num_requests_running")
+    assert q["schedule_generation_pods"] == (f"count by ({by}) (max_over_time(npuserve:schedule_generation"
+                                             f"{matchers}[30s]))")
+    assert set(q) == set(window_queries(SEL, 30))
+    one_pod = Selections((Selection("ns1", "tiny", pods=("tiny-0",)), Selection("ns1", "big", pods=("big-1",))))
+    assert one_pod.by_pod and one_pod.key(one_pod.members[1]) == ("ns1", "big", "big-1")
+    assert 'pod=~"big-1|tiny-0"' in grouped_window_queries(one_pod, 30)["requests_finished"]
+    with pytest.raises(ValueError, match="one pod each"):
+        Selections((Selection("ns1", "tiny"), Selection("ns1", "big", pods=("big-1",))))
+
+
+class GroupedPrometheus:
+    """Answers a grouped query with one series per InferenceService in `values` (figure name -> value); records each
+    query's time and how many queries came."""
+
+    def __init__(self, values: dict[tuple[str, str], dict[str, str]], down_after: int | None = None) -> None:
+        self.values = values
+        self.asked: list[tuple[str, str]] = []
+        self.down_after = down_after
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if self.down_after is not None and len(self.asked) >= self.down_after:
+            raise httpx.ConnectError("Connection refused", request=request)
+        params = parse_qs(request.content.decode())
+        query, at = params["query"][0], params["time"][0]
+        self.asked.append((query, at))
+        window_s = int(query.split("[", 1)[1].split("s]", 1)[0])
+        result = []
+        for (ns, name), figures in self.values.items():
+            if f'"{ns}' not in query and f"|{ns}" not in query:
+                continue
+            names = grouped_window_queries(Selections((Selection(ns, name), Selection(ns, name + "-x"))), window_s)
+            figure = next(f for f, q in names.items() if q.split("{")[0] == query.split("{")[0]
+                          and q.count("finished_reason") == query.count("finished_reason")
+                          and ("abort" in q) == ("abort" in query))
+            if figure in figures:
+                result.append({"metric": {"namespace": ns, "npuserve_io_inferenceservice": name},
+                               "value": [float(at), figures[figure]]})
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+def test_windows_that_end_together_are_read_with_one_query_per_figure() -> None:
+    fake = GroupedPrometheus({("ns1", "a"): BUSY, ("ns2", "b"): BUSY | {"tpot_ms.mean": "80", "errors": "7"}})
+    a, b, c = Selection("ns1", "a"), Selection("ns2", "b"), Selection("ns1", "c")  # c: no series at all
+    readings = client(fake).read_windows([(a, 1000.0, 1060.0), (b, 1000.0, 1060.0), (c, 1000.0, 1060.0),
+                                          (a, 1100.0, 1130.0)])
+    figures = len(window_queries(SEL, 60))
+    assert len(fake.asked) == 2 * figures  # two groups (the fourth window ends later and is shorter)
+    assert {at for _, at in fake.asked} == {"1060.000", "1130.000"}
+    first, second, third, fourth = readings
+    assert isinstance(first, WindowReading) and isinstance(second, WindowReading)
+    assert first.selection == a and second.selection == b and first.missing == {} and second.missing == {}
+    assert (first.tpot_ms.mean, second.tpot_ms.mean, first.errors, second.errors) == (40.0, 80.0, 1.0, 7.0)
+    assert first.requests_finished == 101.0  # counts rounded, as one window's reading rounds them
+    assert isinstance(third, WindowReading) and third.trial_metrics() == "requests finished: no series in Prometheus"
+    assert isinstance(fourth, WindowReading) and (fourth.window_s, fourth.end) == (30, 1130.0)
+
+
+def test_once_prometheus_stops_answering_every_window_not_read_is_unreachable() -> None:
+    fake = GroupedPrometheus({("ns1", "a"): BUSY}, down_after=len(window_queries(SEL, 60)) + 1)
+    a = Selection("ns1", "a")
+    readings = client(fake).read_windows([(a, 1000.0, 1060.0), (a, 2000.0, 2060.0), (a, 3000.0, 3060.0)])
+    assert isinstance(readings[0], WindowReading)
+    assert all(isinstance(r, Unreachable) for r in readings[1:])
+    assert len(fake.asked) == len(window_queries(SEL, 60)) + 1  # the third window asks nothing
+
+
 # --- reading a window ----------------------------------------------------------------------------------------------
 
 
@@ -183,7 +272,7 @@ class FakePrometheus:
         self.times: set[str] = set()
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        params = parse_qs(request.url.query.decode())
+        params = parse_qs(request.content.decode())
         self.times.add(params["time"][0])
         value = self.by_query[params["query"][0]]  # a query outside window_queries: KeyError, the test fails
         return httpx.Response(200, json=vector() if value is None else vector(value))
@@ -302,6 +391,7 @@ def test_an_unreachable_prometheus_stops_the_reading() -> None:
 
 N_REQUESTS, MAX_TOKENS = 20, 8
 ENGINE_LABELS = {"namespace": "ns1", "npuserve_io_inferenceservice": "tiny", "pod": "tiny-0"}
+TWIN_LABELS = {"namespace": "ns2", "npuserve_io_inferenceservice": "twin", "pod": "twin-0"}
 
 
 def _free_port() -> int:
@@ -362,7 +452,11 @@ def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
     config = {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
               "scrape_configs": [{"job_name": "npuserve-engine",
                                   "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"],
-                                                      "labels": ENGINE_LABELS}]}]}
+                                                      "labels": ENGINE_LABELS}]},
+                                 # The same engine as a second InferenceService: a grouped read keeps them apart.
+                                 {"job_name": "npuserve-engine-twin",
+                                  "static_configs": [{"targets": [f"127.0.0.1:{engine_port}"],
+                                                      "labels": TWIN_LABELS}]}]}
     (tmp_path / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
     prometheus = subprocess.Popen([_prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
                                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -448,6 +542,22 @@ def test_a_real_prometheus_reads_a_real_engine(stack: Stack) -> None:
         empty = prom.read_window(elsewhere, start, end)
         assert isinstance(empty, WindowReading) and set(empty.missing) == set(window_queries(elsewhere, 1))
         assert empty.trial_metrics() == "requests finished: no series in Prometheus"
+
+    # Read together, with one query per figure grouped by InferenceService: each reading is what it is alone.
+    twin = Selection(namespace="ns2", inference_service="twin")
+    nowhere = Selection(namespace="ns2", inference_service="tiny")  # a name and a namespace that do not go together
+    together = prom.read_windows([(SEL, start, end), (twin, start, end), (nowhere, start, end),
+                                  (Selection("ns1", "tiny", pods=("tiny-0",)), start, end),
+                                  (Selection("ns2", "twin", pods=("twin-0",)), start, end)])
+    assert all(isinstance(r, WindowReading) for r in together), together
+    assert together[0] == reading
+    assert together[0].figures() == prom.read_window(SEL, start, end).figures()  # not a cached object
+    alone = prom.read_window(twin, start, end)
+    assert isinstance(alone, WindowReading) and together[1].figures() == alone.figures()
+    assert isinstance(together[1], WindowReading) and together[1].requests_finished == alone.requests_finished > 0
+    assert isinstance(together[2], WindowReading) and set(together[2].missing) == set(window_queries(SEL, 1))
+    assert isinstance(together[3], WindowReading) and together[3].figures() == one_pod.figures()
+    assert isinstance(together[4], WindowReading) and together[4].figures() == alone.figures()
 
     _stop(stack.prometheus)
     gone = prom.read_window(SEL, start, end)
