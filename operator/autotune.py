@@ -29,6 +29,7 @@ the replicas to hold the target.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -73,6 +74,15 @@ SETTLE_REQUEST_LATENCIES = 2.0
 MISSED_WINDOWS = 3  # consecutive windows missing the SLO after tuning that start a new round
 JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 MAX_STRETCH = 4  # a window measured again grows to at most this many times autotune.window
+# Windows end on multiples of this many seconds (unix time): the windows of many InferenceServices that end together
+# and are as long are read with one Prometheus query per figure for them all (`PrometheusClient.read_windows`). The
+# settling time before a trial's window grows by less than this.
+WINDOW_GRID_S = 5.0
+# How long the driver may leave an InferenceService without looking at it when nothing is due: while it waits (for
+# engines, for Prometheus), and as a floor under every wait (`next_look`). Changes to the InferenceService and its
+# engine workloads wake the driver sooner (the kopf handlers tell it).
+RECHECK_S = 10.0
+IDLE_LOOK_S = 60.0
 HISTORY_LIMIT = 100  # status.tuning.history's maxItems
 # Condition reasons (docs/operator.md lists them).
 REASON_NO_PROMETHEUS = "NoPrometheus"
@@ -173,9 +183,20 @@ def _settle_s(isvc: InferenceService) -> float:
     return _window_s(isvc) * SETTLE_FRACTION
 
 
+def grid_after(t: float) -> float:
+    """The first window end (a multiple of WINDOW_GRID_S) at or after `t`."""
+    return math.ceil(round(t / WINDOW_GRID_S, 6)) * WINDOW_GRID_S
+
+
+def grid_before(t: float) -> float:
+    """The last window end at or before `t`."""
+    return math.floor(round(t / WINDOW_GRID_S, 6)) * WINDOW_GRID_S
+
+
 def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) -> WindowRequest | None:
     """The window the driver must read from Prometheus now, if any: the open trial's once it has closed (and its
-    reading is not waiting for Prometheus to come back), or, after tuning, the last window each `window`."""
+    reading is not waiting for Prometheus to come back), or, after tuning, the last window each `window`, ending on
+    the grid."""
     tuning = tuning_of(status)
     if not isvc.spec.autotune.enabled or tuning is None:
         return None
@@ -189,11 +210,35 @@ def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) ->
         return WindowRequest(parse_rfc3339(current.measureFrom), end,
                              (current.target,) if current.target else None)
     if tuning.phase in ("Converged", "Stopped", "Failed"):
-        window = _window_s(isvc)
+        window, end = _window_s(isvc), grid_before(now)
         last = parse_rfc3339(tuning.lastCheckAt) if tuning.lastCheckAt else 0.0
-        if now - last >= window:
-            return WindowRequest(now - window, now, None)
+        if end - last >= window:
+            return WindowRequest(end - window, end, None)
     return None
+
+
+def next_look(isvc: InferenceService, status: Mapping[str, Any], now: float) -> float:
+    """When the driver must run `advance` again for this InferenceService if nothing about it changes meanwhile: the
+    open trial's window end, the next window after tuning, a recheck while it waits (for engines, Prometheus, a
+    capacity step), and IDLE_LOOK_S at the latest."""
+    tuning = tuning_of(status)
+    latest = now + IDLE_LOOK_S
+    if not isvc.spec.autotune.enabled:
+        return latest
+    if tuning is None:
+        return now + RECHECK_S
+    current = tuning.current
+    if current is not None:
+        if current.inconclusiveReason == "PrometheusUnreachable":
+            return now + RECHECK_S
+        # A benchmark Job that fails, or an engine that stops being ready, ends the trial early: the Job is looked
+        # at every recheck; the engines' changes wake the driver.
+        soonest = parse_rfc3339(current.measureUntil)
+        return min(soonest, now + RECHECK_S) if current.job else min(soonest, latest)
+    if tuning.phase in ("Converged", "Stopped", "Failed"):
+        last = parse_rfc3339(tuning.lastCheckAt) if tuning.lastCheckAt else 0.0
+        return min(grid_after(last + _window_s(isvc)), latest)
+    return now + RECHECK_S  # running, no trial open: it waits for engines or Prometheus
 
 
 def waits_for_prometheus(status: Mapping[str, Any]) -> bool:
@@ -326,6 +371,8 @@ class _Step:
         # a new benchmark Job starts its load over.
         stretch = 1 + min(attempts, MAX_STRETCH - 1)
         settle, window = max(_settle_s(self.isvc) * stretch, self.draining_s()), _window_s(self.isvc) * stretch
+        until = grid_after(now + settle + window)
+        start = until - window
         ready = sorted((p for p in self.obs.pods if p.ready and p.ip), key=lambda p: p.name)
         benchmark = self.isvc.spec.autotune.mode == "benchmark"
         target = ready[0] if benchmark else None
@@ -336,18 +383,17 @@ class _Step:
             concurrency = users
             job = bench_job_name(self.isvc, kind, self.tuning.round, number, now)
             self.actions.create_job = render_bench_job(self.isvc, name=job, target_ip=target.ip, concurrency=users,
-                                                       duration_s=settle + window + JOB_SLACK_S)
+                                                       duration_s=until - now + JOB_SLACK_S)
         self.apply(knobs)
         self.tuning.current = TrialInProgress(
             kind=kind, trial=number, schedule=knobs, concurrency=concurrency, appliedAt=rfc3339(now),
-            measureFrom=rfc3339(now + settle), measureUntil=rfc3339(now + settle + window),
+            measureFrom=rfc3339(start), measureUntil=rfc3339(until),
             pods=sorted(p.signature for p in self.obs.pods), target=target.name if target else None, job=job,
             attempts=attempts)
         what = (f"trial {number}: maxBatchSize {knobs.maxBatchSize}" if kind == "trial"
                 else f"capacity probe {number}: {concurrency} users at maxBatchSize {knobs.maxBatchSize}")
         load = f"; load: Job {job}, {concurrency} users on {target.name}" if target else "; load: live traffic"
-        message = (f"{what} ({reason}); settling until {rfc3339(now + settle)}, measuring until "
-                   f"{rfc3339(now + settle + window)}{load}")
+        message = f"{what} ({reason}); settling until {rfc3339(start)}, measuring until {rfc3339(until)}{load}"
         if kind == "trial":  # a capacity probe comes after tuning: its verdict stays on the Tuning condition
             self.tuning.message = message
             self.condition("Tuning", True, REASON_MEASURING, message)
@@ -544,10 +590,12 @@ class _Step:
         m = self.obs.measurement
         if m is None:
             return
-        self.tuning.lastCheckAt = self.now
+        end = m.end if m.end is not None else self.obs.now
+        self.tuning.lastCheckAt = rfc3339(end)
         if m.metrics is None:
             return  # no traffic or no Prometheus: nothing said about the SLO
-        self.observe(m.metrics, rfc3339(self.obs.now - _window_s(self.isvc)), self.now)
+        start = m.start if m.start is not None else end - _window_s(self.isvc)
+        self.observe(m.metrics, rfc3339(start), rfc3339(end))
         judgement = self.problem.judge(m.metrics)
         if judgement.meets:
             self.tuning.missedWindows = 0

@@ -1,22 +1,30 @@
 """The autotune driver: a thread of the operator that runs `autotune.advance` for each InferenceService with
-`spec.autotune.enabled`, every LOOP_INTERVAL_S.
+`spec.autotune.enabled` when something about it is due.
 
 Why a thread and not a kopf timer or daemon: kopf puts a finalizer on every object with a timer or daemon, and a
 finalizer blocks `kubectl delete` while the operator is down. The thread keeps the no-finalizer design: the kopf
-event handler only tells it which InferenceServices exist, the whole tuning state lives in their status, and the
-children (engines, Secret, Jobs) go with their owner by garbage collection. One tick: read the object, gather what
-`advance` needs (engine pods, the due Prometheus window, the Job's phase, the replicas the nodes hold), run the
-actions it returns (delete a Job, apply a schedule to every engine, create a Job, scale), then write the status
-through the one status writer and post the events. The loop never writes the ConfigMap: reconcile does, from
-status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
+event handlers only tell it which InferenceServices exist and when one changed, the whole tuning state lives in
+their status, and the children (engines, Secret, Jobs) go with their owner by garbage collection.
+
+When it looks (so that hundreds of InferenceServices cost little): each InferenceService has a time of its next look,
+`autotune.next_look` of its status (its open window's end, the next window after tuning, a recheck while it waits,
+a minute at the latest); a change to it that the loop did not write itself, or to its engine workloads, makes it due
+at once (`track`, `poke`). Every look at a set of due InferenceServices reads each (one GET, its engine pods), reads
+every due window from Prometheus together (windows end on a grid, so those that end together are one query per
+figure: `PrometheusClient.read_windows`), then for each runs the actions `advance` returns (delete a Job, apply a
+schedule to every engine, create a Job, scale), writes the status through the one status writer (from the object
+it read; read again only on a conflict) and posts the events. The loop never writes the ConfigMap: reconcile does,
+from status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -33,9 +41,22 @@ from .status import engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
 
-LOOP_INTERVAL_S = 2.0
+LOOP_INTERVAL_S = 1.0  # the longest the loop sleeps before it looks at what is due (a change wakes it sooner)
 _OWNED_KEYS = ("tuning", "capacity", "observed", "schedule")
 _OWNED_CONDITIONS = ("Tuning", "SLOMet")
+Key = tuple[str, str]  # namespace, name
+
+
+@dataclass
+class _Look:
+    """One InferenceService as read at the start of a look: what `advance` needs but the Prometheus window."""
+
+    obj: Mapping[str, Any]
+    isvc: InferenceService
+    plan: Plan
+    status: Status
+    pods: list[at.PodState]
+    due: at.WindowRequest | None
 
 
 class AutotuneLoop:
@@ -45,16 +66,43 @@ class AutotuneLoop:
         self.calls = kube_module.AutotuneKube(kube)
         self.prometheus = PrometheusClient(prometheus_url) if prometheus_url else None
         self.interval = interval
-        self.services: set[tuple[str, str]] = set()
+        self.next_look: dict[Key, float] = {}  # the InferenceServices tuned, and when each is due (unix seconds)
+        self.outside: dict[Key, str] = {}  # what each last looked like outside the loop's own status keys
         self.lock = threading.Lock()
+        self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
-    # -- which InferenceServices --
+    # -- which InferenceServices, and when --
 
-    def track(self, namespace: str, name: str, wanted: bool) -> None:
+    def track(self, namespace: str, name: str, wanted: bool, outside: str | None = None) -> None:
+        """Tune it or not; `outside` (`outside_signature` of its body) makes it due at once when it differs from
+        the last one seen: its spec or what others write in its status changed, not only the loop's own keys."""
+        key = (namespace, name)
         with self.lock:
-            (self.services.add if wanted else self.services.discard)((namespace, name))
+            if not wanted:
+                self.next_look.pop(key, None)
+                self.outside.pop(key, None)
+                return
+            if key in self.next_look and (outside is None or self.outside.get(key) == outside):
+                return
+            self.next_look[key] = 0.0
+            if outside is not None:
+                self.outside[key] = outside
+        self.wake.set()
+
+    def poke(self, namespace: str, name: str) -> None:
+        """Look at it now, if it is tuned (its engine workload changed)."""
+        with self.lock:
+            if (namespace, name) not in self.next_look:
+                return
+            self.next_look[(namespace, name)] = 0.0
+        self.wake.set()
+
+    def _schedule(self, key: Key, when: float) -> None:
+        with self.lock:
+            if key in self.next_look:
+                self.next_look[key] = when
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self.run, name="autotune", daemon=True)
@@ -62,23 +110,49 @@ class AutotuneLoop:
 
     def stop(self) -> None:
         self.stopping.set()
+        self.wake.set()
         if self.thread is not None:
             self.thread.join(timeout=30)
 
     def run(self) -> None:
         while not self.stopping.is_set():
+            self.wake.clear()
+            now = time.time()
             with self.lock:
-                services = sorted(self.services)
-            for namespace, name in services:
-                try:
-                    self.tick(namespace, name)
-                except Exception:  # one InferenceService's failure must not stop the others' tuning
-                    log.exception("autotune of %s/%s failed; trying again", namespace, name)
-            self.stopping.wait(self.interval)
+                due = sorted(k for k, when in self.next_look.items() if when <= now)
+            if due:
+                self.look(due, now)
+            with self.lock:
+                soonest = min(self.next_look.values(), default=now + self.interval)
+            self.wake.wait(min(max(soonest - time.time(), 0.0), self.interval))
 
-    # -- one InferenceService --
+    # -- a look at the due InferenceServices --
 
-    def tick(self, namespace: str, name: str, now: float | None = None) -> at.Actions | None:
+    def look(self, keys: list[Key], now: float) -> dict[Key, at.Actions]:
+        """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key."""
+        looks: dict[Key, _Look] = {}
+        for key in keys:
+            try:
+                read = self._read(key, now)
+            except Exception:  # one InferenceService's failure must not stop the others' tuning
+                log.exception("autotune of %s/%s failed; trying again", *key)
+                self._schedule(key, now + at.RECHECK_S)
+                continue
+            if read is not None:
+                looks[key] = read
+        readings = self._read_windows(looks)
+        up: dict[str, bool] = {}
+        taken: dict[Key, at.Actions] = {}
+        for key, read in looks.items():
+            try:
+                taken[key] = self._advance(read, readings.get(key), now, up)
+            except Exception:
+                log.exception("autotune of %s/%s failed; trying again", *key)
+                self._schedule(key, now + at.RECHECK_S)
+        return taken
+
+    def _read(self, key: Key, now: float) -> _Look | None:
+        namespace, name = key
         obj = self.kube.get_inference_service(namespace, name)
         if obj is None:
             self.track(namespace, name, False)
@@ -87,6 +161,7 @@ class AutotuneLoop:
             isvc = InferenceService.model_validate({k: obj.get(k) for k in ("apiVersion", "kind", "metadata",
                                                                             "spec")})
         except ValidationError:
+            self._schedule(key, now + at.IDLE_LOOK_S)  # the API server refuses such specs; a change wakes it
             return None
         status: Status = obj.get("status") or {}
         if not isvc.spec.autotune.enabled:
@@ -96,30 +171,52 @@ class AutotuneLoop:
         deployed = any(c.get("type") == "Deployed" and c.get("status") == "True"
                        for c in status.get("conditions") or [])
         if plan is None or not deployed or not status.get("selector"):
+            self._schedule(key, at.next_look(isvc, status, now))  # reconcile's writes wake it
             return None
-        now = time.time() if now is None else now
         pods = self.calls.pods(namespace, str(status["selector"]))
-        obs = self._observe(isvc, plan, status, pods, now)
-        actions = at.advance(isvc, plan, status, obs)
-        self._act(obj, isvc, plan, pods, actions)
-        self.kube.update_status(namespace, name, lambda o: merge_status(o.get("status") or {}, actions.status))
+        return _Look(obj, isvc, plan, status, pods, at.window_due(isvc, status, now))
+
+    def _read_windows(self, looks: Mapping[Key, _Look]) -> dict[Key, WindowReading | Unreachable]:
+        wanted = [(key, read.due) for key, read in looks.items() if read.due is not None]
+        if not wanted or self.prometheus is None:
+            return {}
+        try:
+            readings = self.prometheus.read_windows(
+                [(Selection(namespace=k[0], inference_service=k[1], pods=due.pods), due.start, due.end)
+                 for k, due in wanted])
+        except ValueError:  # a query that answered what it must not: a bug here, said, and nothing measured
+            log.exception("reading %d window(s) from Prometheus failed", len(wanted))
+            return {}
+        return {key: reading for (key, _), reading in zip(wanted, readings, strict=True)}
+
+    def _advance(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
+                 up: dict[str, bool]) -> at.Actions:
+        isvc, status = read.isvc, read.status
+        namespace, name = isvc.metadata.namespace, isvc.metadata.name
+        obs = self._observe(read, reading, now, up)
+        actions = at.advance(isvc, read.plan, status, obs)
+        self._act(read.obj, isvc, read.plan, read.pods, actions)
+        update = self.kube.update_status(namespace, name, lambda o: merge_status(o.get("status") or {},
+                                                                                   actions.status), read=read.obj)
         for type_, reason, message in actions.events:
-            self.calls.post_event(obj, type_, reason, message)
+            self.calls.post_event(read.obj, type_, reason, message)
+        written = update.new if update is not None else actions.status
+        self._schedule((namespace, name), at.next_look(isvc, written, now))
         return actions
 
-    def _observe(self, isvc: InferenceService, plan: Plan, status: Status, pods: list[at.PodState],
-                 now: float) -> at.Observation:
-        ns, name = isvc.metadata.namespace, isvc.metadata.name
+    def _observe(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
+                 up: dict[str, bool]) -> at.Observation:
+        isvc, plan, status = read.isvc, read.plan, read.status
+        ns = isvc.metadata.namespace
         tuning = at.tuning_of(status)
         current = tuning.current if tuning is not None else None
-        # Asked only when the open trial waits for it: a closed window's read says the rest.
-        up = self.prometheus is not None and (not at.waits_for_prometheus(status) or self.prometheus.ready())
+        # Asked only when the open trial waits for it (once per look): a closed window's read says the rest.
+        if self.prometheus is not None and at.waits_for_prometheus(status) and "ready" not in up:
+            up["ready"] = self.prometheus.ready()
+        answers = self.prometheus is not None and (not at.waits_for_prometheus(status) or up["ready"])
         measurement = None
-        due = at.window_due(isvc, status, now)
-        if due is not None and self.prometheus is not None:
-            reading = self.prometheus.read_window(Selection(namespace=ns, inference_service=name, pods=due.pods),
-                                                  due.start, due.end)
-            measurement = measurement_of(reading)
+        if read.due is not None and reading is not None:
+            measurement = replace(measurement_of(reading), start=read.due.start, end=read.due.end)
         job = self.calls.job_phase(ns, current.job) if current is not None and current.job else None
         limit = None
         if at.needs_replica_limit(isvc, plan, status):
@@ -127,7 +224,7 @@ class AutotuneLoop:
             per_pod = plan.cardsPerPod if acc.resource_name else float(engine_cpus(isvc, plan))
             limit = self.calls.replica_limit(acc.resource_name, per_pod)
             limit = None if limit is None else limit // max(plan.nodes, 1)
-        return at.Observation(now=now, pods=pods, measurement=measurement, prometheus=up,
+        return at.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
                               prometheus_configured=self.prometheus is not None, job=job, replica_limit=limit)
 
     def _act(self, obj: Mapping[str, Any], isvc: InferenceService, plan: Plan, pods: list[at.PodState],
@@ -224,3 +321,15 @@ def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:
         new["phase"] = computed["phase"]
     return new
 
+
+
+def outside_signature(body: Mapping[str, Any]) -> str:
+    """What of an InferenceService the autotune step does not write itself: its generation and its status but for
+    the step's own keys, conditions and phase. When it changes (a spec change, a new plan, engines that became ready
+    or went) the loop looks at it again at once; the step's own writes do not wake it."""
+    status = body.get("status") or {}
+    kept = {k: v for k, v in status.items() if k not in (*_OWNED_KEYS, "phase", "conditions")}
+    conditions = sorted((str(c.get("type")), str(c.get("status")), str(c.get("reason")), str(c.get("message")))
+                        for c in status.get("conditions") or [] if c.get("type") not in _OWNED_CONDITIONS)
+    generation = (body.get("metadata") or {}).get("generation")
+    return json.dumps([generation, kept, conditions], sort_keys=True, default=str)

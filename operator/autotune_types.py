@@ -102,6 +102,8 @@ class Measurement:
     inconclusive: str | None = None
     reason: InconclusiveReasonName | None = None  # with `inconclusive`: PrometheusUnreachable waits for Prometheus
     generations: GenerationsRun | None = None  # None: not read (the simulator's windows), nothing to check
+    start: float | None = None  # the window read (unix seconds); None: the `window` before `Observation.now`
+    end: float | None = None
 
     @property
     def unreachable(self) -> bool:

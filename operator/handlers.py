@@ -29,7 +29,8 @@ kopf settings, chosen on purpose:
   EngineCrashed, EngineCrashLooping)
   and kopf's per-handler outcomes; the autotune loop posts its own (TrialStarted, TrialMeasured, RolledBack, ...).
 - autotune: a thread (`autotune_loop.AutotuneLoop`) started at start-up; `track_autotune`, an event handler, tells
-  it which InferenceServices to tune. Its state is all in their status (module docstring of `autotune.py`).
+  it which InferenceServices to tune and when one changed (the workload handlers too, when its engines did). Its
+  state is all in their status (module docstring of `autotune.py`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from . import kube as kube_module
 from . import status as st
 from .api import InferenceService, Plan, PlanSchedule
 from .autotune import configmap_schedule
-from .autotune_loop import AutotuneLoop
+from .autotune_loop import AutotuneLoop, outside_signature
 from .autotune_types import Status
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
 from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
@@ -97,7 +98,7 @@ def track_autotune(*, body: kopf.Body, type: str | None, **_: Any) -> None:
     spec, status = body.get("spec") or {}, body.get("status") or {}
     wanted = type != "DELETED" and (bool((spec.get("autotune") or {}).get("enabled"))
                                     or bool((status.get("tuning") or {}).get("current")))
-    _loop.track(body.metadata.namespace or "default", body.metadata.name or "", wanted)
+    _loop.track(body.metadata.namespace or "default", body.metadata.name or "", wanted, outside_signature(body))
 
 
 def _parse(body: Mapping[str, Any]) -> InferenceService:
@@ -262,7 +263,10 @@ def on_engine_leaderworkerset(*, body: kopf.Body, type: str | None, logger: kopf
 def _on_workload(body: kopf.Body, type: str | None, logger: kopf.Logger) -> None:
     if type == "DELETED":
         return
-    update_readiness(body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default", logger)
+    name, namespace = body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default"
+    if _loop is not None:
+        _loop.poke(namespace, name)  # an engine restarted or went unready: an open trial fails now, not at its end
+    update_readiness(name, namespace, logger)
 
 
 def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:

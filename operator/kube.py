@@ -115,12 +115,14 @@ def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any
 
 def update_status(api: StatusApi, namespace: str, name: str,
                   change: Callable[[Mapping[str, Any]], Status | None],
-                  attempts: int = STATUS_WRITE_ATTEMPTS) -> StatusUpdate | None:
+                  attempts: int = STATUS_WRITE_ATTEMPTS, read: Mapping[str, Any] | None = None,
+                  ) -> StatusUpdate | None:
     """Read the InferenceService, `change` its status (the whole object is passed; it returns the new status, or
     None to leave it), and write the difference with the read's resourceVersion; on 409 Conflict read and apply
-    again, at most `attempts` times. None when the object is gone."""
+    again, at most `attempts` times. None when the object is gone. `read`: the object as the caller just read it,
+    used for the first attempt instead of reading it again (a conflict reads it anew)."""
     for attempt in range(1, attempts + 1):
-        obj = get_inference_service(api, namespace, name)
+        obj = read if attempt == 1 and read is not None else get_inference_service(api, namespace, name)
         if obj is None:
             return None
         old: Status = obj.get("status") or {}
@@ -249,10 +251,10 @@ class Kube:
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return get_inference_service(self.custom, namespace, name)
 
-    def update_status(self, namespace: str, name: str,
-                      change: Callable[[Mapping[str, Any]], Status | None]) -> StatusUpdate | None:
+    def update_status(self, namespace: str, name: str, change: Callable[[Mapping[str, Any]], Status | None],
+                      read: Mapping[str, Any] | None = None) -> StatusUpdate | None:
         """The one status writer (module docstring)."""
-        return update_status(self.custom, namespace, name, change)
+        return update_status(self.custom, namespace, name, change, read=read)
 
     def engine_pods(self, namespace: str, selector: str) -> list[EnginePod]:
         """The engine pods (not being deleted) and whether each is Ready."""

@@ -38,6 +38,12 @@ T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
 TICK_S = 2.0  # the driver's loop interval (autotune_loop.LOOP_INTERVAL_S)
 WINDOW_S = 20.0
 SETTLE_S = WINDOW_S * at.SETTLE_FRACTION
+GRID_S = 5.0  # window ends fall on multiples of 5 s (unix time)
+
+
+def on_grid(t: float) -> float:
+    """The first multiple of GRID_S at or after `t`: where a window that would end at `t` ends."""
+    return math.ceil(t / GRID_S) * GRID_S
 TOLERANCE = 0.03  # the tuner's default tolerance (TuningProblem.tolerance)
 WORKLOAD = {"avgInputTokens": 256, "avgOutputTokens": 256, "maxOutputTokens": 1792, "maxInputTokens": 1024}
 DECODE_SLO: dict[str, Any] = {"objective": "decodeLatency", "tpotMs": 25}
@@ -338,7 +344,10 @@ def test_each_window_starts_a_quarter_window_after_the_apply_and_lasts_the_windo
         current = applied.actions.status["tuning"]["current"]
         assert current["appliedAt"] == at.rfc3339(applied.now)
         assert reading.due is not None
-        assert (reading.due.start, reading.due.end) == (applied.now + SETTLE_S, applied.now + SETTLE_S + WINDOW_S)
+        # It ends on the grid: the settling time grows by less than the grid's step.
+        end = on_grid(applied.now + SETTLE_S + WINDOW_S)
+        assert (reading.due.start, reading.due.end) == (end - WINDOW_S, end)
+        assert SETTLE_S <= reading.due.start - applied.now < SETTLE_S + GRID_S
         assert reading.due.pods is None  # online: every engine pod
         assert entry.window == f"{at.rfc3339(reading.due.start)}/{at.rfc3339(reading.due.end)}"
         # Read at the first tick after the window closed; nothing was due before it.
@@ -395,13 +404,14 @@ def test_prometheus_down_mid_trial_is_inconclusive_then_measured_again(baseline:
     current = loop.current()
     assert current is not None and ScheduleKnobs.model_validate(current["schedule"]) == schedule
     # measured again: the window (and its settling) twice as long, as requests may outlast one window
-    assert at.parse_rfc3339(current["measureFrom"]) == back + 2 * SETTLE_S
-    assert at.parse_rfc3339(current["measureUntil"]) == back + 2 * (SETTLE_S + WINDOW_S)
+    again = on_grid(back + 2 * (SETTLE_S + WINDOW_S))
+    assert at.parse_rfc3339(current["measureFrom"]) == again - 2 * WINDOW_S
+    assert at.parse_rfc3339(current["measureUntil"]) == again
     assert current.get("inconclusive") is None and current["attempts"] == 1
     assert loop.condition("Tuning")["reason"] == at.REASON_MEASURING
     assert loop.ticks[-1].actions.apply is None  # the engines already run it
     loop.run_until(lambda lp: lp.ticks[-1].due is not None)
-    assert loop.ticks[-1].due == at.WindowRequest(back + 2 * SETTLE_S, back + 2 * (SETTLE_S + WINDOW_S), None)
+    assert loop.ticks[-1].due == at.WindowRequest(again - 2 * WINDOW_S, again, None)
     assert loop.tuning().history[2].schedule == schedule and loop.tuning().history[2].metrics
     # And the search goes on to the same answer, the inconclusive window left out of the trials.
     loop.run_until(settled)
@@ -427,8 +437,9 @@ def test_a_window_without_requests_is_measured_again_at_once(mode: str) -> None:
         assert t.current is not None and t.current.attempts == attempt and t.trial == 0
         assert t.current.schedule.maxBatchSize == first["schedule"]["maxBatchSize"]
         stretch = 1 + attempt  # each window measured again is longer: x2, x3, ...
-        assert at.parse_rfc3339(t.current.measureFrom) == loop.ticks[-1].now + stretch * SETTLE_S
-        assert at.parse_rfc3339(t.current.measureUntil) == loop.ticks[-1].now + stretch * (SETTLE_S + WINDOW_S)
+        until = on_grid(loop.ticks[-1].now + stretch * (SETTLE_S + WINDOW_S))
+        assert at.parse_rfc3339(t.current.measureFrom) == until - stretch * WINDOW_S
+        assert at.parse_rfc3339(t.current.measureUntil) == until
         assert loop.condition("Tuning")["reason"] == at.REASON_NO_TRAFFIC
         actions = loop.ticks[-1].actions
         assert actions.apply is None
@@ -614,7 +625,10 @@ def test_benchmark_mode_loads_one_pod_with_a_job_per_trial() -> None:
         batch = entry.schedule.maxBatchSize
         assert batch is not None and current["concurrency"] == batch - 1
         assert flag(command, "--max-concurrency") == str(batch - 1)
-        assert flag(command, "--duration") == f"{SETTLE_S + WINDOW_S + at.JOB_SLACK_S:g}"
+        # the Job runs until the window's end (on the grid) and a little more
+        until = at.parse_rfc3339(current["measureUntil"])
+        assert flag(command, "--duration") == f"{until - opened.now + at.JOB_SLACK_S:g}"
+        assert SETTLE_S + WINDOW_S <= until - opened.now < SETTLE_S + WINDOW_S + GRID_S
         assert flag(command, "--base-url") == f"http://{target.ip}:{ENGINE_PORT}"
         assert opened.actions.delete_job == previous  # the last trial's Job goes when the next opens
         assert reading.due is not None and reading.due.pods == (target.name,)
@@ -1039,5 +1053,5 @@ def test_a_window_settles_until_the_requests_in_flight_at_the_change_have_finish
     current = loop.current()
     assert current is not None and current["trial"] == 1
     opened = loop.ticks[-1].now
-    assert at.parse_rfc3339(current["measureFrom"]) == opened + 2 * 8
-    assert at.parse_rfc3339(current["measureUntil"]) == opened + 2 * 8 + WINDOW_S
+    assert at.parse_rfc3339(current["measureUntil"]) == on_grid(opened + 2 * 8 + WINDOW_S)
+    assert at.parse_rfc3339(current["measureFrom"]) == on_grid(opened + 2 * 8 + WINDOW_S) - WINDOW_S

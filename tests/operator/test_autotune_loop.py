@@ -3,12 +3,31 @@ status is merged into the status as it is at write time (another writer, readine
 
 from __future__ import annotations
 
+import copy
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
+from urllib.parse import parse_qs
 
+import httpx
+from test_autotune import DECODE_SLO, make_isvc, ready_status
+
+from npuserve.operator import autotune as at
 from npuserve.operator.autotune import GenerationsRun
-from npuserve.operator.autotune_loop import measurement_of, merge_status
-from npuserve.operator.prometheus import Empty, LatencyReading, Selection, Unreachable, WindowReading
+from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
+from npuserve.operator.kube import AutotuneKube, Kube, StatusUpdate
+from npuserve.operator.planner import plan as plan_spec
+from npuserve.operator.prometheus import (
+    Empty,
+    LatencyReading,
+    PrometheusClient,
+    Selection,
+    Selections,
+    Unreachable,
+    WindowReading,
+    grouped_window_queries,
+)
 
 
 def reading(finished: float, in_flight: float = 12.0, pods: float | Empty = 2.0) -> WindowReading:
@@ -82,3 +101,162 @@ def test_merge_moves_the_phase_only_between_ready_and_tuning() -> None:
     assert merge_status({"phase": "Ready"}, computed)["phase"] == "Tuning"
     assert merge_status({"phase": "Tuning"}, {"phase": "Ready"})["phase"] == "Ready"
     assert merge_status({"phase": "Failed"}, {"phase": "Ready"})["phase"] == "Failed"
+
+
+# --- the driver: when it looks, and one Prometheus query per figure for every window that ends together ----------
+
+
+class FakeCluster:
+    """The driver's Kubernetes calls (`Kube`'s and `AutotuneKube`'s) over InferenceServices held in a dict; counts
+    the reads and writes."""
+
+    api_client = None
+
+    def __init__(self, objs: list[dict[str, Any]]) -> None:
+        self.objs = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objs}
+        self.gets = 0
+        self.writes = 0
+        self.events: list[tuple[str, str, str]] = []
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        self.gets += 1
+        obj = self.objs.get((namespace, name))
+        return copy.deepcopy(obj) if obj is not None else None
+
+    def update_status(self, namespace: str, name: str, change: Callable[[Mapping[str, Any]], Any],
+                      read: Mapping[str, Any] | None = None) -> StatusUpdate | None:
+        obj = read if read is not None else self.get_inference_service(namespace, name)
+        assert obj is not None
+        old, new = obj.get("status") or {}, change(obj)
+        if new != old:
+            self.writes += 1
+            self.objs[(namespace, name)]["status"] = copy.deepcopy(new)
+        return StatusUpdate(old, new, 1)
+
+    def pods(self, namespace: str, selector: str) -> list[at.PodState]:
+        return [at.PodState(f"{selector}-0", "uid-0", "10.0.0.1", True, 0)]
+
+    def job_phase(self, namespace: str, name: str) -> at.JobPhase:
+        return "active"
+
+    def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        self.events.append((obj["metadata"]["name"], reason, message))
+
+    def admin_token(self, namespace: str, secret: str, key: str) -> str | None:
+        return None  # the schedule reaches the engines by the ConfigMap only (a warning event says so)
+
+
+NAMES = ("alpha", "beta", "gamma")
+T0 = 1_700_000_001.0
+# One InferenceService's figures as Prometheus answers them (TPOT well under the 25 ms bound).
+FIGURES = {"ttft_ms.mean": "120", "ttft_ms.p90": "200", "ttft_ms.p99": "300", "ttft_ms.samples": "100",
+           "tpot_ms.mean": "10", "tpot_ms.p90": "12", "tpot_ms.p99": "14", "tpot_ms.samples": "100",
+           "e2e_mean_ms": "2000", "output_tokens_per_s": "512", "requests_finished": "100", "errors": "0",
+           "aborts": "0", "preemptions": "0", "kv_usage_max": "0.5", "in_flight_sum": "30", "pods_reporting": "1",
+           # the trial's schedule generation: past the plan's own (metadata.generation 1)
+           "schedule_generation_min": "2", "schedule_generation_max": "2", "schedule_generation_pods": "1"}
+
+
+def tuned(name: str) -> dict[str, Any]:
+    isvc = make_isvc(DECODE_SLO)
+    data = isvc.model_dump(mode="json", exclude_none=True)
+    data["metadata"] = {**data["metadata"], "name": name, "namespace": "default"}
+    status = ready_status(plan_spec(isvc.spec)) | {"selector": name}
+    return {**data, "status": status}
+
+
+def driver(objs: list[dict[str, Any]], asked: list[str]) -> tuple[AutotuneLoop, FakeCluster]:
+    """The real driver over FakeCluster and a Prometheus that knows only the grouped queries of NAMES' windows."""
+    cluster = FakeCluster(objs)
+    loop = AutotuneLoop(cast(Kube, cluster), None)
+    loop.calls = cast(AutotuneKube, cluster)
+    group = Selections(tuple(Selection("default", n) for n in NAMES))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        params = parse_qs(request.content.decode())
+        query, at_ = params["query"][0], float(params["time"][0])
+        asked.append(query)
+        window_s = int(query.split("[", 1)[1].split("s]", 1)[0])
+        figure = {q: f for f, q in grouped_window_queries(group, window_s).items()}[query]  # else: KeyError
+        series = [{"metric": {"namespace": "default", "npuserve_io_inferenceservice": n},
+                   "value": [at_, FIGURES[figure]]} for n in NAMES]
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": series}})
+
+    loop.prometheus = PrometheusClient("http://prometheus.test:9090", transport=httpx.MockTransport(answer))
+    for o in objs:
+        loop.track("default", o["metadata"]["name"], True, outside_signature(o))
+    return loop, cluster
+
+
+def test_windows_that_end_together_are_read_in_one_query_per_figure_and_each_looked_at_when_due() -> None:
+    asked: list[str] = []
+    loop, cluster = driver([tuned(n) for n in NAMES], asked)
+    keys = [("default", n) for n in NAMES]
+    assert all(loop.next_look[k] == 0.0 for k in keys)  # new: due at once
+    opened = loop.look(keys, T0)
+    assert set(opened) == set(keys) and all(a.apply is not None for a in opened.values())
+    ends = {at.parse_rfc3339(cluster.objs[k]["status"]["tuning"]["current"]["measureUntil"]) for k in keys}
+    assert ends == {math.ceil((T0 + 5 + 20) / 5) * 5}  # settle 5 s, window 20 s, ending on the 5 s grid: together
+    (end,) = ends
+    assert all(loop.next_look[k] == end for k in keys)  # nothing to do before the window's end
+    assert cluster.gets == 3 and asked == []
+
+    loop.look(keys, end + 0.5)
+    assert len(asked) == len(FIGURES)  # one query per figure for the three windows, not one per window
+    for k in keys:
+        (entry,) = cluster.objs[k]["status"]["tuning"]["history"]
+        assert entry["window"] == f"{at.rfc3339(end - 20)}/{at.rfc3339(end)}" and entry["metrics"]["samples"] == 100
+        assert loop.next_look[k] == at.parse_rfc3339(cluster.objs[k]["status"]["tuning"]["current"]["measureUntil"])
+    assert cluster.gets == 6  # one read per InferenceService per look: the status write reuses it
+
+
+def test_the_loops_own_writes_do_not_wake_it_and_others_do() -> None:
+    obj = tuned("alpha")
+    loop, _ = driver([obj], [])
+    key = ("default", "alpha")
+    loop.next_look[key] = T0 + 100
+    own = copy.deepcopy(obj)
+    own["status"] |= {"tuning": {"phase": "Running"}, "phase": "Tuning", "observed": {"tpotMs": 1.0}}
+    own["status"]["conditions"] = [*own["status"]["conditions"], _cond("Tuning", "True", "Measuring")]
+    loop.track("default", "alpha", True, outside_signature(own))
+    assert loop.next_look[key] == T0 + 100
+    for changed in (lambda o: o["metadata"].update(generation=2),
+                    lambda o: o["status"]["conditions"][0].update(status="False", reason="EnginesNotReady"),
+                    lambda o: o["status"].update(replicas=2)):
+        other = copy.deepcopy(own)
+        changed(other)
+        loop.next_look[key] = T0 + 100
+        loop.track("default", "alpha", True, outside_signature(other))
+        assert loop.next_look[key] == 0.0
+    loop.next_look[key] = T0 + 100
+    loop.poke("default", "alpha")  # its engine workload changed
+    assert loop.next_look[key] == 0.0
+    loop.track("default", "alpha", False)
+    loop.poke("default", "alpha")
+    assert key not in loop.next_look
+
+
+def test_next_look() -> None:
+    isvc = make_isvc(DECODE_SLO)
+    benchmark = make_isvc(DECODE_SLO, mode="benchmark")
+    now = T0
+    assert at.next_look(isvc, {}, now) == now + at.RECHECK_S  # no tuning yet: waiting for engines or Prometheus
+    current = {"kind": "trial", "trial": 0, "schedule": {"maxBatchSize": 8}, "appliedAt": at.rfc3339(now),
+               "measureFrom": at.rfc3339(now + 20), "measureUntil": at.rfc3339(now + 40), "pods": []}
+    trial = {"tuning": {"phase": "Running", "problem": "p", "current": current}}
+    assert at.next_look(isvc, trial, now) == now + 40  # the window's end
+    with_job = copy.deepcopy(trial)
+    with_job["tuning"]["current"]["job"] = "tiny-b1t0-00001"
+    assert at.next_look(benchmark, with_job, now) == now + at.RECHECK_S  # the Job is watched for failure
+    waiting = copy.deepcopy(trial)
+    waiting["tuning"]["current"]["inconclusiveReason"] = "PrometheusUnreachable"
+    assert at.next_look(isvc, waiting, now) == now + at.RECHECK_S
+    far = copy.deepcopy(trial)
+    far["tuning"]["current"]["measureUntil"] = at.rfc3339(now + 3600)
+    assert at.next_look(isvc, far, now) == now + at.IDLE_LOOK_S
+    converged = {"tuning": {"phase": "Converged", "problem": "p", "lastCheckAt": at.rfc3339(1_700_000_010.0)}}
+    assert at.next_look(isvc, converged, 1_700_000_011.0) == 1_700_000_030.0  # last check + 20 s window, on the grid
+    converged["tuning"]["lastCheckAt"] = at.rfc3339(1_700_000_012.0)
+    assert at.next_look(isvc, converged, 1_700_000_013.0) == 1_700_000_035.0
+    assert at.window_due(isvc, converged, 1_700_000_034.9) is None
+    assert at.window_due(isvc, converged, 1_700_000_035.2) == at.WindowRequest(1_700_000_015.0, 1_700_000_035.0, None)
