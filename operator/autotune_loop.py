@@ -117,26 +117,35 @@ class AutotuneLoop:
     def run(self) -> None:
         while not self.stopping.is_set():
             self.wake.clear()
-            now = time.time()
+            try:
+                now = time.time()
+                with self.lock:
+                    due = sorted(k for k, when in self.next_look.items() if when <= now)
+                if due:
+                    self.look(due)
+            except Exception:  # the thread must outlive any bug of one look
+                log.exception("an autotune look failed; looking again")
             with self.lock:
-                due = sorted(k for k, when in self.next_look.items() if when <= now)
-            if due:
-                self.look(due, now)
-            with self.lock:
-                soonest = min(self.next_look.values(), default=now + self.interval)
+                soonest = min(self.next_look.values(), default=time.time() + self.interval)
             self.wake.wait(min(max(soonest - time.time(), 0.0), self.interval))
 
     # -- a look at the due InferenceServices --
 
-    def look(self, keys: list[Key], now: float) -> dict[Key, at.Actions]:
-        """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key."""
+    def look(self, keys: list[Key], now: float | None = None) -> dict[Key, at.Actions]:
+        """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key.
+        `now`: the clock for the whole look (tests); by default each step takes the time when it runs, since a look
+        at many InferenceServices takes a while."""
+
+        def clock() -> float:
+            return time.time() if now is None else now
+
         looks: dict[Key, _Look] = {}
         for key in keys:
             try:
-                read = self._read(key, now)
+                read = self._read(key, clock())
             except Exception:  # one InferenceService's failure must not stop the others' tuning
                 log.exception("autotune of %s/%s failed; trying again", *key)
-                self._schedule(key, now + at.RECHECK_S)
+                self._schedule(key, clock() + at.RECHECK_S)
                 continue
             if read is not None:
                 looks[key] = read
@@ -145,10 +154,10 @@ class AutotuneLoop:
         taken: dict[Key, at.Actions] = {}
         for key, read in looks.items():
             try:
-                taken[key] = self._advance(read, readings.get(key), now, up)
+                taken[key] = self._advance(read, readings.get(key), clock(), up)
             except Exception:
                 log.exception("autotune of %s/%s failed; trying again", *key)
-                self._schedule(key, now + at.RECHECK_S)
+                self._schedule(key, clock() + at.RECHECK_S)
         return taken
 
     def _read(self, key: Key, now: float) -> _Look | None:
@@ -201,7 +210,10 @@ class AutotuneLoop:
         for type_, reason, message in actions.events:
             self.calls.post_event(read.obj, type_, reason, message)
         written = update.new if update is not None else actions.status
-        self._schedule((namespace, name), at.next_look(isvc, written, now))
+        when = at.next_look(isvc, written, now)
+        if when <= now:  # a window due and not read (Prometheus not configured, a bad answer): not in a busy loop
+            when = now + (at.RECHECK_S if read.due is not None and reading is None else self.interval)
+        self._schedule((namespace, name), when)
         return actions
 
     def _observe(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
