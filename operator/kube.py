@@ -404,6 +404,12 @@ class AutotuneKube:
             if e.status != 404:
                 raise
 
+    def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
+        """The Jobs the label selector matches, not being deleted: (name, uid of the controlling owner)."""
+        found = self.batch.list_namespaced_job(namespace, label_selector=selector).items
+        return [(j.metadata.name, next((o.uid for o in j.metadata.owner_references or [] if o.controller), None))
+                for j in found if j.metadata.deletion_timestamp is None]
+
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Through the scale subresource, as `kubectl scale` and an HPA do."""
         self.kube.custom.patch_namespaced_custom_object_scale(
