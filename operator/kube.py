@@ -406,9 +406,12 @@ class AutotuneKube:
 
     def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
         """The Jobs the label selector matches, not being deleted: (name, uid of the controlling owner)."""
-        found = self.batch.list_namespaced_job(namespace, label_selector=selector).items
-        return [(j.metadata.name, next((o.uid for o in j.metadata.owner_references or [] if o.controller), None))
-                for j in found if j.metadata.deletion_timestamp is None]
+        out: list[tuple[str, str | None]] = []
+        for job in self.batch.list_namespaced_job(namespace, label_selector=selector).items:
+            meta = job.metadata
+            if meta is not None and meta.name and meta.deletion_timestamp is None:
+                out.append((meta.name, next((o.uid for o in meta.owner_references or [] if o.controller), None)))
+        return out
 
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Through the scale subresource, as `kubectl scale` and an HPA do."""
