@@ -1,8 +1,9 @@
 """The operator survives its own loss (issue 23): two `npuserve operator --leader-elect` processes against the local
 cluster, one holding the Lease and acting (handlers and autotune loop), the other standing by and answering its
-liveness probe. The leader is SIGKILLed mid-trial; the standby takes the Lease within 30 s of the kill and resumes
-the open trial from the status: each trial window is measured at most once (an inconclusive record is fine), at most
-one load Job runs at any time, every Job is the one the status names for its trial, and tuning carries on. A load
+liveness probe. The leader is SIGKILLed inside a trial's window (a window after the first: a fresh engine's first is
+often inconclusive here); the standby takes the Lease within 30 s of the kill and resumes the open trial from the
+status: each window is recorded at most once (measured, or inconclusive), at most one load Job runs at any time,
+every Job is the one the status names for its trial, and tuning carries on with a next window and its Job. A load
 Job no status names (left by a leader that died before recording it; injected here, suspended, at the kill) is
 deleted when the new leader starts its own. Neither process ran kopf or the autotune loop before holding the Lease.
 A graceful stop (SIGTERM) of the new leader releases the Lease.
@@ -11,6 +12,7 @@ A graceful stop (SIGTERM) of the new leader releases the Lease.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -125,6 +127,10 @@ class Watch:
             key = (cur.get("kind"), tuning.get("round"), cur.get("trial"), cur.get("attempts"))
             self.jobs_of_window.setdefault(key, set()).add(cur["job"])
             self.named.add(cur["job"])
+
+
+def rfc3339(stamp: str) -> float:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def status(cluster: localk8s.Cluster, namespace: str) -> dict[str, Any]:
@@ -242,15 +248,18 @@ def test_the_standby_takes_over_a_killed_leader_mid_trial_and_measures_each_wind
         poller.start()
         k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(manifest(namespace, demo_model_dir)))
 
-        def open_trial_with_its_job() -> dict[str, Any] | None:
-            cur = (status(k8s_cluster, namespace).get("tuning") or {}).get("current") or {}
-            if not cur.get("job"):
+        def in_a_later_window_with_its_job() -> dict[str, Any] | None:
+            """A trial after the first (the first window of a fresh engine is often inconclusive here: a later one is
+            measured across the takeover), its window begun, its load Job running."""
+            st = status(k8s_cluster, namespace)
+            cur = (st.get("tuning") or {}).get("current") or {}
+            if not cur.get("job") or not history(st) or time.time() < rfc3339(cur["measureFrom"]):
                 return None
             return cur if job_active(api, namespace, cur["job"]) else None
 
-        trial = wait_for("an open trial whose load Job runs", open_trial_with_its_job, timeout=600, interval=1)
+        trial = wait_for("a later trial's window begun, its load Job running", in_a_later_window_with_its_job,
+                         timeout=900, interval=1)
         assert holder(api, namespace) == first and lead.proc.poll() is None and standby.proc.poll() is None
-        before = len(history(status(k8s_cluster, namespace)))
         print(f"killing the leader {first} (pid {lead.proc.pid}) mid-trial: trial {trial['trial']} "
               f"(attempt {trial.get('attempts', 0)}), Job {trial['job']}, window {trial['measureFrom']} to "
               f"{trial['measureUntil']}")
@@ -267,26 +276,29 @@ def test_the_standby_takes_over_a_killed_leader_mid_trial_and_measures_each_wind
         print(f"takeover: {second} holds the Lease {takeover:.1f} s after the kill")
         assert takeover <= TAKEOVER_BOUND_S, f"the standby took {takeover:.1f} s"
 
-        # The open trial closes (measured once, or inconclusive), and the tuning carries on.
-        def closed() -> dict[str, Any] | None:
-            st = status(k8s_cluster, namespace)
-            return st if len(history(st)) > before else None
-
-        wait_for("the killed leader's trial recorded", closed, timeout=600, interval=1)
+        # The open window closes (measured, or inconclusive), and the tuning carries on: the new leader opens the
+        # next window (a trial, the same trial measured again, or a capacity probe) with its own Job.
+        window = f"{trial['measureFrom']}/{trial['measureUntil']}"
 
         def carries_on() -> dict[str, Any] | None:
             st = status(k8s_cluster, namespace)
             cur = (st.get("tuning") or {}).get("current") or {}
-            later = cur and (cur.get("trial"), cur.get("attempts", 0)) != (trial["trial"], trial.get("attempts", 0))
-            return st if later and cur.get("job") else None
+            later = cur.get("job") and f"{cur.get('measureFrom')}/{cur.get('measureUntil')}" != window
+            return st if later else None
 
-        st = wait_for("a later trial with its Job (maxTrials 4)", carries_on, timeout=600, interval=1)
+        st = wait_for("the next window with its Job", carries_on, timeout=900, interval=1)
         time.sleep(3)  # one more poll of the Jobs
         watch.stop.set()
         poller.join(30)
         watch.note_status(st)
 
         windows = [e.get("window") for e in history(st) if e.get("window")]
+        # The killed leader's window is in the history once; or not at all when it was inconclusive for the same
+        # cause as the entry before it (an open trial records each cause once: autotune.py, `inconclusive`).
+        recorded = [e for e in history(st) if e.get("window") == window]
+        print("the killed leader's window:", window, [(e.get("outcome"), e.get("reason")) for e in recorded])
+        assert len(recorded) <= 1, recorded
+        assert recorded or (history(st) and history(st)[-1]["outcome"] == "inconclusive"), history(st)
         print("history:", [(e.get("trial"), e.get("outcome"), e.get("reason"), e.get("window")) for e in history(st)])
         print(f"Jobs seen: {sorted(watch.jobs_seen)}; at most {watch.max_existing} at once, "
               f"{watch.max_active} active; windows and their Jobs: {watch.jobs_of_window}")
