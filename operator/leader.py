@@ -158,16 +158,21 @@ class _Lock(LeaseLock):
         self.polled = time.monotonic()
         return found
 
+    # A write counts from when it was sent: the renew deadline then ends no later than the server's renewal + the
+    # deadline, before any standby (which counts from when it saw the renewal) can take the Lease.
+
     def create(self, name: str, namespace: str, election_record: Any) -> bool:
+        sent = time.monotonic()
         ok = bool(super().create(name, namespace, election_record))  # type: ignore[no-untyped-call]
         if ok:
-            self.written = time.monotonic()
+            self.written = sent
         return ok
 
     def update(self, name: str, namespace: str, updated_record: Any) -> bool:
+        sent = time.monotonic()
         ok = bool(super().update(name, namespace, updated_record))  # type: ignore[no-untyped-call]
         if ok:
-            self.written = time.monotonic()
+            self.written = sent
         return ok
 
 

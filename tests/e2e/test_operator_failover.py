@@ -275,6 +275,8 @@ def test_the_standby_takes_over_a_killed_leader_mid_trial_and_measures_each_wind
         takeover = time.monotonic() - killed
         print(f"takeover: {second} holds the Lease {takeover:.1f} s after the kill")
         assert takeover <= TAKEOVER_BOUND_S, f"the standby took {takeover:.1f} s"
+        # kopf's own liveness endpoint takes over the port the standby answered on.
+        assert wait_for("the new leader's liveness endpoint (kopf's)", lambda: standby.health() == 200, timeout=120)
 
         # The open window closes (measured, or inconclusive), and the tuning carries on: the new leader opens the
         # next window (a trial, the same trial measured again, or a capacity probe) with its own Job.
