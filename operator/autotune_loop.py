@@ -35,8 +35,9 @@ from . import autotune as at
 from . import kube as kube_module
 from .api import AppliedSchedule, InferenceService, Plan
 from .autotune_types import Status
+from .names import COMPONENT_LABEL, INSTANCE_LABEL
 from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
-from .render import ADMIN_TOKEN_KEY, admin_secret_name, engine_cpus
+from .render import ADMIN_TOKEN_KEY, LOADGEN_COMPONENT, admin_secret_name, engine_cpus
 from .status import engines_expected, plan_of, set_condition
 
 log = logging.getLogger(__name__)
@@ -207,6 +208,8 @@ class AutotuneLoop:
         self._act(read.obj, isvc, read.plan, read.pods, actions)
         update = self.kube.update_status(namespace, name, lambda o: merge_status(o.get("status") or {},
                                                                                    actions.status), read=read.obj)
+        if actions.create_job is not None:
+            self.delete_orphan_jobs(read.obj, actions.status)
         for type_, reason, message in actions.events:
             self.calls.post_event(read.obj, type_, reason, message)
         written = update.new if update is not None else actions.status
@@ -215,6 +218,22 @@ class AutotuneLoop:
             when = now + (at.RECHECK_S if read.due is not None and reading is None else self.interval)
         self._schedule((namespace, name), when)
         return actions
+
+    def delete_orphan_jobs(self, obj: Mapping[str, Any], status: Status) -> list[str]:
+        """Delete this InferenceService's load Jobs other than the one `status.tuning.current.job` names. A leader
+        that died between creating a trial's Job and writing the status naming it left that Job running; its
+        successor opened the trial again with a Job of a new name. Called after a tick that created a Job (the
+        successor's first such tick), once the status names it."""
+        meta = obj.get("metadata") or {}
+        namespace, name, uid = meta.get("namespace") or "default", meta.get("name") or "", meta.get("uid")
+        current = ((status.get("tuning") or {}).get("current") or {}).get("job")
+        selector = f"{INSTANCE_LABEL}={name},{COMPONENT_LABEL}={LOADGEN_COMPONENT}"
+        orphans = sorted(job for job, owner in self.calls.jobs(namespace, selector) if owner == uid and job != current)
+        for job in orphans:
+            log.warning("%s/%s: deleting the load Job %s, which no open trial names (left by an earlier leader)",
+                        namespace, name, job)
+            self.calls.delete_job(namespace, job)
+        return orphans
 
     def _observe(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
                  up: dict[str, bool]) -> at.Observation:

@@ -19,7 +19,8 @@ annotations.
   an unserved resource cannot be watched and starts watching when the CRD appears.
 
 kopf settings, chosen on purpose:
-- standalone (no peering): one operator replica, Deployment strategy Recreate, so no peering CRDs or RBAC;
+- standalone (no peering), so no peering CRDs or RBAC: with several replicas, which one runs kopf is decided before
+  kopf starts, by a coordination.k8s.io Lease (`npuserve operator --leader-elect`, `leader.py`); the others wait;
 - progress and the last-handled spec live in annotations under npuserve.io, not in `status`, whose schema the
   CRD prunes (kopf's default status storage would be dropped by the API server);
 - no finalizer: the delete handler is optional, and readiness comes from watching the engine workloads rather

@@ -406,6 +406,15 @@ class AutotuneKube:
             if e.status != 404:
                 raise
 
+    def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
+        """The Jobs the label selector matches, not being deleted: (name, uid of the controlling owner)."""
+        out: list[tuple[str, str | None]] = []
+        for job in self.batch.list_namespaced_job(namespace, label_selector=selector).items:
+            meta = job.metadata
+            if meta is not None and meta.name and meta.deletion_timestamp is None:
+                out.append((meta.name, next((o.uid for o in meta.owner_references or [] if o.controller), None)))
+        return out
+
     def scale(self, namespace: str, name: str, replicas: int) -> None:
         """Through the scale subresource, as `kubectl scale` and an HPA do."""
         self.kube.custom.patch_namespaced_custom_object_scale(

@@ -1,4 +1,5 @@
-"""`replicaCount: 0` installs the CRD and RBAC without an in-cluster operator; the schema refuses 2."""
+"""`replicaCount: 0` installs the CRD and RBAC without an in-cluster operator; more than one needs leader
+election."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def test_replica_count_zero_keeps_rbac_and_scales_the_operator_to_zero(helm: Pat
     assert any(d["kind"] == "ClusterRole" for d in docs)
 
 
-def test_more_than_one_operator_is_refused(helm: Path) -> None:
-    result = _template(helm, "--set", "replicaCount=2")
+def test_more_than_one_operator_needs_leader_election(helm: Path) -> None:
+    result = _template(helm, "--set", "replicaCount=3")
+    assert result.returncode == 0, result.stderr
+    assert any(d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")
+               for d in yaml.safe_load_all(result.stdout) if d)
+    result = _template(helm, "--set", "replicaCount=2", "--set", "leaderElection.enabled=false")
     assert result.returncode != 0 and "replicaCount" in result.stderr
+    assert _template(helm, "--set", "replicaCount=-1").returncode != 0

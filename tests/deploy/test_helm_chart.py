@@ -144,7 +144,7 @@ def test_every_rendered_object_is_valid(helm: Path, tmp_path: Path, name: str) -
 
 def test_default_objects(helm: Path, tmp_path: Path) -> None:
     kinds = sorted(o["kind"] for o in render(helm, tmp_path, {}))
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount"]
 
 
 def test_values_schema_refuses_bad_values(helm: Path, tmp_path: Path) -> None:
@@ -189,8 +189,10 @@ NAMESPACED_GRANTS = {
     ("events.k8s.io", "events"): {"create", "patch"},
     ("npuserve.io", "inferenceservices/scale"): {"get", "patch", "update"},
     ("", "secrets"): {"get", "create"},
-    ("batch", "jobs"): {"get", "create", "delete"},
+    ("batch", "jobs"): {"get", "list", "create", "delete"},
 }
+LEASE_GRANTS = {("coordination.k8s.io", "leases"): {"get", "create", "update"}}
+LEASE_ROLE = f"{RELEASE}-leader-election"
 CLUSTER_GRANTS = {
     ("", "namespaces"): {"list", "watch"},
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},
@@ -222,7 +224,8 @@ def test_cluster_role_grants_exactly_the_operators_api_calls(helm: Path, tmp_pat
     objects = render(helm, tmp_path, {})
     role = one(objects, "ClusterRole")
     assert grants(role["rules"]) == {**NAMESPACED_GRANTS, **CLUSTER_GRANTS}
-    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+    # The one Role is leader election's, in the release namespace.
+    assert [r["metadata"]["name"] for r in by_kind(objects, "Role")] == [LEASE_ROLE]
     sa = one(objects, "ServiceAccount")
     _check_binding(one(objects, "ClusterRoleBinding"), role, sa["metadata"]["name"])
     assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
@@ -236,12 +239,45 @@ def test_watched_namespaces_get_roles_and_only_cluster_scoped_rules_stay_cluster
     assert grants(cluster_role["rules"]) == CLUSTER_GRANTS
     sa_name = one(objects, "ServiceAccount")["metadata"]["name"]
     _check_binding(one(objects, "ClusterRoleBinding"), cluster_role, sa_name)
-    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role")}
-    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding")}
+    roles = {r["metadata"]["namespace"]: r for r in by_kind(objects, "Role") if r["metadata"]["name"] != LEASE_ROLE}
+    bindings = {b["metadata"]["namespace"]: b for b in by_kind(objects, "RoleBinding")
+                if b["metadata"]["name"] != LEASE_ROLE}
     assert sorted(roles) == sorted(bindings) == ["team-a", "team-b"]
     for ns, role in roles.items():
         assert grants(role["rules"]) == NAMESPACED_GRANTS
         _check_binding(bindings[ns], role, sa_name)
+
+
+def _lease_role(objects: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    roles = [r for r in by_kind(objects, "Role") if r["metadata"]["name"] == LEASE_ROLE]
+    bindings = [b for b in by_kind(objects, "RoleBinding") if b["metadata"]["name"] == LEASE_ROLE]
+    assert len(roles) == len(bindings) <= 1
+    return (roles[0], bindings[0]) if roles else None
+
+
+@pytest.mark.parametrize("name", ["defaults", "namespaced"])
+def test_leader_election_gets_a_role_for_leases_in_the_release_namespace_only(
+        helm: Path, tmp_path: Path, name: str) -> None:
+    objects = render(helm, tmp_path, VALUE_SETS[name])
+    found = _lease_role(objects)
+    assert found is not None
+    role, binding = found
+    assert role["metadata"]["namespace"] == NAMESPACE and grants(role["rules"]) == LEASE_GRANTS
+    _check_binding(binding, role, one(objects, "ServiceAccount")["metadata"]["name"])
+    # Leases are granted nowhere else.
+    for other in [*by_kind(objects, "ClusterRole"), *by_kind(objects, "Role")]:
+        if other is not role:
+            assert ("coordination.k8s.io", "leases") not in grants(other["rules"])
+
+
+def test_leader_election_off_runs_one_operator_with_recreate_and_no_lease_role(helm: Path, tmp_path: Path) -> None:
+    objects = render(helm, tmp_path, {"leaderElection": {"enabled": False}, "replicaCount": 1})
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert _lease_role(objects) is None
+    assert not [f for f, _ in flags(container(objects)["args"]) if f.startswith("--leader-")]
+    proc = run_helm(helm, "template", RELEASE, str(CHART), "--set", "leaderElection.enabled=false")
+    assert proc.returncode != 0 and "needs leaderElection.enabled" in proc.stderr  # the default 2 replicas
 
 
 def test_rbac_and_service_account_can_be_left_to_the_cluster_admin(helm: Path, tmp_path: Path) -> None:
@@ -270,29 +306,37 @@ def flags(args: list[str]) -> list[tuple[str, str | None]]:
 def test_deployment_runs_the_operator_with_the_default_flags(helm: Path, tmp_path: Path) -> None:
     objects = render(helm, tmp_path, {})
     deployment = one(objects, "Deployment")
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}  # never two standalone kopf operators
+    assert deployment["spec"]["replicas"] == 2  # one leader, one standby
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}  # a new pod starts as a standby
     c = container(objects)
     assert c["command"] == ["npuserve", "operator"]
     assert flags(c["args"]) == [("--all-namespaces", None), ("--log-level", "info"),
-                                ("--liveness-endpoint", "http://0.0.0.0:8080/healthz")]
+                                ("--liveness-endpoint", "http://0.0.0.0:8080/healthz"), *LEADER_FLAGS]
+    env = {e["name"]: e.get("valueFrom") for e in c["env"]}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     appversion = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert c["image"] == f"npuserve/operator:{appversion}"
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
     assert c["ports"] == [{"name": "health", "containerPort": 8080, "protocol": "TCP"}]
 
 
+LEADER_FLAGS = [("--leader-elect", None), ("--leader-election-id", RELEASE),
+                ("--leader-election-namespace", NAMESPACE)]
+
+
 def test_deployment_flags_follow_the_values(helm: Path, tmp_path: Path) -> None:
     c = container(render(helm, tmp_path, ALL_ON))
     assert flags(c["args"]) == [("--all-namespaces", None),
                                 ("--prometheus-url", "http://prometheus-operated.monitoring.svc:9090"),
-                                ("--log-level", "debug"), ("--liveness-endpoint", "http://0.0.0.0:8080/healthz")]
+                                ("--log-level", "debug"), ("--liveness-endpoint", "http://0.0.0.0:8080/healthz"),
+                                *LEADER_FLAGS]
     assert c["image"] == "registry.example.com/npuserve/operator:0.1.0-rc1" and c["imagePullPolicy"] == "Always"
     assert {"name": "HTTPS_PROXY", "value": "http://proxy:3128"} in c["env"]
 
     c = container(render(helm, tmp_path, NAMESPACED))
     assert flags(c["args"]) == [("--namespace", "team-a"), ("--namespace", "team-b"), ("--log-level", "info"),
-                                ("--liveness-endpoint", "http://0.0.0.0:9090/healthz")]
+                                ("--liveness-endpoint", "http://0.0.0.0:9090/healthz"), *LEADER_FLAGS]
     assert c["ports"][0]["containerPort"] == 9090 and c["livenessProbe"]["httpGet"]["port"] == "health"
 
 
@@ -312,6 +356,11 @@ def test_operator_cli_parses_the_rendered_command(helm: Path, tmp_path: Path) ->
     assert parsed["all-on"].prometheus_url == ALL_ON["prometheus"]["url"] and parsed["all-on"].log_level == "debug"
     assert not parsed["namespaced"].all_namespaces and parsed["namespaced"].namespace == ["team-a", "team-b"]
     assert parsed["namespaced"].liveness_endpoint == "http://0.0.0.0:9090/healthz"
+    for args in parsed.values():
+        assert args.leader_elect and args.leader_election_id == RELEASE
+        assert args.leader_election_namespace == NAMESPACE
+        assert (args.leader_elect_lease_duration, args.leader_elect_renew_deadline,
+                args.leader_elect_retry_period) == (15, 10, 2)
 
 
 def test_pod_placement_and_pull_secrets_follow_the_values(helm: Path, tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""The autotune driver's two pure pieces: how a Prometheus window becomes the step's measurement, and how the step's
-status is merged into the status as it is at write time (another writer, readiness, may have written meanwhile)."""
+"""The autotune driver's pure pieces: how a Prometheus window becomes the step's measurement, how the step's status
+is merged into the status as it is at write time (another writer, readiness, may have written meanwhile), and which
+load Jobs an earlier leader left behind."""
 
 from __future__ import annotations
 
@@ -260,3 +261,59 @@ def test_next_look() -> None:
     assert at.next_look(isvc, converged, 1_700_000_013.0) == 1_700_000_035.0
     assert at.window_due(isvc, converged, 1_700_000_034.9) is None
     assert at.window_due(isvc, converged, 1_700_000_035.2) == at.WindowRequest(1_700_000_015.0, 1_700_000_035.0, None)
+
+
+class FakeJobs:
+    """AutotuneKube's Job calls: the Jobs a label selector finds (name, controlling owner uid), and deletions."""
+
+    def __init__(self, jobs: list[tuple[str, str | None]]) -> None:
+        self.listed: list[tuple[str, str]] = []
+        self.deleted: list[tuple[str, str]] = []
+        self._jobs = jobs
+
+    def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
+        self.listed.append((namespace, selector))
+        return list(self._jobs)
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        self.deleted.append((namespace, name))
+
+
+def _loop_over(jobs: FakeJobs) -> AutotuneLoop:
+    loop = AutotuneLoop.__new__(AutotuneLoop)  # no API client: only the Job calls are used
+    loop.calls = jobs  # type: ignore[assignment]
+    return loop
+
+
+def test_a_load_job_no_open_trial_names_is_deleted_after_the_status_names_the_new_one() -> None:
+    """A leader died between creating trial 3's Job and writing the status; its successor opened trial 3 again."""
+    obj = {"metadata": {"namespace": "ns", "name": "tune", "uid": "u1"}}
+    jobs = FakeJobs([("tune-b0t3-00100", "u1"), ("tune-b0t3-00130", "u1"), ("tune-b0t2-00050", "u1"),
+                     ("tune-b0t3-00099", "someone-else"), ("tune-b0t3-00098", None)])
+    status = {"tuning": {"current": {"trial": 3, "job": "tune-b0t3-00130"}}}
+    deleted = _loop_over(jobs).delete_orphan_jobs(obj, status)
+    assert jobs.listed == [("ns", "npuserve.io/inferenceservice=tune,app.kubernetes.io/component=loadgen")]
+    assert deleted == ["tune-b0t2-00050", "tune-b0t3-00100"]  # another owner's Jobs stay
+    assert jobs.deleted == [("ns", "tune-b0t2-00050"), ("ns", "tune-b0t3-00100")]
+
+
+def test_with_no_open_trial_every_load_job_of_the_service_goes_and_the_named_one_stays() -> None:
+    obj = {"metadata": {"namespace": "ns", "name": "tune", "uid": "u1"}}
+    jobs = FakeJobs([("tune-b0t3-00130", "u1")])
+    assert _loop_over(jobs).delete_orphan_jobs(obj, {"tuning": {"current": {"job": "tune-b0t3-00130"}}}) == []
+    assert _loop_over(jobs).delete_orphan_jobs(obj, {"tuning": {}}) == ["tune-b0t3-00130"]
+    assert _loop_over(jobs).delete_orphan_jobs(obj, {}) == ["tune-b0t3-00130"]
+
+
+def test_the_selector_is_the_one_the_bench_job_carries() -> None:
+    from isvc_helpers import REPO, load_yaml
+
+    from npuserve.operator.api import InferenceService
+    from npuserve.operator.render import render_bench_job
+
+    isvc = InferenceService.model_validate(load_yaml(REPO / "examples" / "demo.yaml"))
+    labels = render_bench_job(isvc, name="j", target_ip="10.0.0.1", concurrency=2, duration_s=10)["metadata"]["labels"]
+    jobs = FakeJobs([])
+    _loop_over(jobs).delete_orphan_jobs({"metadata": {"name": isvc.metadata.name, "namespace": "ns"}}, {})
+    (_, selector), = jobs.listed
+    assert all(labels[k] == v for k, v in (pair.split("=") for pair in selector.split(",")))

@@ -77,6 +77,18 @@ app.kubernetes.io/managed-by: npuserve-operator
 - {{ .Values.logLevel | quote }}
 - --liveness-endpoint
 - {{ printf "http://0.0.0.0:%d/healthz" (int .Values.livenessProbe.port) | quote }}
+{{- if .Values.leaderElection.enabled }}
+- --leader-elect
+- --leader-election-id
+- {{ include "npuserve.leaseName" . | quote }}
+- --leader-election-namespace
+- {{ .Release.Namespace | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The leader-election Lease: one per release, in the release namespace. */}}
+{{- define "npuserve.leaseName" -}}
+{{- include "npuserve.fullname" . }}
 {{- end }}
 
 {{/*
@@ -128,10 +140,10 @@ or into a Role in each watched namespace.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get, create]
-# autotune, benchmark mode: a load-generator Job per trial
+# autotune, benchmark mode: a load-generator Job per trial (listed to delete one a dead leader left behind)
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, create, delete]
+  verbs: [get, list, create, delete]
 # Engine pods: their IPs, to read each engine's /info
 - apiGroups: [""]
   resources: [pods]
