@@ -400,6 +400,12 @@ class Bench:
             history0 = self.watcher.history_entries
         self.say(f"steady phase: {args.minutes} min, a spec change every {args.update_every:g} s "
                  f"({up} Prometheus targets up)")
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "--pid", str(pids["operator"]), "--duration", str(int(args.minutes * 60)),
+                 "--rate", "50", "--nonblocking", "--format", "raw", "--output", str(self.out / "operator.pyspy")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         end = t0 + args.minutes * 60
         i = 0
         changes: list[tuple[str, int, float, float]] = []
@@ -420,6 +426,8 @@ class Bench:
         queries1 = prometheus_requests(url)
         t1_wall = time.time()
         time.sleep(5)  # the last spec changes' reconciles
+        if spy is not None:
+            spy.wait(60)
         minutes = wall / 60
         cpu = {k: round((cpu1[k] - cpu0[k]) / minutes, 2) for k in pids}
         with self.watcher.lock:
@@ -526,10 +534,31 @@ def summarize(result: dict[str, Any], out: Path) -> None:
             if len(parts) == 4 and parts[2] in ("WARNING", "ERROR", "INFO", "DEBUG"):
                 counts[parts[2] + " " + re.sub(r"\d+", "N", parts[3])[:100]] += 1
         result["operator_log_top"] = counts.most_common(8)
+    spy = out / "operator.pyspy"
+    if spy.exists():
+        result["operator_profile"] = profile(spy)
     engines = out / "engines.json"
     if engines.exists():
         result["engines"] = json.loads(engines.read_text())
         result["engines"].pop("model", None)
+
+
+def profile(path: Path, top: int = 25) -> dict[str, Any]:
+    """py-spy's raw output (`frame;frame;... count`, outermost first): the share of the samples each function is on
+    the stack for (inclusive, once per stack), the most first."""
+    total = 0
+    inclusive: collections.Counter[str] = collections.Counter()
+    for line in path.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = {re.sub(r":\d+\)$", ")", f) for f in stack.split(";")}
+        for f in frames:
+            inclusive[f] += n
+    return {"samples": total,
+            "inclusive_pct": [(f, round(100 * n / total, 1)) for f, n in inclusive.most_common(top)] if total else []}
 
 
 def report(result: dict[str, Any]) -> None:
@@ -557,6 +586,11 @@ def report(result: dict[str, Any]) -> None:
     print(f"reconcile, spec change -> Deployed: p50 {change['p50']} s, p99 {change['p99']} s, max {change['max']} s "
           f"over {change['count']} ({s['spec_changes_not_reconciled']} not reconciled) "
           f"(target p99 < {TARGET_RECONCILE_P99_S:g} s): {verdict(ok_rec)}")
+    prof = result.get("operator_profile")
+    if prof and prof["samples"]:
+        print(f"operator stacks (py-spy, {prof['samples']} samples of busy threads), % of samples on the stack:")
+        for f, pct in prof["inclusive_pct"]:
+            print(f"  {pct:5.1f}%  {f}")
     print(f"reconcile, create -> Deployed (all {create['count']} at once): p50 {create['p50']} s, p99 {create['p99']} "
           f"s, max {create['max']} s: {verdict(create['count'] > 0 and create['p99'] < TARGET_RECONCILE_P99_S)}")
 
@@ -574,6 +608,7 @@ def main() -> int:
     parser.add_argument("--operator-log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--out", type=Path, help="folder for the logs and the JSON result (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: record the operator over the steady phase")
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="autotune-scale-"))
     out.mkdir(parents=True, exist_ok=True)
