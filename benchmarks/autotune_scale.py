@@ -61,6 +61,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "e2e" / "cluster"))
+# A cluster this script starts gets a service range for more than 254 InferenceServices (each has a Service); read
+# by e2e/cluster/pki.py at import. A running cluster keeps its own (`make cluster-up` with it set, for --count > 250).
+os.environ.setdefault("NPUSERVE_SERVICE_CIDR", "10.0.0.0/16")
 
 import kubernetes  # noqa: E402
 import localk8s  # noqa: E402
