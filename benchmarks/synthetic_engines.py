@@ -5,7 +5,9 @@
 
 `pods.json` is a list of `{"name": pod, "ip": podIP, "token": admin token, "kv_blocks": blocks}`. For each pod the
 process listens on `<podIP>:8000` (the engine's port; every 127.0.0.0/8 address is the loopback, so the local
-cluster's KWOK pod IPs can be bound without configuring anything) and answers as the engine does:
+cluster's KWOK pod IPs can be bound without configuring anything): a standard-library threaded HTTP server per pod,
+HTTP/1.0 (each connection closed after its response: with keep-alive, a few hundred pods' scrapers and the
+operator's clients left thousands of connections to a single event loop). It answers as the engine does:
 
 - `GET /metrics`: the pod's own `EngineMetrics` registry (`engine/server/metrics.py`): the engine's metric families,
   labels and buckets, rendered by the engine's code, so Prometheus scrapes exactly the engine's exposition;
@@ -40,27 +42,22 @@ Importable: `SyntheticEngines(pods, model).serve()`; `TrafficModel` holds the fo
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hmac
 import json
 import math
 import random
+import resource
 import signal
-import socket
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from npuserve import engine_contract as contract
 from npuserve.engine.server.admin import generation_refusal
@@ -135,13 +132,75 @@ class SyntheticPod:
         return int(self.schedule.get("maxBatchSize") or 1)
 
 
-def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(body, status_code=status, headers=headers)
+Reply = tuple[int, bytes, dict[str, str]]  # status, body, headers
 
 
-def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> Reply:
+    return status, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> Reply:
     # The engine's APIError body (engine/server/errors.py): OpenAI's error shape.
     return _json(status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}, headers)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request to one pod's address; HTTP/1.0, so the connection closes after the response (nothing idles)."""
+
+    server: _PodServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, reply: Reply, head: bool = False) -> None:
+        status, body, headers = reply
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _route(self, head: bool = False) -> None:
+        engines, pod = self.server.engines, self.server.pod
+        path = self.path.split("?", 1)[0]
+        if path == contract.HEALTH_PATH:
+            self._send(_json(200, {"status": "ok"}), head)
+        elif path == contract.READY_PATH:
+            self._send(_json(200, {"ready": True}), head)
+        elif path == contract.INFO_PATH:
+            self._send(engines.info(pod), head)
+        elif path == "/metrics":
+            self._send(engines.metrics(pod), head)
+        else:
+            self._send(_error(404, f"{path} not found"), head)
+
+    def do_GET(self) -> None:
+        self._route()
+
+    def do_HEAD(self) -> None:
+        self._route(head=True)
+
+    def do_PUT(self) -> None:
+        if self.path.split("?", 1)[0] != contract.ADMIN_SCHEDULE_PATH:
+            self._send(_error(404, f"{self.path} not found"))
+            return
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self._send(self.server.engines.put_schedule(self.server.pod, self.headers.get("Authorization"), body))
+
+
+class _PodServer(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, engines: SyntheticEngines, pod: SyntheticPod, port: int) -> None:
+        self.engines, self.pod = engines, pod
+        super().__init__((pod.ip, port), _Handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that went away (a scrape timeout)
+            super().handle_error(request, client_address)
 
 
 class SyntheticEngines:
@@ -155,28 +214,11 @@ class SyntheticEngines:
         self.lock = threading.Lock()
         self.stopping = threading.Event()
         self.recorded = 0
-        self.app = Starlette(routes=[
-            Route(contract.HEALTH_PATH, self.health, methods=["GET", "HEAD"]),
-            Route(contract.READY_PATH, self.ready, methods=["GET", "HEAD"]),
-            Route(contract.INFO_PATH, self.info, methods=["GET"]),
-            Route("/metrics", self.metrics, methods=["GET", "HEAD"]),
-            Route(contract.ADMIN_SCHEDULE_PATH, self.put_schedule, methods=["PUT"]),
-        ])
+        self.servers: list[_PodServer] = []
 
-    # -- HTTP, one app on every pod's address; the socket a request came in on names the pod --
+    # -- HTTP: a threaded server on each pod's address --
 
-    def _pod(self, request: Request) -> SyntheticPod:
-        server = request.scope.get("server") or ("", 0)
-        return self.pods[server[0]]
-
-    async def health(self, request: Request) -> Response:
-        return _json(200, {"status": "ok"})
-
-    async def ready(self, request: Request) -> Response:
-        return _json(200, {"ready": True})
-
-    async def info(self, request: Request) -> Response:
-        pod = self._pod(request)
+    def info(self, pod: SyntheticPod) -> Reply:
         pod.infos += 1
         with self.lock:
             schedule = dict(pod.schedule)
@@ -188,27 +230,26 @@ class SyntheticEngines:
                           ready=True, num_requests_in_flight=self.model.concurrency)
         return _json(200, info.model_dump(mode="json"))
 
-    async def metrics(self, request: Request) -> Response:
-        pod = self._pod(request)
+    def metrics(self, pod: SyntheticPod) -> Reply:
         pod.scrapes += 1
         with self.lock:
             body = pod.metrics.render()
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return 200, body, {"Content-Type": CONTENT_TYPE_LATEST}
 
-    async def put_schedule(self, request: Request) -> Response:
-        pod = self._pod(request)
-        response = await self._put_schedule(pod, request)
-        pod.puts[response.status_code] = pod.puts.get(response.status_code, 0) + 1
-        return response
+    def put_schedule(self, pod: SyntheticPod, authorization: str | None, raw: bytes) -> Reply:
+        reply = self._put_schedule(pod, authorization, raw)
+        with self.lock:
+            pod.puts[reply[0]] = pod.puts.get(reply[0], 0) + 1
+        return reply
 
-    async def _put_schedule(self, pod: SyntheticPod, request: Request) -> Response:
-        scheme, _, token = (request.headers.get("authorization") or "").partition(" ")
+    def _put_schedule(self, pod: SyntheticPod, authorization: str | None, raw: bytes) -> Reply:
+        scheme, _, token = (authorization or "").partition(" ")
         if not pod.token:
             return _error(403, f"the admin API is disabled: set {contract.ADMIN_TOKEN_ENV} to enable it")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), pod.token.encode()):
             return _error(401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
         try:
-            body = ScheduleUpdate.model_validate_json(await request.body())
+            body = ScheduleUpdate.model_validate_json(raw)
         except ValidationError as e:
             return _error(422, str(e))
         changes = body.model_dump(exclude_none=True, exclude={contract.SCHEDULE_GENERATION_KEY})
@@ -253,41 +294,29 @@ class SyntheticEngines:
 
     # -- running --
 
-    def sockets(self) -> list[socket.socket]:
-        out = []
-        for ip in self.pods:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((ip, self.port))
-            s.listen(128)
-            s.set_inheritable(True)
-            out.append(s)
-        return out
-
     def serve(self, ready: threading.Event | None = None) -> None:
-        """Binds every pod's address, then serves until SIGINT/SIGTERM (uvicorn's handlers) or `stop()`."""
-        socks = self.sockets()
+        """Binds every pod's address, then serves until `stop()` (SIGTERM/SIGINT from the command line)."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a listening socket per pod, a connection per call
+        want = 4 * len(self.pods) + 256
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard),
+                                                        hard))
+        self.servers = [_PodServer(self, pod, self.port) for pod in self.pods.values()]
         self.record(0.0)  # the gauges before the first scrape
-        traffic = threading.Thread(target=self.traffic, name="traffic", daemon=True)
-        traffic.start()
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
-        self.server = uvicorn.Server(config)
+        threads = [threading.Thread(target=self.traffic, name="traffic", daemon=True)]
+        threads += [threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 2.0}, daemon=True,
+                                     name=f"http-{srv.pod.ip}") for srv in self.servers]
+        for t in threads:
+            t.start()
         if ready is not None:
             ready.set()
-        try:
-            asyncio.run(self.server.serve(sockets=socks))
-        finally:
-            self.stopping.set()
-            traffic.join(5)
-            for s in socks:
-                s.close()
+        self.stopping.wait()
+        for srv in self.servers:
+            srv.shutdown()
+            srv.server_close()
 
     def stop(self) -> None:
         self.stopping.set()
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.should_exit = True
 
     def stats(self) -> dict[str, Any]:
         puts: dict[str, int] = {}
@@ -325,7 +354,8 @@ def main() -> int:
     args = parser.parse_args()
     model = TrafficModel(**{k: getattr(args, k) for k in asdict(defaults)})
     engines = SyntheticEngines(load_pods(args.pods), model, port=args.port, tick=args.tick)
-    signal.signal(signal.SIGTERM, lambda *_: engines.stop())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: engines.stop())
     try:
         engines.serve()
     finally:
