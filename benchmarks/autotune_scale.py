@@ -64,6 +64,12 @@ sys.path.insert(0, str(REPO / "e2e" / "cluster"))
 # A cluster this script starts gets a service range for more than 254 InferenceServices (each has a Service); read
 # by e2e/cluster/pki.py at import. A running cluster keeps its own (`make cluster-up` with it set, for --count > 250).
 os.environ.setdefault("NPUSERVE_SERVICE_CIDR", "10.0.0.0/16")
+# And a scrape interval for a few hundred engine pods: the e2e tests' 1 s is 300 scrapes a second here (the chart's
+# default is 15s). Changed with --scrape-interval, for a cluster this script starts.
+for _i, _arg in enumerate(sys.argv):
+    if _arg.startswith("--scrape-interval"):
+        os.environ["NPUSERVE_SCRAPE_INTERVAL"] = _arg.partition("=")[2] or sys.argv[_i + 1]
+os.environ.setdefault("NPUSERVE_SCRAPE_INTERVAL", "5s")
 
 import kubernetes  # noqa: E402
 import localk8s  # noqa: E402
@@ -610,6 +616,8 @@ def main() -> int:
     parser.add_argument("--ready-timeout", type=float, default=900, help="for each phase before the steady one")
     parser.add_argument("--operator-log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--out", type=Path, help="folder for the logs and the JSON result (default: a temp dir)")
+    parser.add_argument("--scrape-interval", default=os.environ["NPUSERVE_SCRAPE_INTERVAL"],
+                        help="Prometheus's scrape interval and timeout, for a cluster this script starts (default 5s)")
     parser.add_argument("--json", action="store_true", help="print the whole result as JSON")
     parser.add_argument("--py-spy", metavar="PATH", help="a py-spy binary: record the operator over the steady phase")
     args = parser.parse_args()
@@ -620,6 +628,10 @@ def main() -> int:
     cluster = localk8s.acquire()
     code = 1
     try:
+        scraping = re.findall(r'"scrape_(?:interval|timeout)": "([^"]+)"',
+                              (cluster.dir / "config" / "prometheus.yml").read_text())
+        result["scrape_interval_timeout"] = scraping[-2:]  # the engines' job's, after the global ones
+        print(f"Prometheus scrapes the engines every {scraping[-2]} (timeout {scraping[-1]})", flush=True)
         helm_install(cluster)
         os.environ["KUBECONFIG"] = str(cluster.kubeconfig)
         bench = Bench(args, cluster, out)
