@@ -311,8 +311,7 @@ class SyntheticEngines:
         if ready is not None:
             ready.set()
         self.stopping.wait()
-        for srv in self.servers:
-            srv.shutdown()
+        for srv in self.servers:  # no shutdown(): it waits out each server's poll in turn; the threads are daemons
             srv.server_close()
 
     def stop(self) -> None:
