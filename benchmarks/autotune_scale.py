@@ -31,6 +31,10 @@ Figures, each over the steady phase:
   all N; and spec change -> Deployed at the new generation in the steady phase. p50/p99/max.
 Targets (issue 23): windows read within 10 s of their end, operator CPU under 20% of a core, reconcile p99 under 5 s.
 
+A cluster this script starts scrapes the engines every `--scrape-interval` (5s) and has a /16 service range
+(NPUSERVE_SCRAPE_INTERVAL, NPUSERVE_SERVICE_CIDR); a running one keeps its own (printed). `--py-spy PATH` records the
+operator's stacks over the steady phase. The logs and result.json stay in `--out`.
+
 Run by path, never with `-m` from the repository root (its `operator/` folder shadows the standard library's).
 """
 
