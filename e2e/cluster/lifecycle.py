@@ -40,11 +40,14 @@ KUBELET_PY = Path(__file__).resolve().with_name("kubelet.py")
 # (so its `job` label is npuserve-system/npuserve-engines), scraping every second for the tuner's short windows.
 CHART = REPO_ROOT / "deploy" / "helm" / "npuserve"
 CHART_RELEASE, CHART_NAMESPACE = "npuserve", "npuserve-system"
+# NPUSERVE_SCRAPE_INTERVAL, read when Prometheus starts, sets another interval and timeout: at a second, a few hundred
+# engine pods are a few hundred scrapes a second (benchmarks/autotune_scale.py asks for 5s).
+SCRAPE_INTERVAL = os.environ.get("NPUSERVE_SCRAPE_INTERVAL") or "1s"
 CHART_MONITOR_VALUES = (
     "serviceMonitor.enabled=true",
     "serviceMonitor.kind=PodMonitor",
-    "serviceMonitor.interval=1s",
-    "serviceMonitor.scrapeTimeout=1s",
+    f"serviceMonitor.interval={SCRAPE_INTERVAL}",
+    f"serviceMonitor.scrapeTimeout={SCRAPE_INTERVAL}",
 )
 PROMETHEUS_RETENTION = "1d"  # a cluster lives for a test session; `up` starts with an empty TSDB
 
@@ -396,7 +399,8 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
 
 # ---- Prometheus --------------------------------------------------------------------------------------------------
 def chart_podmonitor(helm: Path, python: str | None = None) -> dict[str, object]:
-    """The PodMonitor of the Helm chart, rendered by `helm template` with the monitor on (1 s interval and timeout).
+    """The PodMonitor of the Helm chart, rendered by `helm template` with the monitor on (1 s interval and timeout,
+    or NPUSERVE_SCRAPE_INTERVAL).
 
     Helm writes YAML and the standard library reads none: the virtual environment's Python (PyYAML is an npuserve
     dependency) turns it into JSON."""

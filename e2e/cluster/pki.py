@@ -4,6 +4,7 @@ Standard library only."""
 from __future__ import annotations
 
 import base64
+import ipaddress
 import json
 import os
 import shutil
@@ -11,9 +12,11 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-# The API server's service range; its serving certificate names the first address.
-SERVICE_CIDR = "10.0.0.0/24"
-SERVICE_IP = "10.0.0.1"
+# The API server's service range; its serving certificate names the first address. Overridable
+# (NPUSERVE_SERVICE_CIDR, read when the cluster starts): each InferenceService has a Service, and a /24 holds fewer
+# than 254 of them (benchmarks/autotune_scale.py creates 300).
+SERVICE_CIDR = os.environ.get("NPUSERVE_SERVICE_CIDR") or "10.0.0.0/24"
+SERVICE_IP = str(ipaddress.ip_network(SERVICE_CIDR).network_address + 1)
 
 
 def _openssl(*args: str, cwd: Path) -> None:
