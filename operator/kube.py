@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import functools
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -61,6 +63,13 @@ STATUS_WRITE_ATTEMPTS = 5
 INFO_TIMEOUT_S = 2.0  # one engine's /info, connect to last byte
 MAX_CONCURRENT_INFO = 16  # /info reads in flight at once, per readiness update
 ADMIN_TIMEOUT_S = 35.0  # one PUT /admin/schedule (the engine waits up to 30 s for its step loop to take it)
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One TLS context for the engine clients: httpx builds a new one (loading the CA bundle) for each client
+    otherwise, and the profile of 300 InferenceServices had that as its top frame; the engines answer plain HTTP."""
+    return ssl.create_default_context()
 
 
 class StatusConflict(RuntimeError):
@@ -178,7 +187,11 @@ class Kube:
             except config.ConfigException:
                 # KUBECONFIG as it is now: the client library's default is read once, when it is imported.
                 config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))  # type: ignore[no-untyped-call]
-            api_client = client.ApiClient()
+            configuration = client.Configuration.get_default_copy()
+            # kopf's 16 handler threads and the autotune loop share it: a pool of the default 10 connections
+            # discarded the others ("Connection pool is full") and opened new ones for each call.
+            configuration.connection_pool_maxsize = 32
+            api_client = client.ApiClient(configuration)
         self.api_client = api_client
         self.dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
         self.core = client.CoreV1Api(api_client)
@@ -292,7 +305,7 @@ def read_engines(pods: Sequence[EnginePod], *, port: int = ENGINE_PORT, timeout:
 async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, limit: int,
                         transport: httpx.AsyncBaseTransport | None) -> list[EngineReport]:
     gate = asyncio.Semaphore(limit)
-    async with httpx.AsyncClient(transport=transport, timeout=timeout) as http:
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, verify=tls_context()) as http:
 
         async def one(pod: EnginePod) -> EngineReport:
             def report(ready: bool, kv_blocks: int | None = None, error: str | None = None) -> EngineReport:
@@ -339,7 +352,7 @@ def put_schedule(pods: Sequence[PodState], token: str, knobs: Mapping[str, Any],
 async def _put_schedule(pods: Sequence[PodState], token: str, body: dict[str, Any], port: int, timeout: float,
                         transport: httpx.AsyncBaseTransport | None) -> dict[str, str]:
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(transport=transport, timeout=timeout) as http:
+    async with httpx.AsyncClient(transport=transport, timeout=timeout, verify=tls_context()) as http:
 
         async def one(pod: PodState) -> tuple[str, str | None]:
             try:

@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     import kopf
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":  # httpx says every request at info: each Prometheus query and engine PUT
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     settings = None
     if args.leader_elect:
         try:
