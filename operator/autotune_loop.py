@@ -7,14 +7,14 @@ event handlers only tell it which InferenceServices exist and when one changed, 
 their status, and the children (engines, Secret, Jobs) go with their owner by garbage collection.
 
 When it looks (so that hundreds of InferenceServices cost little): each InferenceService has a time of its next look,
-`autotune.next_look` of its status (its open window's end, the next window after tuning, a recheck while it waits,
-a minute at the latest); a change to it that the loop did not write itself, or to its engine workloads, makes it due
-at once (`track`, `poke`). Every look at a set of due InferenceServices reads each (one GET, its engine pods), reads
-every due window from Prometheus together (windows end on a grid, so those that end together are one query per
-figure: `PrometheusClient.read_windows`), then for each runs the actions `advance` returns (delete a Job, apply a
-schedule to every engine, create a Job, scale), writes the status through the one status writer (from the object
-it read; read again only on a conflict) and posts the events. The loop never writes the ConfigMap: reconcile does,
-from status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
+`autotune.next_look` of its status (its open window's end, the next window after tuning, a recheck while it waits, a
+minute at the latest); a change to it that the loop did not write itself, or to its engine workloads, makes it due at
+once (`track`, `poke`). Every look at a set of due InferenceServices reads each (one GET, its engine pods; LOOK_WORKERS
+at a time), reads every due window from Prometheus together (windows end on a grid, so those that end together are one
+query per figure: `PrometheusClient.read_windows`), then for each runs the actions `advance` returns (delete a Job,
+apply a schedule to every engine, create a Job, scale), writes the status through the one status writer (from the object
+it read; read again only on a conflict) and posts the events. The loop never writes the ConfigMap: reconcile does, from
+status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,6 +44,7 @@ from .status import engines_expected, plan_of, set_condition
 log = logging.getLogger(__name__)
 
 LOOP_INTERVAL_S = 1.0  # the longest the loop sleeps before it looks at what is due (a change wakes it sooner)
+LOOK_WORKERS = 8  # threads for the InferenceServices of one look (the Kubernetes client's pool holds 32)
 _OWNED_KEYS = ("tuning", "capacity", "observed", "schedule")
 _OWNED_CONDITIONS = ("Tuning", "SLOMet")
 Key = tuple[str, str]  # namespace, name
@@ -73,6 +75,9 @@ class AutotuneLoop:
         self.wake = threading.Event()
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
+        # The calls of one look run on a few threads: each InferenceService's are a handful of round trips to the
+        # API server and its engines, and hundreds due at once (an operator that starts) went one after another.
+        self._workers = ThreadPoolExecutor(max_workers=LOOK_WORKERS, thread_name_prefix="autotune")
 
     # -- which InferenceServices, and when --
 
@@ -114,6 +119,7 @@ class AutotuneLoop:
         self.wake.set()
         if self.thread is not None:
             self.thread.join(timeout=30)
+        self._workers.shutdown(wait=False, cancel_futures=True)
 
     def run(self) -> None:
         while not self.stopping.is_set():
@@ -140,26 +146,28 @@ class AutotuneLoop:
         def clock() -> float:
             return time.time() if now is None else now
 
-        looks: dict[Key, _Look] = {}
-        for key in keys:
+        def read(key: Key) -> _Look | None:
             try:
-                read = self._read(key, clock())
+                return self._read(key, clock())
             except Exception:  # one InferenceService's failure must not stop the others' tuning
                 log.exception("autotune of %s/%s failed; trying again", *key)
                 self._schedule(key, clock() + at.RECHECK_S)
-                continue
-            if read is not None:
-                looks[key] = read
+                return None
+
+        looks = {key: r for key, r in zip(keys, self._workers.map(read, keys), strict=True) if r is not None}
         readings = self._read_windows(looks)
         up: dict[str, bool] = {}
-        taken: dict[Key, at.Actions] = {}
-        for key, read in looks.items():
+
+        def advance(key: Key) -> at.Actions | None:
             try:
-                taken[key] = self._advance(read, readings.get(key), clock(), up)
+                return self._advance(looks[key], readings.get(key), clock(), up)
             except Exception:
                 log.exception("autotune of %s/%s failed; trying again", *key)
                 self._schedule(key, clock() + at.RECHECK_S)
-        return taken
+                return None
+
+        taken = zip(looks, self._workers.map(advance, list(looks)), strict=True)
+        return {key: actions for key, actions in taken if actions is not None}
 
     def _read(self, key: Key, now: float) -> _Look | None:
         namespace, name = key
