@@ -162,15 +162,16 @@ class _Lock(LeaseLock):
     # deadline, before any standby (which counts from when it saw the renewal) can take the Lease.
 
     def create(self, name: str, namespace: str, election_record: Any) -> bool:
-        sent = time.monotonic()
-        ok = bool(super().create(name, namespace, election_record))  # type: ignore[no-untyped-call]
-        if ok:
-            self.written = sent
-        return ok
+        return self._written_if(lambda: super(_Lock, self).create(  # type: ignore[no-untyped-call]
+            name, namespace, election_record))
 
     def update(self, name: str, namespace: str, updated_record: Any) -> bool:
+        return self._written_if(lambda: super(_Lock, self).update(  # type: ignore[no-untyped-call]
+            name, namespace, updated_record))
+
+    def _written_if(self, write: Callable[[], Any]) -> bool:
         sent = time.monotonic()
-        ok = bool(super().update(name, namespace, updated_record))  # type: ignore[no-untyped-call]
+        ok = bool(write())
         if ok:
             self.written = sent
         return ok

@@ -35,7 +35,7 @@ from npuserve.operator.api import (
 from npuserve.operator.planner import plan as plan_spec
 
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
-TICK_S = 2.0  # the driver's loop interval (autotune_loop.LOOP_INTERVAL_S)
+TICK_S = 2.0  # this test's virtual driver steps its clock by this much (the real loop looks when something is due)
 WINDOW_S = 20.0
 SETTLE_S = WINDOW_S * at.SETTLE_FRACTION
 GRID_S = 5.0  # window ends fall on multiples of 5 s (unix time)
