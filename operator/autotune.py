@@ -62,6 +62,7 @@ from .autotune_types import Status, format_duration, parse_duration, parse_rfc33
 from .autotune_types import WindowRequest as WindowRequest
 from .problem import TunedSchedule, TuningProblem
 from .render import bench_job_name, render_bench_job
+from .status import condition as condition_of
 from .status import serving_phase, set_condition
 from .tuner import NextTrial, Trial, Verdict, best_so_far, next_step
 from .tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
@@ -92,6 +93,7 @@ REASON_PROMETHEUS_DOWN = "PrometheusUnreachable"
 REASON_NO_TRAFFIC = "WaitingForTraffic"
 REASON_ROLLED_BACK = "RolledBack"
 REASON_SCHEDULE_NOT_RUN = SCHEDULE_NOT_RUN
+WAITING_MESSAGE = "waiting for every engine pod to be ready before the next trial"
 
 
 # --- the problem ---------------------------------------------------------------------------------------------------
@@ -353,7 +355,15 @@ class _Step:
 
     def next_trial(self) -> None:
         if not self.pods_ready():
-            self.tuning.message = "waiting for every engine pod to be ready before the next trial"
+            said = condition_of(self.status, "Tuning") or {}
+            if said.get("reason") == REASON_ROLLED_BACK:
+                # The rollback stays the word until the next trial opens: the engine waited for is most often the one
+                # whose failure rolled it back, and the wait alone would hide why (the event may be gone by then).
+                rolled = str(said.get("message") or self.tuning.message).removesuffix(f"; {WAITING_MESSAGE}")
+                self.tuning.message = f"{rolled}; {WAITING_MESSAGE}"
+                self.condition("Tuning", True, REASON_ROLLED_BACK, self.tuning.message)
+                return
+            self.tuning.message = WAITING_MESSAGE
             self.condition("Tuning", True, REASON_WAITING, self.tuning.message)
             return
         step = next_step(self.problem, trials_of(self.tuning.history))

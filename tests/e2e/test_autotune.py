@@ -179,7 +179,14 @@ def test_an_engine_killed_mid_trial_fails_the_trial_and_rolls_back(
     failed = next(e for e in history(st) if e["outcome"] == "failed")
     assert failed["schedule"]["maxBatchSize"] == trial["schedule"]["maxBatchSize"]
     applied = st["tuning"]["applied"]
-    assert condition(st, "Tuning")["reason"] == "RolledBack" or current(st) is not None
+    # Until the next trial opens the condition says the rollback and its cause, also while the engine restarts.
+    said = condition(st, "Tuning")
+    assert (said["reason"] == "RolledBack" and failed["verdict"] in said["message"]) or current(st) is not None, said
+    rolled_back = wait_for("the RolledBack event", lambda: [
+        e for e in k8s_cluster.kubectl_json("get", "events", "-n", namespace,
+                                            f"--field-selector=involvedObject.name={NAME},reason=RolledBack")["items"]
+        if failed["verdict"] in e["message"]], timeout=30)
+    assert rolled_back[0]["type"] == "Warning"
     assert st["plan"] and st["tuning"]["history"]  # the InferenceService kept its state
     # The restarted engine runs the rolled-back schedule (from the ConfigMap) or the next trial's.
     (restarted,) = wait_for("the engine back", lambda: [p for p in engine_pods(k8s_cluster, namespace) if ready(p)],

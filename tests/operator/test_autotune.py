@@ -960,6 +960,26 @@ def test_waits_for_every_engine_pod_before_a_trial() -> None:
     assert loop.ticks[-1].actions.apply is not None and loop.current() is not None
 
 
+def test_a_rollback_stays_the_word_while_the_restarted_engine_comes_back() -> None:
+    loop = Loop.start()
+    loop.run_until(trial_open(1))
+    pod = loop.pods[0]
+    loop.pods[0] = replace(pod, restarts=pod.restarts + 1, ready=False)  # killed: restarted, not ready yet
+    loop.tick()
+    rolled = loop.condition("Tuning")
+    assert rolled["reason"] == at.REASON_ROLLED_BACK and "rolled back to maxBatchSize" in rolled["message"]
+    for _ in range(3):  # looks while the engine loads again: the rollback and its cause stay, the wait said once
+        loop.tick()
+        waiting = loop.condition("Tuning")
+        assert (waiting["status"], waiting["reason"]) == ("True", at.REASON_ROLLED_BACK)
+        wait = "waiting for every engine pod to be ready before the next trial"
+        assert waiting["message"] == f"{rolled['message']}; {wait}"
+        assert loop.current() is None and loop.ticks[-1].actions.apply is None
+    loop.pods[0] = replace(loop.pods[0], ready=True)
+    loop.tick()
+    assert loop.current() is not None and loop.condition("Tuning")["reason"] == at.REASON_MEASURING
+
+
 # --- 9. units ------------------------------------------------------------------------------------------------------
 
 
