@@ -355,16 +355,14 @@ class _Step:
 
     def next_trial(self) -> None:
         if not self.pods_ready():
-            said = condition_of(self.status, "Tuning") or {}
-            if said.get("reason") == REASON_ROLLED_BACK:
-                # The rollback stays the word until the next trial opens: the engine waited for is most often the one
-                # whose failure rolled it back, and the wait alone would hide why (the event may be gone by then).
-                rolled = str(said.get("message") or self.tuning.message).removesuffix(f"; {WAITING_MESSAGE}")
-                self.tuning.message = f"{rolled}; {WAITING_MESSAGE}"
-                self.condition("Tuning", True, REASON_ROLLED_BACK, self.tuning.message)
-                return
-            self.tuning.message = WAITING_MESSAGE
-            self.condition("Tuning", True, REASON_WAITING, self.tuning.message)
+            # After a rollback, the rollback stays the word until the next trial opens: the engine waited for is most
+            # often the one whose failure rolled it back, and the wait alone would hide why (the event may be gone).
+            rolled_back = (condition_of(self.status, "Tuning") or {}).get("reason") == REASON_ROLLED_BACK
+            if not rolled_back:
+                self.tuning.message = WAITING_MESSAGE
+            elif not self.tuning.message.endswith(WAITING_MESSAGE):
+                self.tuning.message += f"; {WAITING_MESSAGE}"
+            self.condition("Tuning", True, REASON_ROLLED_BACK if rolled_back else REASON_WAITING, self.tuning.message)
             return
         step = next_step(self.problem, trials_of(self.tuning.history))
         if isinstance(step, NextTrial):

@@ -3,6 +3,7 @@ Standard library only."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 # The extended resource and the two fake nodes.
@@ -12,6 +13,7 @@ NPUS_PER_NODE = 8
 # Overridable (NPUSERVE_POD_CIDR) so that two local clusters on one machine (a second one on other ports) give their
 # pods different loopback addresses, each engine binding its pod IP's port 8000.
 POD_CIDR = os.environ.get("NPUSERVE_POD_CIDR") or "127.1.0.1/16"
+POD_NETWORK = ipaddress.ip_network(POD_CIDR, strict=False)  # what a pod IP must lie in
 # KWOK manages the nodes with this annotation (the process kubelet runs the engine pods on them).
 NODE_ANNOTATION, NODE_ANNOTATION_VALUE = "kwok.x-k8s.io/node", "fake"
 

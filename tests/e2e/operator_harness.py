@@ -44,6 +44,13 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 180, int
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
 
 
+def events(cluster: localk8s.Cluster, namespace: str, name: str, reason: str) -> list[dict[str, Any]]:
+    """The Events about object `name` in `namespace` with `reason`."""
+    found: list[dict[str, Any]] = cluster.kubectl_json(
+        "get", "events", "-n", namespace, f"--field-selector=involvedObject.name={name},reason={reason}")["items"]  # type: ignore[assignment]
+    return found
+
+
 class Operator:
     """The kopf operator in a thread of this process, KUBECONFIG pointing at the local cluster, its autotune loop
     reading the cluster's Prometheus."""

@@ -25,7 +25,7 @@ import httpx
 import localk8s
 import pytest
 import yaml
-from operator_harness import REPO, Operator, scratch_namespace, wait_for
+from operator_harness import REPO, Operator, events, scratch_namespace, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -183,9 +183,7 @@ def test_an_engine_killed_mid_trial_fails_the_trial_and_rolls_back(
     said = condition(st, "Tuning")
     assert (said["reason"] == "RolledBack" and failed["verdict"] in said["message"]) or current(st) is not None, said
     rolled_back = wait_for("the RolledBack event", lambda: [
-        e for e in k8s_cluster.kubectl_json("get", "events", "-n", namespace,
-                                            f"--field-selector=involvedObject.name={NAME},reason=RolledBack")["items"]
-        if failed["verdict"] in e["message"]], timeout=30)
+        e for e in events(k8s_cluster, namespace, NAME, "RolledBack") if failed["verdict"] in e["message"]], timeout=30)
     assert rolled_back[0]["type"] == "Warning"
     assert st["plan"] and st["tuning"]["history"]  # the InferenceService kept its state
     # The restarted engine runs the rolled-back schedule (from the ConfigMap) or the next trial's.

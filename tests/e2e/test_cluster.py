@@ -63,10 +63,9 @@ def test_deployment_pods_run_on_loopback_ips(k8s_cluster: localk8s.Cluster) -> N
         k8s_cluster.kubectl("rollout", "status", "-n", ns, "deployment/smoke", "--timeout=120s", timeout=130)
         pods: list[dict[str, Any]] = k8s_cluster.kubectl_json("get", "pods", "-n", ns, "-l", "app=smoke")["items"]  # type: ignore[assignment]
         assert len(pods) == 2
-        loopback = ipaddress.ip_network("127.1.0.0/16")
         for pod in pods:
             assert pod["status"]["phase"] == "Running"
-            assert ipaddress.ip_address(pod["status"]["podIP"]) in loopback
+            assert ipaddress.ip_address(pod["status"]["podIP"]) in localk8s.POD_NETWORK
         assert sorted(p["spec"]["nodeName"] for p in pods) == sorted(localk8s.NODE_NAMES)
         assert len({p["status"]["podIP"] for p in pods}) == 2
     finally:

@@ -968,11 +968,11 @@ def test_a_rollback_stays_the_word_while_the_restarted_engine_comes_back() -> No
     loop.tick()
     rolled = loop.condition("Tuning")
     assert rolled["reason"] == at.REASON_ROLLED_BACK and "rolled back to maxBatchSize" in rolled["message"]
+    wait = "waiting for every engine pod to be ready before the next trial"
     for _ in range(3):  # looks while the engine loads again: the rollback and its cause stay, the wait said once
         loop.tick()
         waiting = loop.condition("Tuning")
         assert (waiting["status"], waiting["reason"]) == ("True", at.REASON_ROLLED_BACK)
-        wait = "waiting for every engine pod to be ready before the next trial"
         assert waiting["message"] == f"{rolled['message']}; {wait}"
         assert loop.current() is None and loop.ticks[-1].actions.apply is None
     loop.pods[0] = replace(loop.pods[0], ready=True)
