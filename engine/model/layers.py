@@ -51,8 +51,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
         self.reset()
 
-    def reset(self) -> None:
-        """(Re)computes the cos/sin tables in float32 (after the model was built on the meta device)."""
+    def reset(self, device: torch.device | None = None) -> None:
+        """(Re)computes the cos/sin tables in float32 on the host, as transformers does (after the model was built
+        on the meta device), and moves them to `device`: the model's, or the kernels read a host pointer."""
         head_dim, max_positions, theta, scaling = self.head_dim, self.max_positions, self.theta, self.scaling
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         attention_factor = 1.0
@@ -67,8 +68,8 @@ class RotaryEmbedding(nn.Module):
             raise NotImplementedError(f"rope_scaling type {kind!r} is not supported")
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_factor, persistent=False)
+        self.register_buffer("cos", (freqs.cos() * attention_factor).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * attention_factor).to(device), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -40,7 +40,7 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, layou
     model = model.to(dtype=dtype).to_empty(device=device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.reset()
+    model.model.rotary.reset(device)
     model.eval()
     model.requires_grad_(False)
     return model

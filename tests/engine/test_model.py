@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.engine.backends import get_backend  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
-from npuserve.engine.model.loader import WeightLoadError, load_model  # noqa: E402
+from npuserve.engine.model.loader import WeightLoadError, build_model, load_model  # noqa: E402
 from npuserve.engine.runner import GiB, plan_kv_blocks  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
@@ -66,6 +66,17 @@ def test_dummy_load_format_reads_no_files() -> None:
     model = load_model(get_model_preset("tiny"), None, torch.float32, CPU, load_format="dummy", seed=1)
     w = model.model.layers[0].self_attn.qkv_proj.weight
     assert torch.isfinite(w).all() and w.std() > 0
+
+
+def test_every_tensor_of_a_built_model_is_on_its_device() -> None:
+    """The rope tables are recomputed on the host after the meta build; they must follow the model to its device,
+    or the CUDA kernels are handed a host pointer (the first GPU run failed so). `meta` stands in for a device that
+    is not the host."""
+    meta = torch.device("meta")
+    model = build_model(get_model_preset("tiny"), torch.float32, meta)
+    placed = {name: t.device for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert "model.rotary.cos" in placed
+    assert {name: d for name, d in placed.items() if d != meta} == {}
 
 
 def test_llama3_rope_matches_transformers() -> None:
