@@ -12,6 +12,7 @@ figure by a seeded uniform factor in [1 - noise, 1 + noise], to see how the tune
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import random
@@ -77,18 +78,21 @@ def with_noise(m: TrialMetrics, noise: float, rng: random.Random) -> TrialMetric
 Measure = Callable[[TunedSchedule], TrialMetrics]
 
 
-def simulator_measure(base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool) -> Measure:
+def simulator_trial(base: SimulationConfig, requests: list[SimRequest], benchmark_load: bool,
+                    schedule: TunedSchedule) -> TrialMetrics:
     """One trial on the simulator: the schedule applied, the load run (maxBatchSize - 1 users when
-    `benchmark_load`), the window's figures."""
-    def measure(schedule: TunedSchedule) -> TrialMetrics:
-        config = base.with_schedule(**schedule.model_dump())
-        if benchmark_load:
-            load = base.bench.load.model_copy(update={"max_concurrency": max(1, schedule.maxBatchSize - 1)})
-            config = config.model_copy(update={"bench": base.bench.model_copy(update={"load": load})})
-        result = simulate(config.model_copy(update={"keep_steps": False}), requests)
-        return trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
+    `benchmark_load`), the window's figures. A module-level function, so that a process pool can run it."""
+    config = base.with_schedule(**schedule.model_dump())
+    if benchmark_load:
+        load = base.bench.load.model_copy(update={"max_concurrency": max(1, schedule.maxBatchSize - 1)})
+        config = config.model_copy(update={"bench": base.bench.model_copy(update={"load": load})})
+    result = simulate(config.model_copy(update={"keep_steps": False}), requests)
+    return trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
 
-    return measure
+
+def simulator_measure(base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool) -> Measure:
+    """`simulator_trial` of this base and load (picklable: a process pool can run it)."""
+    return functools.partial(simulator_trial, base, requests, benchmark_load)
 
 
 def tune(problem: TuningProblem, measure: Measure, *, noise: float = 0.0, seed: int = 0

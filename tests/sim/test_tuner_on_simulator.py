@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
+import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -24,6 +27,26 @@ from npuserve.sim.runner import SimRequest
 from npuserve.sim.simulate_cli import build_with_plan
 
 pytestmark = pytest.mark.slow
+
+_POOL: ProcessPoolExecutor | None = None
+
+
+def _pool() -> ProcessPoolExecutor:
+    """Processes for the sweeps' simulator runs (most of this module's time), one per core."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ProcessPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)),
+                                    mp_context=multiprocessing.get_context("spawn"))
+    return _POOL
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _pool_shut_down() -> Iterator[None]:
+    global _POOL
+    yield
+    if _POOL is not None:
+        _POOL.shutdown(cancel_futures=True)
+        _POOL = None
 
 GRID_STEP = 1.06  # the sweep's coarse geometric step; answers are then refined (see _sweep)
 
@@ -46,6 +69,19 @@ class Setup:
             measure = tune_cli.simulator_measure(self.base, self.requests, benchmark_load=self.benchmark_load)
             self.cache[key] = measure(schedule)
         return self.cache[key]
+
+    def prefetch(self, schedules: Iterable[TunedSchedule]) -> None:
+        """The schedules not measured yet, simulated in parallel processes. The simulator is deterministic, so where
+        a run happens changes no figure; a sweep's grid is known before any of it is measured."""
+        missing = {(s.model_dump_json(), self.benchmark_load): s for s in schedules}
+        missing = {k: s for k, s in missing.items() if k not in self.cache}
+        if len(missing) < 2:
+            return
+        measure = tune_cli.simulator_measure(self.base, self.requests, benchmark_load=self.benchmark_load)
+        # The smallest batches first: they run the most steps, so the pool ends evenly.
+        ordered = sorted(missing.items(), key=lambda item: item[1].maxBatchSize)
+        for (key, _), metrics in zip(ordered, _pool().map(measure, [s for _, s in ordered]), strict=True):
+            self.cache[key] = metrics
 
     def measure(self, problem: TuningProblem) -> Callable[[int], Trial]:
         def run(batch: int) -> Trial:
@@ -117,6 +153,7 @@ def _sweep(setup: Setup, problem: TuningProblem) -> dict[int, Trial]:
     the bounds and the first missing them (latencies grow with the batch), every 2% around the best throughput."""
     measure = setup.measure(problem)
     grid = _grid(problem.batch_min, problem.batch_max)
+    setup.prefetch(problem.schedule_for(b) for b in grid)
     sweep = {b: measure(b) for b in grid}
     if problem.bounds():
         meeting = [b for b in grid if _meets(sweep[b], problem)]
@@ -129,7 +166,9 @@ def _sweep(setup: Setup, problem: TuningProblem) -> dict[int, Trial]:
     else:
         best = max(grid, key=lambda b: sweep[b].metrics.outputTokensPerSecond)  # type: ignore[union-attr]
         i = grid.index(best)
-        for b in range(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)] + 1, max(1, best // 50)):
+        around = range(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)] + 1, max(1, best // 50))
+        setup.prefetch(problem.schedule_for(b) for b in around)
+        for b in around:
             sweep[b] = measure(b)
     return sweep
 
@@ -263,6 +302,7 @@ def _optimum(setup: Setup, problem: TuningProblem) -> float:
     from 1 to the range's maximum (the plan's minimum is no floor)."""
     measure = setup.measure(problem)
     grid = _grid(1, problem.batch_max)
+    setup.prefetch(problem.schedule_for(b) for b in grid)
     sweep = {b: measure(b) for b in grid}
     if problem.bounds():
         meeting = [b for b in grid if _meets(sweep[b], problem)]
