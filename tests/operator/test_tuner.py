@@ -17,11 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npuserve.operator.api import InferenceServiceSpec, LatencyStats, PlanSchedule, SLOSpec, TrialMetrics
+from npuserve.operator.api import (
+    InferenceServiceSpec,
+    LatencyStats,
+    PlanSchedule,
+    SLOSpec,
+    TrialMetrics,
+    TuningTrial,
+)
 from npuserve.operator.planner import plan
 from npuserve.operator.problem import TunedSchedule, TuningProblem, pooled
 from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_step
-from npuserve.operator.tuning_status import trial_from_status, trial_status, verdict_status
+from npuserve.operator.tuning_status import trial_from_status, trial_status, trials_of, verdict_status
 
 # --- the analytic engine -------------------------------------------------------------------------------------------
 # Shaped on the MindIE guide's measurements (docs/simulator.md#calibration). supportSelectBatch true: TPOT convex in the
@@ -475,6 +482,22 @@ def test_the_verdict_in_the_status_names_its_evidence() -> None:
     assert status.trials == [verdict.best] and status.pooled == trials[verdict.best].metrics
     best = trials[verdict.best].metrics
     assert best is not None and history[verdict.best].verdict.startswith(f"{best.outputTokensPerSecond:.0f} tok/s")
+
+
+def test_the_verdicts_evidence_names_the_history_trials_past_an_inconclusive_window() -> None:
+    # The tuner never sees an inconclusive window (`trials_of`), so its indices count conclusive trials only; the
+    # status names the history's own trial numbers, which count the inconclusive entry too.
+    p = problem("decodeLatency", noise=0.05, max_trials=4)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
+    history = [trial_status(p, 0, trials[0]),
+               TuningTrial(trial=1, schedule=trials[1].schedule.knobs(), outcome="inconclusive",
+                           reason="PrometheusUnreachable", verdict="Prometheus unreachable"),
+               *(trial_status(p, i + 1, t) for i, t in enumerate(trials[1:], start=1))]
+    assert trials_of(history) == trials
+    verdict = next_step(p, trials_of(history))
+    assert isinstance(verdict, Verdict) and verdict.evidence == (0, 1, 2)  # the three windows at 100
+    status = verdict_status(verdict, history)
+    assert status.trials == [0, 2, 3] and status.maxBatchSize == 100
 
 
 def test_trials_of_another_problem_are_left_out() -> None:
