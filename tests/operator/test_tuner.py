@@ -571,3 +571,15 @@ def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_sa
     verdict = next_step(p, trials)
     assert isinstance(verdict, Verdict) and verdict.schedule is not None
     assert verdict.schedule.maxBatchSize == 100 and verdict.slo_met is True and verdict.evidence == (0, 1, 2)
+
+
+def test_a_throughput_verdict_under_a_bound_takes_only_a_batch_certain_to_meet_it() -> None:
+    # Throughput with a TPOT bound of 50 ms, under noise: 130 has the most tok/s and meets the bound by 1% in one
+    # window, which the noise leaves uncertain; 100 meets it by 10% in three windows that agree. SLOMet=True may only
+    # be said of 100.
+    p = problem("throughput", tpot_ms=50, noise=0.05, max_trials=4)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
+    verdict = next_step(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials"
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 100
+    assert verdict.slo_met is True and verdict.evidence == (0, 1, 2)
