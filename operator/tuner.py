@@ -609,8 +609,9 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
                         default=None)
             uncertain = [p.batch for p in pts if problem.bounds() and not p.claim.certain]
             limit = ("memory" if best.batch == problem.batch_max else
-                     "failure" if above is not None and above in h.failed else
-                     "slo" if above is not None and (above in missing or above in uncertain) else "throughputPeak")
+                     "none" if above is None else  # nothing measured above it (the trials ran out)
+                     "failure" if above in h.failed else
+                     "slo" if above in missing or above in uncertain else "throughputPeak")
     if best is None:
         closest = min(pts, key=lambda p: (p.ratio, p.batch))
         i = h.last_trial_at(closest.batch)

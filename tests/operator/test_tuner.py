@@ -354,6 +354,7 @@ def test_the_trial_budget_ends_the_search_with_the_best_so_far() -> None:
     verdict, trials = drive(p, analytic_engine())
     assert len(trials) == 2 and verdict.reason == "maxTrials"
     assert verdict.best == 1 and trials[1].schedule.maxBatchSize == 162  # 108 x 1.5, the higher throughput
+    assert verdict.limit == "none"  # nothing above 162 was measured: neither memory nor a fall of throughput stops it
     assert verdict.message.startswith("2 trials spent")
 
 
