@@ -20,8 +20,8 @@ estimated from the data (repeats, the isotonic fit's residuals). A batch never m
   where the smoothed latency reaches the level a batch must measure to be certain after PLANNED_WINDOWS windows, never
   outside the bracket, at most MAX_JUMP above the certain end or MAX_DROP below the missing one; a batch that meets
   but is not yet certain is measured again (at most MAX_REPEATS windows). Once the bracket closes, when a batch below
-  the boundary measured more tok/s than the boundary (a KV-starved cache, a CPU engine), the throughput search below
-  runs within [floor, boundary]. The plan's minimum is no floor: the search goes down to 1.
+  the boundary measured more tok/s than the boundary beyond the noise and `tolerance` (a KV-starved cache, a CPU
+  engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down to 1.
 - `throughput`: the most output tokens/s, which rises then falls past a peak. The tuner steps out until the peak is
   bracketed, then jumps to the vertex of the parabola through the best point and its neighbours, and stops when that
   vertex promises less than a third of `tolerance` more throughput, or lies within `tolerance` of the best batch.
@@ -305,9 +305,16 @@ def _search(problem: TuningProblem, h: History) -> Step:
 def _below_the_boundary(problem: TuningProblem, h: History) -> Step | None:
     """A latency objective maximises throughput under its bounds too: once the boundary is found, when a batch below
     it measured more tok/s than the boundary itself (throughput falls before latency binds: a KV-starved cache, a CPU
-    engine), the peak search runs below the boundary, as the throughput objective's does below a missed bound."""
+    engine), the peak search runs below the boundary, as the throughput objective's does below a missed bound. Only a
+    fall beyond the noise and the tolerance starts it: its trials below, noisy too, could otherwise only cost windows
+    (and a noisy miss there lowers the boundary)."""
     edge = _bracket(problem, h, h.cap).certain
-    if edge is None or not any(p.throughput > edge.throughput for p in _certain_up_to(h, edge.batch)):
+    if edge is None:
+        return None
+    below = max(_certain_up_to(h, edge.batch), key=lambda p: p.throughput)
+    lead = math.log(below.throughput / max(edge.throughput, 1e-9))
+    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(below.windows) + 1 / len(edge.windows))
+    if lead <= max(doubt, problem.tolerance):
         return None
     step = _peak(problem, h, edge.batch)
     return (_undecided_peak(problem, h, edge.batch) if isinstance(step, Verdict) else None) or step
