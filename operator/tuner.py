@@ -21,7 +21,8 @@ estimated from the data (repeats, the isotonic fit's residuals). A batch never m
   outside the bracket, at most MAX_JUMP above the certain end or MAX_DROP below the missing one; a batch that meets
   but is not yet certain is measured again (at most MAX_REPEATS windows). Once the bracket closes, when a batch below
   the boundary measured more tok/s than the boundary beyond the noise and `tolerance` (a KV-starved cache, a CPU
-  engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down to 1.
+  engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down
+  to 1.
 - `throughput`: the most output tokens/s, which rises then falls past a peak. The tuner steps out until the peak is
   bracketed, then jumps to the vertex of the parabola through the best point and its neighbours, and stops when that
   vertex promises less than a third of `tolerance` more throughput, or lies within `tolerance` of the best batch.
