@@ -288,8 +288,8 @@ class SLOSpec(_Model):
 
     objective: Objective = Field(
         default="throughput",
-        description="throughput: most output tokens/s; decodeLatency: TPOT under tpotMs; "
-        "firstTokenAndDecode: TTFT under ttftMs and TPOT under tpotMs",
+        description="throughput: most output tokens/s; decodeLatency: most output tokens/s with TPOT under tpotMs; "
+        "firstTokenAndDecode: most output tokens/s with TTFT under ttftMs and TPOT under tpotMs",
     )
     ttftMs: float | None = Field(default=None, gt=0, description="time to first token bound, milliseconds")
     tpotMs: float | None = Field(default=None, gt=0, description="time per output token bound, milliseconds")

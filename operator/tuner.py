@@ -12,16 +12,21 @@ Measurements decide, fits only propose. The fits (`fits.py`) choose the next bat
 batch is the judge's (`TuningProblem.claim`) on the windows measured at that very batch, pooled, against the noise
 estimated from the data (repeats, the isotonic fit's residuals). A batch never measured is never best or converged.
 
-- `decodeLatency` / `firstTokenAndDecode`: the largest batch whose windows meet every bound with no more than
-  `tolerance` of doubt left by the noise ("certain"). The search keeps a bracket: the largest certain batch, and the
-  smallest batch above it that missed (or failed, or stays uncertain after its repeats). It proposes where the smoothed
-  latency reaches the level a batch must measure to be certain after two windows, never outside the bracket, at most
-  MAX_JUMP above the certain end or MAX_DROP below the missing one; a batch that meets but is not yet certain is
-  measured again (at most MAX_REPEATS windows). The plan's minimum is no floor: the search goes down to 1.
+- `decodeLatency` / `firstTokenAndDecode`: the most pooled output tokens/s among the batches whose windows meet every
+  bound with no more than `tolerance` of doubt left by the noise ("certain"), as the MindIE guide defines its
+  practices: the highest throughput under the latency constraint. That is the largest certain batch while throughput
+  rises with the batch, so the search first climbs to it, as the guide does. It keeps a bracket: the largest certain
+  batch, and the smallest batch above it that missed (or failed, or stays uncertain after its repeats). It proposes
+  where the smoothed latency reaches the level a batch must measure to be certain after PLANNED_WINDOWS windows, never
+  outside the bracket, at most MAX_JUMP above the certain end or MAX_DROP below the missing one; a batch that meets
+  but is not yet certain is measured again (at most MAX_REPEATS windows). Once the bracket closes, when a batch below
+  the boundary measured more tok/s than the boundary beyond the noise and `tolerance` (a KV-starved cache, a CPU
+  engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down
+  to 1.
 - `throughput`: the most output tokens/s, which rises then falls past a peak. The tuner steps out until the peak is
   bracketed, then jumps to the vertex of the parabola through the best point and its neighbours, and stops when that
   vertex promises less than a third of `tolerance` more throughput, or lies within `tolerance` of the best batch.
-  Any TTFT/TPOT bounds cap the batch.
+  Any TTFT/TPOT bounds cap the batch; under them, only a batch certain to meet them can be the verdict.
 - Failures (errors, KV exhaustion, a preemption storm, engines restarting or losing readiness, a failed load Job) cap
   the search below the failed batch; a failure at the smallest batch tried sends it lower, halving, down to 1.
 """
@@ -292,15 +297,41 @@ def _search(problem: TuningProblem, h: History) -> Step:
     if problem.objective == "throughput":
         step = _peak(problem, h)
         return (_undecided_peak(problem, h) if isinstance(step, Verdict) else None) or step
-    return _boundary(problem, h, h.cap)
+    step = _boundary(problem, h, h.cap)
+    if isinstance(step, Verdict) and step.reason == "converged":
+        return _below_the_boundary(problem, h) or step
+    return step
 
 
-def _undecided_peak(problem: TuningProblem, h: History) -> NextTrial | None:
+def _below_the_boundary(problem: TuningProblem, h: History) -> Step | None:
+    """A latency objective maximises throughput under its bounds too: once the boundary is found, when a batch below
+    it measured more tok/s than the boundary itself (throughput falls before latency binds: a KV-starved cache, a CPU
+    engine), the peak search runs below the boundary, as the throughput objective's does below a missed bound. Only a
+    fall beyond the noise and the tolerance starts it: its trials below, noisy too, could otherwise only cost windows
+    (and a noisy miss there lowers the boundary)."""
+    edge = _bracket(problem, h, h.cap).certain
+    if edge is None:
+        return None
+    below = max(_certain_up_to(h, edge.batch), key=lambda p: p.throughput)
+    lead = math.log(below.throughput / max(edge.throughput, 1e-9))
+    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(below.windows) + 1 / len(edge.windows))
+    if lead <= max(doubt, problem.tolerance):
+        return None
+    step = _peak(problem, h, edge.batch)
+    return (_undecided_peak(problem, h, edge.batch) if isinstance(step, Verdict) else None) or step
+
+
+def _certain_up_to(h: History, top: int) -> list[Point]:
+    """The points at or below `top` certain to meet every bound: the verdict's candidates."""
+    return [p for p in h.points if p.batch <= top and p.claim.certain]
+
+
+def _undecided_peak(problem: TuningProblem, h: History, top: int | None = None) -> NextTrial | None:
     """Before a throughput verdict: when the runner-up may, within the noise, be better than the best batch by more
     than `tolerance`, measure the one with fewer windows again (one lucky window must not choose the schedule)."""
     if h.noise.exact:
         return None
-    top = h.cap
+    top = h.cap if top is None else min(top, h.cap)
     missing = [p.batch for p in h.points if not p.claim.meets]
     if missing:
         top = min(top, min(missing) - 1)
@@ -476,10 +507,11 @@ def _noise_text(h: History) -> str:
     return f"+-{worst:.1%} per window"
 
 
-def _peak(problem: TuningProblem, h: History) -> Step:
-    """The batch of the most output tokens/s in [floor, cap], below any batch that misses a bound."""
+def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Step:
+    """The batch of the most output tokens/s in [floor, cap] (and at most `top`), below any batch that misses a
+    bound."""
     lo, tol = problem.floor, problem.tolerance
-    top = h.cap
+    top = h.cap if top is None else min(top, h.cap)
     missing = [p.batch for p in h.points if not p.claim.meets]
     if missing and min(missing) <= top:
         top = min(missing) - 1
@@ -562,9 +594,15 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
                        schedule=None, slo_met=None, noise=noise,
                        message=f"{why}; no trial gave a usable measurement")
     limit: BatchLimit
+    edge: Point | None = None  # latency objectives: the largest batch certain to meet the bounds
     if problem.objective in LATENCY_OBJECTIVES:
+        # Throughput is the objective under the bounds too: the most tok/s among the batches certain to meet them,
+        # which is the largest of them only while throughput rises with the batch.
         br = _bracket(problem, h, h.cap)
-        best, limit = br.certain, br.upper_why
+        edge = br.certain
+        candidates = _certain_up_to(h, edge.batch) if edge is not None else []
+        best = max(candidates, key=lambda p: (p.throughput, p.batch), default=None)
+        limit = br.upper_why if best is edge else "throughputPeak"
     else:
         top = h.cap
         missing = [p.batch for p in pts if not p.claim.meets]
@@ -577,9 +615,11 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
             # What lies next above the best batch: a failure, a miss of a bound, or a batch with less throughput.
             above = min([p.batch for p in pts if p.batch > best.batch] + [b for b in h.failed if b > best.batch],
                         default=None)
+            uncertain = [p.batch for p in pts if problem.bounds() and not p.claim.certain]
             limit = ("memory" if best.batch == problem.batch_max else
-                     "failure" if above is not None and above in h.failed else
-                     "slo" if above is not None and above in missing else "throughputPeak")
+                     "none" if above is None else  # nothing measured above it (the trials ran out)
+                     "failure" if above in h.failed else
+                     "slo" if above in missing or above in uncertain else "throughputPeak")
     if best is None:
         closest = min(pts, key=lambda p: (p.ratio, p.batch))
         i = h.last_trial_at(closest.batch)
@@ -592,13 +632,21 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
                        message=f"{why}; closest: maxBatchSize {closest.batch} at {closest.ratio:.2f}x the bound{doubt}")
     if best.batch == problem.batch_max:
         limit = "memory"
+    elif limit == "memory":  # nothing measured above the best batch stopped it (the trials ran out): not memory
+        limit = "none"
     said = [f"{best.throughput:.0f} output tok/s"]
     said += [f"{k.upper()} {problem.statistic} {problem.latency(pooled(best.windows), k):.1f} ms"
              for k in problem.bounds()]
     said.append(f"{len(best.windows)} window(s)")
+    nearest = min((p for p in pts if p.batch > best.batch), key=lambda p: p.batch, default=None)
+    slo = "is not certain to meet the SLO" if nearest is not None and nearest.claim.meets else "misses the SLO"
+    peak = "; throughput falls past it"
+    if edge is not None and edge is not best:
+        peak += (f" (maxBatchSize {edge.batch}, the largest batch certain to meet the SLO, gives "
+                 f"{edge.throughput:.0f} tok/s)")
     bound = {"memory": f"; {best.batch} is the memory bound (the plan's maximum: what the KV cache holds)",
-             "slo": "; a larger batch misses the SLO", "failure": f"; maxBatchSize {h.cap + 1} failed",
-             "throughputPeak": "; throughput falls past it", "pinned": "", "none": ""}[limit]
+             "slo": f"; a larger batch {slo}", "failure": f"; maxBatchSize {h.cap + 1} failed",
+             "throughputPeak": peak, "pinned": "", "none": ""}[limit]
     i = h.last_trial_at(best.batch)
     return Verdict(reason=reason, best=i, schedule=h.trials[i].schedule, slo_met=True, evidence=best.trials,
                    pooled=pooled(best.windows), limit=limit, noise=noise,

@@ -41,8 +41,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     simulate_cli.add_simulation_args(parser)
     t = parser.add_argument_group("tuning")
     t.add_argument("--objective", choices=OBJECTIVES, default="throughput",
-                   help="throughput: the most output tok/s; decodeLatency: the largest batch meeting --tpot-ms; "
-                        "firstTokenAndDecode: the largest meeting --ttft-ms and --tpot-ms (supportSelectBatch false)")
+                   help="throughput: the most output tok/s; decodeLatency: the most output tok/s meeting --tpot-ms; "
+                        "firstTokenAndDecode: the most meeting --ttft-ms and --tpot-ms (supportSelectBatch false)")
     t.add_argument("--ttft-ms", type=float, help="TTFT bound (ms)")
     t.add_argument("--tpot-ms", type=float, help="TPOT bound (ms)")
     t.add_argument("--statistic", choices=["mean", "p90", "p99"], default="mean",

@@ -19,24 +19,37 @@ def _lines(capsys: pytest.CaptureFixture[str], *args: str) -> list[dict[str, obj
 
 
 def test_prints_a_line_per_trial_and_the_verdict_last(capsys: pytest.CaptureFixture[str]) -> None:
+    # The simulator is exact, so the run is too: from the plan's start (435, in [362, 1088]) the throughput search
+    # steps out by 1.5x while tok/s still rises, and the budget of 3 ends it at the best measured, 978.
     lines = _lines(capsys, "--objective", "throughput", "--max-trials", "3")
     *trials, last = lines
-    assert 1 <= len(trials) <= 3
-    assert [t["trial"] for t in trials] == list(range(len(trials)))
+    assert [t["trial"] for t in trials] == [0, 1, 2]
+    assert [t["schedule"] for t in trials] == [  # type: ignore[index]
+        {"maxBatchSize": b, "maxPrefillBatchSize": b // 2, "maxPrefillTokens": 8192, "supportSelectBatch": True}
+        for b in (435, 652, 978)]
     for t in trials:
         assert {"trial", "schedule", "outcome", "metrics", "sloMet", "verdict"} <= set(t)
-        assert t["outcome"] == "measured"
-        schedule = t["schedule"]
-        assert isinstance(schedule, dict) and schedule["maxPrefillBatchSize"] == schedule["maxBatchSize"] // 2
-        assert isinstance(t["metrics"], dict) and t["metrics"]["outputTokensPerSecond"] > 0
+        assert (t["outcome"], t["sloMet"]) == ("measured", True)
+    tps = [t["metrics"]["outputTokensPerSecond"] for t in trials]  # type: ignore[index]
+    assert tps == sorted(tps) and tps[0] > 0  # still rising: why it stepped out
     verdict = last["verdict"]
-    assert isinstance(verdict, dict) and verdict["reason"] in ("converged", "maxTrials")
+    assert isinstance(verdict, dict)
+    assert {k: verdict[k] for k in ("reason", "best", "evidence", "slo_met", "limit")} == {
+        "reason": "maxTrials", "best": 2, "evidence": [2], "slo_met": True, "limit": "none"}
+    assert verdict["schedule"] == trials[2]["schedule"]
+    assert verdict["message"].startswith("3 trials spent (next: throughput still rising at 978 (")
+    assert verdict["message"].endswith(f"best: maxBatchSize 978, {tps[2]:.0f} output tok/s, 1 window(s)")
 
 
 def test_first_token_and_decode_turns_select_batch_off(capsys: pytest.CaptureFixture[str]) -> None:
-    *trials, _ = _lines(capsys, "--objective", "firstTokenAndDecode", "--ttft-ms", "60000", "--tpot-ms", "200",
-                        "--max-trials", "2")
-    assert trials and all(t["schedule"]["supportSelectBatch"] is False for t in trials)  # type: ignore[index]
+    *trials, last = _lines(capsys, "--objective", "firstTokenAndDecode", "--ttft-ms", "60000", "--tpot-ms", "200",
+                           "--max-trials", "2")
+    assert [(t["schedule"]["maxBatchSize"], t["schedule"]["supportSelectBatch"], t["sloMet"])  # type: ignore[index]
+            for t in trials] == [(435, False, True), (870, False, True)]  # 2x up from a batch that meets
+    verdict = last["verdict"]
+    assert isinstance(verdict, dict)
+    assert {k: verdict[k] for k in ("reason", "best", "evidence", "slo_met", "limit")} == {
+        "reason": "maxTrials", "best": 1, "evidence": [1], "slo_met": True, "limit": "none"}
 
 
 def test_a_knob_given_with_schedule_is_pinned(capsys: pytest.CaptureFixture[str]) -> None:

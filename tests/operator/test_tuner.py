@@ -17,11 +17,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npuserve.operator.api import InferenceServiceSpec, LatencyStats, PlanSchedule, SLOSpec, TrialMetrics
+from npuserve.operator.api import (
+    InferenceServiceSpec,
+    LatencyStats,
+    PlanSchedule,
+    SLOSpec,
+    TrialMetrics,
+    TuningTrial,
+)
 from npuserve.operator.planner import plan
 from npuserve.operator.problem import TunedSchedule, TuningProblem, pooled
 from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_step
-from npuserve.operator.tuning_status import trial_from_status, trial_status, verdict_status
+from npuserve.operator.tuning_status import trial_from_status, trial_status, trials_of, verdict_status
 
 # --- the analytic engine -------------------------------------------------------------------------------------------
 # Shaped on the MindIE guide's measurements (docs/simulator.md#calibration). supportSelectBatch true: TPOT convex in the
@@ -347,6 +354,7 @@ def test_the_trial_budget_ends_the_search_with_the_best_so_far() -> None:
     verdict, trials = drive(p, analytic_engine())
     assert len(trials) == 2 and verdict.reason == "maxTrials"
     assert verdict.best == 1 and trials[1].schedule.maxBatchSize == 162  # 108 x 1.5, the higher throughput
+    assert verdict.limit == "none"  # nothing above 162 was measured: neither memory nor a fall of throughput stops it
     assert verdict.message.startswith("2 trials spent")
 
 
@@ -477,6 +485,22 @@ def test_the_verdict_in_the_status_names_its_evidence() -> None:
     assert best is not None and history[verdict.best].verdict.startswith(f"{best.outputTokensPerSecond:.0f} tok/s")
 
 
+def test_the_verdicts_evidence_names_the_history_trials_past_an_inconclusive_window() -> None:
+    # The tuner never sees an inconclusive window (`trials_of`), so its indices count conclusive trials only; the
+    # status names the history's own trial numbers, which count the inconclusive entry too.
+    p = problem("decodeLatency", noise=0.05, max_trials=4)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
+    history = [trial_status(p, 0, trials[0]),
+               TuningTrial(trial=1, schedule=trials[1].schedule.knobs(), outcome="inconclusive",
+                           reason="PrometheusUnreachable", verdict="Prometheus unreachable"),
+               *(trial_status(p, i + 1, t) for i, t in enumerate(trials[1:], start=1))]
+    assert trials_of(history) == trials
+    verdict = next_step(p, trials_of(history))
+    assert isinstance(verdict, Verdict) and verdict.evidence == (0, 1, 2)  # the three windows at 100
+    status = verdict_status(verdict, history)
+    assert status.trials == [0, 2, 3] and status.maxBatchSize == 100
+
+
 def test_trials_of_another_problem_are_left_out() -> None:
     p = problem("decodeLatency", noise=0.0)
     other = problem("firstTokenAndDecode", noise=0.0)  # supportSelectBatch false: another schedule at each batch
@@ -548,3 +572,84 @@ def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_sa
     verdict = next_step(p, trials)
     assert isinstance(verdict, Verdict) and verdict.schedule is not None
     assert verdict.schedule.maxBatchSize == 100 and verdict.slo_met is True and verdict.evidence == (0, 1, 2)
+
+
+def test_a_throughput_verdict_under_a_bound_takes_only_a_batch_certain_to_meet_it() -> None:
+    # Throughput with a TPOT bound of 50 ms, under noise: 130 has the most tok/s and meets the bound by 1% in one
+    # window, which the noise leaves uncertain; 100 meets it by 10% in three windows that agree. SLOMet=True may only
+    # be said of 100.
+    p = problem("throughput", tpot_ms=50, noise=0.05, max_trials=4)
+    trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
+    verdict = next_step(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials"
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 100
+    assert verdict.slo_met is True and verdict.evidence == (0, 1, 2)
+    # What stops it is the bound's doubt at 130, not a fall of throughput.
+    assert verdict.limit == "slo" and verdict.message.endswith("a larger batch is not certain to meet the SLO")
+
+
+# --- latency objectives maximise throughput under their bounds -------------------------------------------------------
+# `make demo`'s CPU engine: TPOT 61 ms at maxBatchSize 16 and 164 ms at 27, while the output tok/s falls past about 15
+# (216 tok/s at 16, 136 at 27): every batch up to 29 meets a TPOT bound of 200 ms, and the largest of them is the
+# worst but one.
+
+
+def falling_engine(noise: float = 0.0, seed: int = 0) -> Engine:
+    rng = random.Random(seed)
+
+    def measure(schedule: TunedSchedule) -> TrialMetrics:
+        b = schedule.maxBatchSize
+        tpot = 40 + 0.001737 * b ** 3.39
+        tput = 0.8235 * 1000 * b / tpot
+        f = [1 + rng.uniform(-noise, noise) for _ in range(2)]
+        return TrialMetrics(outputTokensPerSecond=tput * f[0], ttftMs=LatencyStats(mean=900, p90=1200, p99=1500),
+                            tpotMs=LatencyStats(mean=tpot * f[1], p90=1.2 * tpot * f[1], p99=1.5 * tpot * f[1]),
+                            samples=500)
+
+    return measure
+
+
+def test_a_latency_verdict_takes_the_certain_batch_with_the_most_throughput_not_the_largest() -> None:
+    # The demo's two windows, as measured: both meet TPOT <= 200 ms; 16 gives more tok/s.
+    p = problem("decodeLatency", (8, 40, 16), tpot_ms=200, noise=0.0, max_trials=2)
+    window = falling_engine()(p.schedule_for(16))
+    trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
+        "outputTokensPerSecond": tps, "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
+        for b, tps, tpot in ((16, 216.0, 61.0), (27, 158.0, 164.0))]
+    verdict = next_step(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials"
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 16
+    assert (verdict.best, verdict.evidence, verdict.slo_met, verdict.limit) == (0, (0,), True, "throughputPeak")
+    assert verdict.message.endswith("best: maxBatchSize 16, 216 output tok/s, TPOT mean 61.0 ms, 1 window(s); "
+                                    "throughput falls past it (maxBatchSize 27, the largest batch certain to meet "
+                                    "the SLO, gives 158 tok/s)")
+
+
+@pytest.mark.parametrize("objective", ["decodeLatency", "firstTokenAndDecode"])
+def test_a_latency_search_looks_below_the_boundary_when_throughput_falls(objective: str) -> None:
+    # It climbs to the latency boundary (29) as the guide does, then finds the peak below it (15).
+    bounds = {"tpot_ms": 200.0} | ({"ttft_ms": 5000.0} if objective == "firstTokenAndDecode" else {})
+    p = problem(objective, (8, 40, 16), noise=0.0, max_trials=12, **bounds)
+    engine = falling_engine()
+    verdict, trials = drive(p, engine)
+    assert verdict.reason == "converged" and verdict.slo_met is True and verdict.limit == "throughputPeak"
+    assert verdict.schedule is not None
+    assert max(t.schedule.maxBatchSize for t in trials) >= 27  # the boundary was looked for
+    meeting = [b for b in range(1, 41) if engine(p.schedule_for(b)).tpotMs.mean <= 200]
+    best = max(engine(p.schedule_for(b)).outputTokensPerSecond for b in meeting)
+    assert engine(verdict.schedule).outputTokensPerSecond >= 0.97 * best
+    assert verdict.schedule.maxBatchSize <= 18 and len(trials) <= 8
+
+
+def test_a_noisy_latency_search_never_claims_a_miss_and_finds_the_throughput_peak() -> None:
+    p = problem("decodeLatency", (8, 40, 16), tpot_ms=200, noise=0.05, max_trials=10)
+    truth = falling_engine()
+    meeting = [b for b in range(1, 41) if truth(p.schedule_for(b)).tpotMs.mean <= 200]
+    best = max(truth(p.schedule_for(b)).outputTokensPerSecond for b in meeting)
+    chosen = []
+    for seed in range(10):
+        verdict, trials = drive(p, falling_engine(noise=0.05, seed=seed))
+        assert verdict.slo_met and verdict.schedule is not None and len(trials) <= 10
+        assert truth(verdict.schedule).tpotMs.mean <= 1.05 * 200
+        chosen.append(truth(verdict.schedule).outputTokensPerSecond / best)
+    assert sum(c >= 0.90 for c in chosen) >= 9, chosen
