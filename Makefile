@@ -29,8 +29,9 @@ typecheck: setup
 	@for p in engine operator loadgen sim; do ln -s "$(CURDIR)/$$p" $(TYPECHECK_TREE)/npuserve/$$p; done
 	cd $(TYPECHECK_TREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p npuserve
 
+# --durations: where the suite's time goes, printed at the end of every run (CI's limit is 90 minutes).
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=20
 
 test: lint typecheck unit
 
