@@ -310,15 +310,22 @@ def _below_the_boundary(problem: TuningProblem, h: History) -> Step | None:
     fall beyond the noise and the tolerance starts it: its trials below, noisy too, could otherwise only cost windows
     (and a noisy miss there lowers the boundary)."""
     edge = _bracket(problem, h, h.cap).certain
-    if edge is None:
-        return None
-    below = max(_certain_up_to(h, edge.batch), key=lambda p: p.throughput)
-    lead = math.log(below.throughput / max(edge.throughput, 1e-9))
-    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(below.windows) + 1 / len(edge.windows))
-    if lead <= max(doubt, problem.tolerance):
+    if edge is None or _throughput_below(problem, h, edge) is edge:
         return None
     step = _peak(problem, h, edge.batch)
     return (_undecided_peak(problem, h, edge.batch) if isinstance(step, Verdict) else None) or step
+
+
+def _throughput_below(problem: TuningProblem, h: History, edge: Point) -> Point:
+    """The latency objectives' answer among the batches certain to meet the bounds: the boundary `edge`, unless a
+    smaller one measured more tok/s beyond the noise and the tolerance. Where throughput does not depend on the batch
+    (traffic-bound, online), the windows differ by noise alone, and noise must not move the verdict down."""
+    below = max(_certain_up_to(h, edge.batch), key=lambda p: (p.throughput, p.batch))
+    if below is edge:
+        return edge
+    lead = math.log(below.throughput / max(edge.throughput, 1e-9))
+    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(below.windows) + 1 / len(edge.windows))
+    return below if lead > max(doubt, problem.tolerance) else edge
 
 
 def _certain_up_to(h: History, top: int) -> list[Point]:
@@ -600,8 +607,7 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
         # which is the largest of them only while throughput rises with the batch.
         br = _bracket(problem, h, h.cap)
         edge = br.certain
-        candidates = _certain_up_to(h, edge.batch) if edge is not None else []
-        best = max(candidates, key=lambda p: (p.throughput, p.batch), default=None)
+        best = _throughput_below(problem, h, edge) if edge is not None else None
         limit = br.upper_why if best is edge else "throughputPeak"
     else:
         top = h.cap

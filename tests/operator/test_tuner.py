@@ -625,6 +625,20 @@ def test_a_latency_verdict_takes_the_certain_batch_with_the_most_throughput_not_
                                     "the SLO, gives 158 tok/s)")
 
 
+def test_a_latency_verdict_is_not_moved_down_by_noise_when_throughput_does_not_depend_on_the_batch() -> None:
+    # Online, traffic-bound: every batch serves the same users, so the windows' tok/s differ by noise alone. The
+    # smaller batch's 3% more is within it: the verdict stays at the largest batch certain to meet the bound.
+    p = problem("decodeLatency", (8, 40, 16), tpot_ms=200, noise=0.05, max_trials=4)
+    window = falling_engine()(p.schedule_for(16))
+    trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
+        "outputTokensPerSecond": tps, "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
+        for b, tps, tpot in ((16, 103.0, 60.0), (40, 100.0, 70.0), (16, 102.0, 61.0), (40, 99.0, 69.0))]
+    verdict = next_step(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.slo_met is True
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 40
+    assert verdict.limit == "memory"
+
+
 @pytest.mark.parametrize("objective", ["decodeLatency", "firstTokenAndDecode"])
 def test_a_latency_search_looks_below_the_boundary_when_throughput_falls(objective: str) -> None:
     # It climbs to the latency boundary (29) as the guide does, then finds the peak below it (15).
