@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel model makes: one all-reduce after each row-parallel projection (and the
 vocab-parallel embedding), and the logits gather to rank 0, the only rank that samples.
 
-`connect` joins the world (every rank, from `rank_runner`). `SINGLE_RANK` is the world of one: every call is the identity, so the model's code has no `if world_size > 1`.
+`connect` joins the world (every rank, from `rank_runner`). `SINGLE_RANK` is the world of one: every call is the
+identity, so the model's code has no `if world_size > 1`.
 The step messages (engine/parallel/step_message.py) go over a separate gloo group on the host (`control`): the
 device group (nccl, hccl) carries only tensors the model computes, and an idle server does not hold a device
 collective open between steps.
