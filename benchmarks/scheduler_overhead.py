@@ -1,4 +1,4 @@
-"""Scheduler overhead: the CPU time of one decode step's `schedule()` + `update()` with 512 running requests.
+"""Scheduler overhead: the CPU time of one decode step's `schedule()` + `update_from_output()`, 512 running requests.
 
 The target (issue 3) is under 1 ms per step on this machine, so the scheduler stays small next to a decode step's
 device time. Prints the mean, the median and p99 per step, and the ratio to the target; asserts nothing (shared,
@@ -38,7 +38,7 @@ def build(running: int, steps: int, block_size: int, prompt_len: int) -> Schedul
         sched.add(Sequence(prompt, SamplingParams(max_tokens=steps + 8), arrival_time=time.monotonic()))
     while sched.num_waiting:
         out = sched.schedule()
-        sched.update(out, [5] * len(out.seqs))
+        sched.update_from_output(out, [5] * len(out.seqs))
     if sched.num_running != running:
         raise SystemExit(f"only {sched.num_running} of {running} requests are running")
     return sched
@@ -58,7 +58,7 @@ def main() -> None:
     for _ in range(args.steps):
         t0 = time.perf_counter()
         out = sched.schedule()
-        sched.update(out, tokens)
+        sched.update_from_output(out, tokens)
         times.append(time.perf_counter() - t0)
         if out.kind is not StepKind.DECODE or len(out.seqs) != args.running:
             raise SystemExit(f"unexpected step: {out.kind.value} with {len(out.seqs)} requests")
@@ -69,7 +69,7 @@ def main() -> None:
     p99_ms = times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3
     print(
         f"scheduler overhead, {args.running} running, block size {args.block_size}, {args.steps} decode steps: "
-        f"mean {mean_ms:.3f} ms, p50 {p50_ms:.3f} ms, p99 {p99_ms:.3f} ms per schedule()+update()"
+        f"mean {mean_ms:.3f} ms, p50 {p50_ms:.3f} ms, p99 {p99_ms:.3f} ms per schedule()+update_from_output()"
     )
     verdict = "under" if mean_ms < TARGET_MS else "OVER"
     print(

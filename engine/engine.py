@@ -1,5 +1,7 @@
-"""`LLMEngine`: the offline/online engine loop. One `run_step()` = `Scheduler.schedule()` -> the step builder ->
-`ModelRunner` -> `Scheduler.update()` -> each sequence's raw results (`SeqUpdate`s: token ids, logprobs, finish
+"""`LLMEngine`: the offline/online engine loop. One `run_step()` goes one way: `Scheduler.schedule()` (a frozen
+`SchedulerOutput`) -> the step builder -> one `ModelRunner.execute` (the last step's fork copies, the swaps, the
+forward) -> `Scheduler.update_from_output()`, which alone writes the step's results into the sequences -> each
+sequence's raw results (`SeqUpdate`s: token ids, logprobs, finish
 reasons). The output processor (`outputs`: detokenization, stop strings, `RequestOutput`s) turns those into
 outputs off the step thread in the server (`server/async_engine.py`); `step()` runs both, one after the other, for
 offline use.
@@ -368,33 +370,25 @@ class LLMEngine:
         for done in applied:
             done.set_result(self.scheduler.schedule_config)
         stats: StepStats | None = None
-        ran: list[Sequence] = []
-        if out.kind is not StepKind.IDLE and out.seqs:
-            num_tokens = out.num_batched_tokens  # before update(), which marks the new tokens cached
-            if out.kind is not StepKind.DECODE:
-                for seq in out.seqs:  # the prefix cache's hits, for usage.prompt_tokens_details.cached_tokens
-                    if seq.num_prompt_cached_tokens is None:
-                        seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+        stepped: list[Sequence] = []
+        if out.seqs:
+            num_tokens = out.num_batched_tokens  # before update_from_output, which marks the new tokens cached
             t0 = time.perf_counter()
-            self.runner.swap(out.swap_out, out.swap_in)
             mixed = out.kind is StepKind.MIXED
             step = self.step_builder.build(out.seqs, is_prefill=out.kind is StepKind.PREFILL,
-                                           num_new_tokens=out.num_new_tokens if mixed else None)
-            sampled = self.runner.execute(step)
-            for seq in out.seqs:
-                if seq.seq_id in sampled.prompt_logprobs:
-                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + sampled.prompt_logprobs[seq.seq_id]
-            self.scheduler.update(out, sampled.token_ids, sampled.logprobs, sampled.top_logprobs)
-            self.runner.copy_blocks(out.block_copies)  # a fork's partial prompt blocks, before anything reuses them
-            ran = list(out.seqs)
-            for parent, child in out.forked:
+                                           num_new_tokens=out.num_new_tokens if mixed else None,
+                                           block_copies=out.block_copies, swap_out=out.swap_out, swap_in=out.swap_in)
+            sampled = self.runner.execute(step)  # the block copies and swaps first, then the forward
+            outcome = self.scheduler.update_from_output(out, sampled.token_ids, sampled.logprobs,
+                                                        sampled.top_logprobs, sampled.prompt_logprobs)
+            for parent, child in outcome.forked:
                 self.tracker.add_fork(parent, child)
-                ran.append(child)
-            for seq in guided.advance(out.sampled_by, sampled.token_ids):  # the grammar is complete: stop here
-                self.scheduler.finish(seq, FinishReason.STOP)
+            stepped = outcome.stepped
             num_prefill = out.num_prefill_seqs if mixed else len(out.seqs) if out.kind is StepKind.PREFILL else 0
             stats = StepStats(out.kind, len(out.seqs), num_tokens, time.perf_counter() - t0, num_prefill)
-        updates = self.tracker.updates(stopped + out.finished, ran, self.clock())
+        elif out.has_device_work:  # copies and swaps with no sequence to run: they must not be skipped
+            self.runner.move_blocks(out.block_copies, out.swap_out, out.swap_in)
+        updates = self.tracker.updates(stopped + out.finished, stepped, self.clock())
         preemptions = self.scheduler.num_preemptions_total - self._preemptions_seen
         self._preemptions_seen = self.scheduler.num_preemptions_total
         self.snapshot = self._snapshot()

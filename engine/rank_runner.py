@@ -28,9 +28,8 @@ import torch
 from npuserve.engine.backends import Backend, get_backend
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.model.loader import TORCH_DTYPES, load_model
-from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
+from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel, connect
 from npuserve.engine.parallel.layout import TPLayout
-from npuserve.engine.parallel.ranks import connect
 from npuserve.engine.parallel.step_message import StepChannel
 from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions

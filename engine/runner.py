@@ -3,8 +3,9 @@
 It takes a `StepInput` (tensors and plain per-row values: `step_input.py`), which the step builder makes from the
 scheduled sequences on the scheduler's side; it never reads a `Sequence` or a grammar. Swaps are block copies
 between the device cache and a host cache of the same layout, done before the model runs (swap out first, then
-swap in). A fork's copy-on-write block copies (`copy_blocks`) are device-to-device, done right after the step that
-forked.
+swap in). A fork's copy-on-write block copies are device-to-device; they come in the step after the one that
+forked and are done first, before the swaps and the forward, so nothing reuses a block before it is copied. One
+`execute` per step does it all (`move_blocks` alone when a step has moves but nothing to run).
 
 A sequence about to fork (n > 1, at its first prefill) gets its last logits row repeated once per choice
 (`sample_rows`), each row sampled with that choice's seed. Prompt logprobs, when a sequence asks for them at its
@@ -188,7 +189,17 @@ class ModelRunner:
             self.channel.send(msg)
             self.progress.phase = "running"
 
-    def swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
+    def move_blocks(self, copies: Seq[tuple[int, int]], swap_out: Seq[tuple[int, int]],
+                    swap_in: Seq[tuple[int, int]]) -> None:
+        """A step's block moves, in order: fork copies (device -> device), swap out, swap in."""
+        self._move_blocks(copies, swap_out, swap_in)
+
+    def _move_blocks(self, copies: Seq[tuple[int, int]], swap_out: Seq[tuple[int, int]],
+                     swap_in: Seq[tuple[int, int]]) -> None:
+        if copies:
+            self._begin(StepMessage(Op.COPY, pairs=list(copies)), f"{len(copies)} blocks")
+            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(copies))
+            self.progress.phase = "done"
         if swap_out or swap_in:
             self._begin(StepMessage(Op.SWAP, pairs=list(swap_out), pairs_in=list(swap_in)),
                         f"{len(swap_out)} blocks out, {len(swap_in)} in")
@@ -200,13 +211,6 @@ class ModelRunner:
             self.backend.copy_blocks(self.kv_caches, self.host_kv_caches, list(swap_out))
         if swap_in:
             self.backend.copy_blocks(self.host_kv_caches, self.kv_caches, list(swap_in))
-
-    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
-        """Device-to-device block copies (a fork's copy-on-write of a partly filled prompt block)."""
-        if pairs:
-            self._begin(StepMessage(Op.COPY, pairs=list(pairs)), f"{len(pairs)} blocks")
-            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(pairs))
-            self.progress.phase = "done"
 
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:
@@ -243,7 +247,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> SamplerOutput:
-        """Runs the model over the step's batch and samples one token per sampled row, in order."""
+        """The step's block moves, then the model over its batch; samples one token per sampled row, in order."""
+        self._move_blocks(step.block_copies, step.swap_out, step.swap_in)
         batch = step.batch
         chunks = step.prompt_logprob_chunks
         seqs, kind = len(batch.meta.query_start) - 1, "prefill" if batch.meta.is_prefill else "decode"

@@ -29,9 +29,12 @@ class StepBuilder:
         self.vocab_size = vocab_size
         self.guided_masker = GuidedMasker()
 
-    def build(self, seqs: Seq[Sequence], *, is_prefill: bool, num_new_tokens: Seq[int] | None = None) -> StepInput:
+    def build(self, seqs: Seq[Sequence], *, is_prefill: bool, num_new_tokens: Seq[int] | None = None,
+              block_copies: Seq[tuple[int, int]] = (), swap_out: Seq[tuple[int, int]] = (),
+              swap_in: Seq[tuple[int, int]] = ()) -> StepInput:
         """`is_prefill`: the sequences compute their prompts (whole); `num_new_tokens`: a chunked step's tokens per
-        sequence (decodes and prompt chunks); neither: a decode step."""
+        sequence (decodes and prompt chunks); neither: a decode step. `block_copies`, `swap_out`, `swap_in`: the
+        block moves the runner makes first, in that order (the scheduler's output)."""
         if num_new_tokens is not None:
             batch = build_prefill(seqs, self.block_size, self.device, num_new_tokens)
         elif is_prefill:
@@ -47,7 +50,8 @@ class StepBuilder:
                 params.append(s.sampling)
                 positions.append(s.num_tokens)
                 seeds.append(s.sample_seed(s.index + j))
-        step = StepInput(batch, params, positions, seeds, sample_rows=rows if len(rows) != len(seqs) else None)
+        step = StepInput(batch, params, positions, seeds, sample_rows=rows if len(rows) != len(seqs) else None,
+                         block_copies=list(block_copies), swap_out=list(swap_out), swap_in=list(swap_in))
         if needs_history(params):  # penalties, min_tokens, logit_bias read each row's tokens
             step.history = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rows]
         guided: list[tuple[int, Guide]] = [

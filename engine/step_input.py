@@ -41,6 +41,10 @@ class StepInput:
     guided_bitmask: torch.Tensor | None = None  # (len(guided_rows), ceil(vocab / 32)) int32: the allowed tokens
     prompt_logprob_chunks: list[PromptLogprobChunk] = field(default_factory=list)
     prompt_logprob_seq_ids: list[int] = field(default_factory=list)  # those that get prompt logprobs (maybe none)
+    # Block moves before the forward, in this order: the last step's fork copies (device -> device), then the swaps
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
 
     @property
     def computes_prompt(self) -> bool:

@@ -2,11 +2,11 @@
 
 One step, as `LLMEngine.step` does it: the sends due by now enter the scheduler (`Scheduler.add`, after the same
 refusals the server makes: a prompt over maxInputTokenLen, a full waiting queue); `Scheduler.schedule()` picks the
-step; the cost model prices it; the clock moves to the step's end; `Scheduler.update()` appends one synthetic token
-per sampled row (token 0; a request ends by max_tokens, set to its true output length, so no EOS is needed) and its
-timestamps (first token, finish) are the step's end. Each sampled token is one streamed chunk arriving at that time,
-so the per-request records read as a streaming client's would. Nothing ran (nothing waits, or only future sends):
-the clock jumps to the next send.
+step; the cost model prices it; the clock moves to the step's end; `Scheduler.update_from_output()` appends one
+synthetic token per sampled row (token 0; a request ends by max_tokens, set to its true output length, so no EOS is
+needed) and its timestamps (first token, finish) are the step's end. Each sampled token is one streamed chunk
+arriving at that time, so the per-request records read as a streaming client's would. Nothing ran (nothing waits,
+or only future sends): the clock jumps to the next send.
 
 The loop costs O(sequences) Python per step, most of it inside the scheduler; tokens are never materialised beyond
 the scheduler's own lists.
@@ -185,9 +185,10 @@ class VirtualClockRunner:
             rows = len(out.seqs) if out.kind is StepKind.DECODE else sum(s.num_samples for s in out.seqs)
             if len(zeros) < rows:
                 zeros = [0] * rows
-            done = sched.update(out, zeros[:rows])
+            outcome = sched.update_from_output(out, zeros[:rows])
+            done = outcome.finished
             at = self.now - origin
-            for seq in out.sampled_by:
+            for seq in outcome.sampled_by:
                 if seq is not None:
                     chunks[seq.seq_id].append(at)
             ended(done)

@@ -167,6 +167,56 @@ def test_the_operators_io_modules_import_no_decision_logic(io_module: str) -> No
     assert own and set(own) <= set(OPERATOR_TYPES), own
 
 
+def _module_cycles(part: str) -> list[list[str]]:
+    """The import cycles among `part`'s modules (each strongly connected set of two or more, sorted), every arrow
+    counted, lazy ones included."""
+    graph: dict[str, set[str]] = {}
+    for m, t in ARROWS:
+        if _part(m) == part and _part(t) == part and m != t:
+            graph.setdefault(m, set()).add(t)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+# The engine's import cycles that remain, each only through type annotations (TYPE_CHECKING); none may be added.
+ENGINE_TYPE_ONLY_CYCLES = [["npuserve.engine.guided", "npuserve.engine.sequence"]]  # a Sequence holds its Guide
+
+
+def test_the_engine_has_no_module_cycle() -> None:
+    """Not even a lazy import back: tensor parallel's rank processes (parallel/ranks.py) build a rank with
+    rank_runner.py, which joins the world through parallel/comm.py and never imports ranks.py."""
+    arrows = set(ARROWS)
+    assert ("npuserve.engine.parallel.ranks", "npuserve.engine.rank_runner") in arrows  # the arrow that stays
+    assert ("npuserve.engine.rank_runner", "npuserve.engine.parallel.ranks") not in arrows
+    assert _module_cycles("engine") == ENGINE_TYPE_ONLY_CYCLES
+
+
 def test_the_handlers_and_the_command_line_import_nothing_of_each_other() -> None:
     """`npuserve operator` loads the handlers by module name, as `kopf run -m` does; what both need is in names.py."""
     handlers, cli = "npuserve.operator.handlers", "npuserve.operator.operator_cli"

@@ -1,7 +1,8 @@
 """The collectives a tensor-parallel model makes: one all-reduce after each row-parallel projection (and the
 vocab-parallel embedding), and the logits gather to rank 0, the only rank that samples.
 
-`SINGLE_RANK` is the world of one: every call is the identity, so the model's code has no `if world_size > 1`.
+`connect` joins the world (every rank, from `rank_runner`). `SINGLE_RANK` is the world of one: every call is the
+identity, so the model's code has no `if world_size > 1`.
 The step messages (engine/parallel/step_message.py) go over a separate gloo group on the host (`control`): the
 device group (nccl, hccl) carries only tensors the model computes, and an idle server does not hold a device
 collective open between steps.
@@ -10,12 +11,17 @@ collective open between steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from npuserve.engine.parallel.layout import TPLayout
+
+# Long on purpose: an idle server waits between steps as long as it likes; liveness is the rank watchers' job
+# (parallel/ranks.py) and the step watchdog's.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
 
 
 @dataclass(slots=True)
@@ -47,3 +53,11 @@ class TensorParallel:
 
 
 SINGLE_RANK = TensorParallel()
+
+
+def connect(rank: int, world_size: int, init_method: str, dist_backend: str) -> TensorParallel:
+    """Joins the world; returns the `TensorParallel` of this rank."""
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank=rank, world_size=world_size, device_group=None, control=control)

@@ -5,8 +5,12 @@ on the host for the step messages.
 A rank that dies takes the engine down: rank 0 watches its workers and exits with a log line naming the rank, so
 Kubernetes restarts the pod (a collective would otherwise wait for it forever); a worker whose rank 0 is gone exits
 too, and a worker whose operation raises logs one line naming its rank and the operation, and exits. The
-collectives' own timeout is long on purpose: an idle server waits between steps as long as it likes, and liveness
-is the watchers' job, and the step watchdog's (engine/server/watchdog.py) for a rank that hangs without dying.
+collectives' own timeout (`comm.COLLECTIVE_TIMEOUT`) is long on purpose: an idle server waits between steps as long
+as it likes, and liveness is the watchers' job, and the step watchdog's (engine/server/watchdog.py) for a rank that
+hangs without dying.
+
+The arrows go one way: this module builds a worker's rank with `rank_runner`, and joining the world
+(`comm.connect`) lives below both, so `rank_runner` never imports this module.
 """
 
 from __future__ import annotations
@@ -20,12 +24,10 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(days=365)
 _JOIN_SECONDS = 30.0
 
 
@@ -49,18 +51,6 @@ class WorkerArgs:
     env: Any  # rank 0's EngineEnvironment
     num_kv_blocks: int | None = None
     num_host_blocks: int | None = None
-
-
-def connect(rank: int, world_size: int, init_method: str, dist_backend: str) -> Any:
-    """Joins the world; returns the `TensorParallel` of this rank."""
-    import torch.distributed as dist
-
-    from npuserve.engine.parallel.comm import TensorParallel
-
-    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
-    control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank=rank, world_size=world_size, device_group=None, control=control)
 
 
 def _exit_process(message: str) -> None:

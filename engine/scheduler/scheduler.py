@@ -5,9 +5,9 @@ The engine drives it, from the step-loop thread only (it is not thread-safe):
     sched = Scheduler(schedule, kv, policy="fcfs", max_seq_len=2560, eos_token_ids=(2,),
                       recompute_threshold=env.recompute_threshold, clock=time.monotonic)
     sched.add(seq)                       # queue a request (ends at once with ERROR if it can never fit)
-    out = sched.schedule()               # one PREFILL or DECODE step (or IDLE); see SchedulerOutput
-    ...copy out.swap_out, then out.swap_in; run the model on out.seqs; sample one token per seq...
-    done = sched.update(out, token_ids, logprobs)   # appends the tokens; returns the sequences that finished
+    out = sched.schedule()               # one PREFILL or DECODE step (or IDLE); see SchedulerOutput (frozen)
+    ...copy out.block_copies, out.swap_out, then out.swap_in; run the model on out.seqs; sample...
+    outcome = sched.update_from_output(out, token_ids, logprobs)   # all of the results' bookkeeping
     sched.finish(seq, FinishReason.STOP)  # a stop string the output processor found in the text
     sched.abort(seq_id)                   # client gone: blocks freed now, reported in the next out.finished
 
@@ -36,9 +36,10 @@ Rules:
   dispatched" is not reproduced). A threshold close to 1 gives vLLM's behaviour: always preempt.
 - n > 1 (a request sampling several sequences from one prompt): the parent is admitted to a prefill only when
   maxBatchSize has room for all n (n above maxBatchSize is refused at `add`) and the KV cache has room for its
-  blocks plus the forks' (`KVCacheManager.fork_blocks`). The prefill samples n tokens from its last logits; `update`
-  forks n - 1 children sharing the prompt's full blocks (the partial last block copied: `out.block_copies`, which
-  the engine copies right after `update`), lists them in `out.forked` and gives each its own first token. From
+  blocks plus the forks' (`KVCacheManager.fork_blocks`). The prefill samples n tokens from its last logits;
+  `update_from_output` forks n - 1 children sharing the prompt's full blocks (the partial last block copied: the
+  copies travel in the next step's `out.block_copies`, which the runner applies before anything else of that
+  step), lists them in `outcome.forked` and gives each its own first token. From
   then on every sequence of the group is scheduled, preempted (swapped or recomputed) and ended on its own.
 - max_tokens 0 (prompt logprobs only): the prefill runs and the request ends LENGTH with no output token.
 - Ends: EOS (unless ignore_eos) or a stop token, once min_tokens are out -> STOP; max_tokens, maxIterTimes (output
@@ -55,8 +56,10 @@ Rules:
 - `update_schedule(section)` hot-applies ScheduleConfig fields at the next `schedule()`; cacheBlockSize is fixed
   by the KV manager and not changed live. A maxBatchSize lowered below the running count admits nothing new until
   enough requests end; those already running keep decoding.
-- The engine copies `swap_out` then `swap_in` whenever they are non-empty (they only come with scheduled
-  sequences, but the copies must not be skipped).
+- The runner copies `block_copies`, then `swap_out`, then `swap_in` whenever they are non-empty, with or
+  without scheduled sequences (`SchedulerOutput.has_device_work`): the copies must not be skipped.
+- After the run, `update_from_output` alone does the step's bookkeeping: the cached-token counts (and the prompt's
+  prefix-cache hits, for usage), prompt logprobs, the sampled tokens, forks, the grammars' advance and the ends.
 - Per request: first_scheduled_time (queue time = it - arrival_time), prefill_batch_size (of its first prefill),
   decode_batch_size_sum and num_decode_steps (mean decode batch size), first_token_time, finished_time.
 """
@@ -69,9 +72,10 @@ from collections.abc import Callable, Iterable
 
 from npuserve.mindie_config import ScheduleSection
 
+from .. import guided
 from ..kvcache import KVCacheManager
-from ..sequence import FinishReason, Sequence, SequenceStatus, TopLogprobs
-from .output import SchedulerOutput, StepKind
+from ..sequence import FinishReason, PromptLogprob, Sequence, SequenceStatus, TopLogprobs
+from .output import SchedulerOutput, StepDraft, StepKind, StepOutcome
 from .queues import Policy, WaitingQueue
 from .stage import StageSelector
 
@@ -110,6 +114,7 @@ class Scheduler:
         self._seqs: dict[int, Sequence] = {}  # every unfinished request, by id
         self._pending_finished: list[Sequence] = []  # ended outside a step (add errors, aborts)
         self._pending_schedule: ScheduleSection | None = None
+        self._pending_copies: list[tuple[int, int]] = []  # the last step's forks: the next step copies them first
         self._stage = StageSelector()
 
     # --- counters ----------------------------------------------------------------------------------------------
@@ -200,11 +205,11 @@ class Scheduler:
             self.schedule_config, self._pending_schedule = self._pending_schedule, None
         self.kv.begin_step()
         now = self.clock()
-        out = SchedulerOutput(kind=StepKind.IDLE, finished=self._pending_finished)
-        self._pending_finished = []
+        out = StepDraft(kind=StepKind.IDLE, finished=self._pending_finished, block_copies=self._pending_copies)
+        self._pending_finished, self._pending_copies = [], []
         if self.chunked_prefill:
             self._schedule_mixed(out, now)
-            return out
+            return out.freeze()
         oldest = self.waiting.oldest_arrival()
         kind = self._stage.choose(
             self.schedule_config,
@@ -225,9 +230,9 @@ class Scheduler:
             if not out.seqs and self.waiting and not self.running:
                 # Everything running was preempted or ended: use the step for the front of the queue.
                 self._schedule_prefill(out, now)
-        return out
+        return out.freeze()
 
-    def _schedule_prefill(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_prefill(self, out: StepDraft, now: float) -> None:
         cfg = self.schedule_config
         kv = self.kv
         max_reqs = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
@@ -259,7 +264,7 @@ class Scheduler:
             out.kind = StepKind.PREFILL
             out.seqs = batch
 
-    def _schedule_mixed(self, out: SchedulerOutput, now: float) -> None:
+    def _schedule_mixed(self, out: StepDraft, now: float) -> None:
         """Chunked prefill: every running request decodes, unfinished prompts continue by chunks, and new ones are
         admitted, all in one step under maxPrefillTokens tokens (decodes first, one token each)."""
         if not self.running and not self.swapped and not self.waiting:
@@ -296,7 +301,7 @@ class Scheduler:
         if seqs:
             out.kind, out.seqs, out.num_new_tokens, out.num_prefill_seqs = StepKind.MIXED, seqs, counts, prefills
 
-    def _servable_head(self, out: SchedulerOutput, now: float) -> Sequence | None:
+    def _servable_head(self, out: StepDraft, now: float) -> Sequence | None:
         """The head of the waiting queue, after ending the heads that can never run (into `out.finished`)."""
         max_batch = self.schedule_config.maxBatchSize
         while (seq := self.waiting.peek()) is not None:
@@ -316,7 +321,7 @@ class Scheduler:
             out.finished.append(seq)
         return None
 
-    def _admit(self, out: SchedulerOutput, now: float) -> Sequence | None:
+    def _admit(self, out: StepDraft, now: float) -> Sequence | None:
         """The head of the waiting queue, with blocks for its whole prompt, now running; None if it cannot be."""
         kv = self.kv
         seq = self._servable_head(out, now)
@@ -333,7 +338,7 @@ class Scheduler:
         self.running.append(seq)
         return seq
 
-    def _schedule_decode(self, out: SchedulerOutput, now: float, only: list[Sequence] | None = None) -> None:
+    def _schedule_decode(self, out: StepDraft, now: float, only: list[Sequence] | None = None) -> None:
         kv = self.kv
         append = kv.append
         blocked: list[Sequence] = []
@@ -357,7 +362,7 @@ class Scheduler:
             out.kind = StepKind.DECODE
             out.seqs = batch
 
-    def _resolve_blocked(self, out: SchedulerOutput, blocked: list[Sequence], now: float) -> tuple[set[int], bool]:
+    def _resolve_blocked(self, out: StepDraft, blocked: list[Sequence], now: float) -> tuple[set[int], bool]:
         """Requests that found no block: stall them or preempt (see the recompute threshold in the docstring).
 
         Returns the ids of the stalled requests and whether anything was preempted.
@@ -389,7 +394,7 @@ class Scheduler:
             blocked = [s for s in blocked if not kv.append(s)]
         return set(), True
 
-    def _preempt(self, out: SchedulerOutput, victim: Sequence, swaps_this_step: int) -> int:
+    def _preempt(self, out: StepDraft, victim: Sequence, swaps_this_step: int) -> int:
         """Swap the victim out or send it back to be recomputed; returns 1 if it was swapped."""
         victim.num_preemptions += 1
         self.num_preemptions_total += 1
@@ -408,7 +413,7 @@ class Scheduler:
         out.preempted.append(victim)
         return 0
 
-    def _swap_in(self, out: SchedulerOutput, batch: list[Sequence], now: float) -> None:
+    def _swap_in(self, out: StepDraft, batch: list[Sequence], now: float) -> None:
         kv = self.kv
         max_batch = self.schedule_config.maxBatchSize
         while self.swapped and len(self.running) < max_batch:
@@ -429,18 +434,21 @@ class Scheduler:
 
     # --- after the model ran -----------------------------------------------------------------------------------
 
-    def update(
+    def update_from_output(
         self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float] | None = None,
         top_logprobs: list[TopLogprobs] | None = None,
-    ) -> list[Sequence]:
-        """Append the sampled tokens (`seq.num_samples` per scheduled sequence, in `output.seqs` order: one, or one
-        per choice at a forking prefill); fork the children (into `output.forked`, their block copies into
-        `output.block_copies`); return the sequences that ended. A sequence that ended while the step ran (aborted,
-        or `finish`ed) is skipped.
+        prompt_logprobs: dict[int, list[PromptLogprob]] | None = None,
+    ) -> StepOutcome:
+        """Everything a step's results change, in one place: each sequence's prefix-cache hits (at its first
+        prompt step) and cached-token count, its prompt logprobs (`prompt_logprobs`: seq_id -> this step's), the
+        sampled tokens (`seq.num_samples` per scheduled sequence, in `output.seqs` order: one, or one per choice at
+        a forking prefill), the forks (their block copies go out with the next step), the grammars' advance, and
+        the ends. A sequence that ended while the step ran (aborted, or `finish`ed) is skipped. `output` is only
+        read.
         """
         seqs = output.seqs
         if not seqs:
-            return []
+            return StepOutcome([], [], [], [], [])
         # A decode step samples one row per sequence (forks happen at the prefill that ends a prompt).
         rows = len(seqs) if output.kind is StepKind.DECODE else sum(s.num_samples for s in seqs)
         if len(token_ids) != rows:
@@ -454,7 +462,15 @@ class Scheduler:
         eos, max_iter, max_seq_len = self.eos_token_ids, self.schedule_config.maxIterTimes, self.max_seq_len
         finished: list[Sequence] = []
         owners: list[Sequence | None] = [None] * rows
-        output.sampled_by = owners
+        forked: list[tuple[Sequence, Sequence]] = []
+        copies: list[tuple[int, int]] = []
+        if prefill:
+            for seq in seqs:
+                # the prefix cache's hits (before this step marks its tokens cached): usage's cached_tokens
+                if seq.num_prompt_cached_tokens is None:
+                    seq.num_prompt_cached_tokens = min(seq.num_cached_tokens, seq.num_prompt_tokens)
+                if prompt_logprobs and seq.seq_id in prompt_logprobs:
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + prompt_logprobs[seq.seq_id]
 
         # the hot loop (every running request, every step): locals only, one call per sampled token
         def append(seq: Sequence, r: int) -> None:
@@ -501,24 +517,30 @@ class Scheduler:
             if cache is not None and (prefill or n % block_size == 0):
                 cache(seq)
             if forks:
-                for j, member in enumerate([seq, *self._fork(output, seq)]):
+                children = self._fork(seq, forked, copies)
+                for j, member in enumerate([seq, *children]):
                     append(member, first_row + j)
             else:
                 append(seq, first_row)
+        for seq in guided.advance(owners, token_ids):  # the grammar is complete: the request stops here
+            self.finish(seq, FinishReason.STOP)
+            finished.append(seq)
         if finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
-        return finished
+        self._pending_copies.extend(copies)
+        return StepOutcome([*seqs, *(child for _, child in forked)], finished, forked, copies, owners)
 
-    def _fork(self, output: SchedulerOutput, parent: Sequence) -> list[Sequence]:
+    def _fork(self, parent: Sequence, forked: list[tuple[Sequence, Sequence]],
+              copies: list[tuple[int, int]]) -> list[Sequence]:
         """The parent's n - 1 children, sharing its prompt's blocks; they run from the next step on."""
         children = []
         for index in range(parent.index + 1, parent.index + 1 + parent.num_forks_pending):
             child = parent.fork(index)
-            output.block_copies.extend(self.kv.fork(parent, child))
+            copies.extend(self.kv.fork(parent, child))
             child.status = _RUNNING
             self._seqs[child.seq_id] = child
             self.running.append(child)
-            output.forked.append((parent, child))
+            forked.append((parent, child))
             children.append(child)
         parent.num_forks_pending = 0
         return children

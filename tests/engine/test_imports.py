@@ -58,7 +58,7 @@ def test_a_scheduler_step_runs_without_torch() -> None:
         "sched.add(seq)\n"
         "while sched.has_unfinished():\n"
         "    out = sched.schedule()\n"
-        "    sched.update(out, [7] * len(out.seqs))\n"
+        "    sched.update_from_output(out, [7] * len(out.seqs))\n"
         "print(seq.output_token_ids, seq.finish_reason.value, kv.usage)\n"
     )
     assert result.returncode == 0, result.stderr

@@ -82,7 +82,7 @@ def req(
 def step(sched: Scheduler, token: int = TOKEN) -> tuple[SchedulerOutput, list[Sequence]]:
     out = sched.schedule()
     check_output(sched, out)
-    return out, sched.update(out, [token] * len(out.seqs))
+    return out, sched.update_from_output(out, [token] * len(out.seqs)).finished
 
 
 def drain(queue: WaitingQueue) -> list[Sequence]:
@@ -313,7 +313,7 @@ def test_recomputed_request_prefills_prompt_and_output_and_continues() -> None:
     check_output(sched, out)
     assert out.kind is StepKind.PREFILL and out.seqs == [b]
     assert b.num_tokens == 10  # 9 prompt + 1 generated, all recomputed (less any prefix hit)
-    sched.update(out, [7])
+    sched.update_from_output(out, [7])
     assert b.output_token_ids == [TOKEN, 7]
     while b.status is not SequenceStatus.FINISHED:
         step(sched)
@@ -600,12 +600,12 @@ def test_abort_waiting_running_and_swapped_free_blocks_at_once() -> None:
     assert not sched.has_unfinished()
 
 
-def test_abort_during_a_step_is_skipped_by_update() -> None:
+def test_abort_during_a_step_is_skipped_by_update_from_output() -> None:
     sched, _kv, _ = make()
     a, b = req(sched, 3), req(sched, 3)
     out = sched.schedule()
     sched.abort(a.seq_id)
-    finished = sched.update(out, [TOKEN, TOKEN])
+    finished = sched.update_from_output(out, [TOKEN, TOKEN]).finished
     assert finished == [] and a.num_output_tokens == 0 and b.num_output_tokens == 1
     assert sched.schedule().finished == [a]
 
@@ -657,14 +657,14 @@ def test_update_checks_token_count() -> None:
     req(sched, 3)
     out = sched.schedule()
     with pytest.raises(ValueError):
-        sched.update(out, [])
+        sched.update_from_output(out, [])
 
 
 def test_logprobs_recorded() -> None:
     sched, _, _ = make()
     a = req(sched, 3)
     out = sched.schedule()
-    sched.update(out, [TOKEN], [-0.25])
+    sched.update_from_output(out, [TOKEN], [-0.25])
     assert a.output_logprobs == [-0.25]
 
 

@@ -158,6 +158,7 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
     seqs: list[tuple[Sequence, int | None]] = []
     groups: dict[int, list[Sequence]] = {}  # parent seq id -> the parent and its children
     step = 0
+    copies: list[tuple[int, int]] = []
     reported: set[int] = set()
     any_swap = any_stall = False
     while pending or sched.has_unfinished():
@@ -182,15 +183,17 @@ def test_random_workloads_finish_correctly_without_leaks(sc: dict[str, object]) 
         any_stall = any_stall or sched.num_stalled > 0
         reported.update(s.seq_id for s in out.finished)
         rows = sum(s.num_samples for s in out.seqs)
-        sched.update(out, sample(out))
-        assert rows == len(out.seqs) + len(out.forked) + sum(s.num_forks_pending for s in out.seqs)  # + mid-prompt
-        for parent, child in out.forked:
+        assert out.block_copies == copies  # the last step's forks are copied first in this one
+        done = sched.update_from_output(out, sample(out))
+        copies = done.block_copies
+        assert rows == len(out.seqs) + len(done.forked) + sum(s.num_forks_pending for s in out.seqs)  # + mid-prompt
+        for parent, child in done.forked:
             assert out.kind is not StepKind.DECODE and child.index > 0
             groups[parent.seq_id].append(child)
         # A fork copies exactly one block per child, and only when the prompt's last block is partial.
-        assert len(out.block_copies) == sum(1 for p, _ in out.forked if p.num_prompt_tokens % kv.block_size)
-        parents_blocks = {b for p, _ in out.forked for b in p.block_table}
-        for src, dst in out.block_copies:  # (a child that ended at once has freed its copy already: harmless)
+        assert len(done.block_copies) == sum(1 for p, _ in done.forked if p.num_prompt_tokens % kv.block_size)
+        parents_blocks = {b for p, _ in done.forked for b in p.block_table}
+        for src, dst in done.block_copies:  # (a child that ended at once has freed its copy already: harmless)
             assert src != dst and dst not in parents_blocks
         t[0] += 0.002
         step += 1
