@@ -4,7 +4,7 @@
 operator just observed (the engine pods, a Prometheus window when one was due, the benchmark Job), and returns the
 actions to take (a schedule to apply to every engine and the ConfigMap, a Job to create or delete, a replica count
 to scale to, events) and the new status. It does no I/O and reads no clock: the autotune driver
-(`autotune_loop.py`) gathers the observation, runs the actions and writes the status through the one status writer.
+(`autotune_loop.py`) gathers the observation, writes the status through the one status writer, then runs the actions.
 The status holds the whole state (the trial in progress, the typed history, the capacity probes), so an operator that
 restarts resumes where it was, and the pure tuner (`tuner.next_step`) decides every trial from the history, as the
 simulator's tests drive it.
@@ -54,6 +54,7 @@ from .api import (
 from .autotune_types import Actions as Actions
 from .autotune_types import Event as Event
 from .autotune_types import GenerationsRun as GenerationsRun
+from .autotune_types import Intent as Intent
 from .autotune_types import JobPhase as JobPhase
 from .autotune_types import Measurement as Measurement
 from .autotune_types import Observation as Observation
@@ -158,6 +159,24 @@ def configmap_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, 
     if schedule is not None and applied is not None:
         return schedule, applied.scheduleGeneration
     return None, plan_generation(applied, isvc.metadata.generation)
+
+
+def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any], pods: Sequence[PodState],
+                    now: float) -> Intent:
+    """What `status` records the engines and the load Job must be now: the tuner's applied schedule (when the
+    ConfigMap holds it, `applied_schedule`), and the open trial's Job while its window runs and its target pod has an
+    address (rendered as `open_window` rendered it, so a Job recreated at the window's opening is the same Job)."""
+    tuning = tuning_of(status)
+    if tuning is None:
+        return Intent()
+    apply = tuning.applied if applied_schedule(isvc, plan, status) is not None else None
+    current, job = tuning.current, None
+    target = next((p for p in pods if current is not None and p.name == current.target and p.ip), None)
+    if current is not None and current.job and target is not None and target.ip is not None \
+            and now < parse_rfc3339(current.measureUntil):
+        job = render_bench_job(isvc, name=current.job, target_ip=target.ip, concurrency=current.concurrency or 1,
+                               duration_s=parse_rfc3339(current.measureUntil) - now + JOB_SLACK_S)
+    return Intent(apply=apply, job=job)
 
 
 def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
