@@ -901,6 +901,35 @@ def test_a_new_slo_resets_the_tuning_and_the_configmap_schedule(baseline: Loop) 
     assert abs(best.schedule.maxBatchSize - 4000) <= TOLERANCE * 4000  # TPOT = 10 + 0.005 b <= 30
 
 
+def test_a_new_problem_with_the_same_knobs_is_a_new_schedule_generation_past_the_plans() -> None:
+    """A spec change that moves the SLO makes reconcile put the plan's schedule into the ConfigMap at a generation
+    past the tuner's (`plan_generation`), and the engines may take it. The new problem's first trial has the knobs
+    already applied, and still goes to the engines at a new generation past that one: at the old generation the
+    engines would refuse it (409, they run a newer one) and its first window would be discarded as ScheduleNotRun."""
+    loop = Loop.start()
+    loop.tick()  # the first problem's first trial: the plan's batch, at generation 2
+    first = loop.tuning().applied
+    assert first is not None and first.scheduleGeneration == 2
+    loop.isvc = make_isvc({"objective": "decodeLatency", "tpotMs": 30})
+    loop.isvc.metadata.generation = 2  # the spec change
+    assert plan_spec(loop.isvc.spec) == loop.plan  # the same plan: the same first trial
+    held, held_generation = at.configmap_schedule(loop.isvc, loop.plan, loop.status)  # reconcile, before the look
+    assert held is None and held_generation == 2 + 2  # the plan's schedule, past the tuner's generation 2
+    loop.tick()
+    t = loop.tuning()
+    assert t.round == 2 and t.current is not None and t.current.schedule == first.knobs()  # unchanged knobs
+    apply = loop.ticks[-1].actions.apply
+    assert apply is not None and apply.knobs() == first.knobs()
+    assert t.applied is not None and apply.scheduleGeneration == t.applied.scheduleGeneration == held_generation + 1
+    assert at.configmap_schedule(loop.isvc, loop.plan, loop.status)[1] == apply.scheduleGeneration
+    # Engines that ran the ConfigMap's generation and then took the PUT measure the trial at its generation.
+    loop.tick_until_due()
+    metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
+    ran = at.GenerationsRun(lowest=apply.scheduleGeneration, highest=apply.scheduleGeneration, pods=1)
+    loop.tick(at.Measurement(metrics=metrics, generations=ran))
+    assert [(e.outcome, e.reason) for e in loop.tuning().history] == [("measured", None)]
+
+
 def test_a_spec_change_drops_the_capacity_and_the_open_job() -> None:
     loop = Loop.start(CAPACITY_SLO, mode="benchmark", capacity={"targetConcurrentUsers": 20000})
     loop.run_until(lambda lp: (lp.current() or {}).get("kind") == "capacity")
