@@ -179,6 +179,11 @@ def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any
     return Intent(apply=apply, job=job)
 
 
+def readable_ms(ms: float) -> float:
+    """Milliseconds as people read them: whole, with one decimal under 10 ms (a fast TPOT must not read 0)."""
+    return round(ms) if ms >= 10 else round(ms, 1)
+
+
 def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
     return schedule.model_copy(update=knobs.pinned())
 
@@ -564,7 +569,7 @@ class _Step:
         entry = trial_status(self.problem, len(self.tuning.history), trial).model_copy(
             update={"schedule": current.schedule, "window": f"{current.measureFrom}/{current.measureUntil}"})
         self.tuning.history.append(entry)
-        self.observe(metrics, current.measureFrom, current.measureUntil)
+        self.observe(metrics, current.measureFrom, current.measureUntil, current.schedule.maxBatchSize)
         self.event("Warning" if entry.outcome == "failed" else "Normal", "TrialMeasured",
                    f"trial {entry.trial}: maxBatchSize {current.schedule.maxBatchSize}: {entry.verdict}")
         if entry.outcome == "failed":
@@ -573,15 +578,18 @@ class _Step:
         self.tuning.message = f"trial {entry.trial}: {entry.verdict}"
         self.next_trial()
 
-    def observe(self, metrics: TrialMetrics, start: str, end: str) -> None:
-        """status.observed: the window's figures at the SLO's statistic, and the judge's word on them."""
+    def observe(self, metrics: TrialMetrics, start: str, end: str, max_batch_size: int | None) -> None:
+        """status.observed: the last window measured, for people (`kubectl get` shows it): the maxBatchSize it ran
+        beside its figures at the SLO's statistic, rounded as people read them, and the judge's word on them (judged
+        on the unrounded figures, which the history keeps)."""
         stat = self.isvc.spec.slo.statistic
         window = parse_rfc3339(end) - parse_rfc3339(start)
         judgement = self.problem.judge(metrics)
         self.status["observed"] = {
             **(self.status.get("observed") or {}),
-            "ttftMs": round(metrics.ttftMs.of(stat), 3), "tpotMs": round(metrics.tpotMs.of(stat), 3),
-            "outputTokensPerSecond": round(metrics.outputTokensPerSecond, 3), "errorRate": metrics.errorRate,
+            "maxBatchSize": max_batch_size,
+            "ttftMs": readable_ms(metrics.ttftMs.of(stat)), "tpotMs": readable_ms(metrics.tpotMs.of(stat)),
+            "outputTokensPerSecond": round(metrics.outputTokensPerSecond), "errorRate": metrics.errorRate,
             "window": format_duration(window), "samples": metrics.samples, "measuredAt": end,
             "sloMet": judgement.meets, "failing": list(judgement.failing),
         }
@@ -622,7 +630,8 @@ class _Step:
         if m.metrics is None:
             return  # no traffic or no Prometheus: nothing said about the SLO
         start = m.start if m.start is not None else end - _window_s(self.isvc)
-        self.observe(m.metrics, rfc3339(start), rfc3339(end))
+        applied = self.tuning.applied  # what the window ran: the verdict's schedule, applied when tuning concluded
+        self.observe(m.metrics, rfc3339(start), rfc3339(end), applied.maxBatchSize if applied is not None else None)
         judgement = self.problem.judge(m.metrics)
         if judgement.meets:
             self.tuning.missedWindows = 0

@@ -32,6 +32,7 @@ from npuserve.operator.api import (
     TuningStatus,
     TuningTrial,
 )
+from npuserve.operator.crd import PRINTER_COLUMNS
 from npuserve.operator.planner import plan as plan_spec
 
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
@@ -869,6 +870,56 @@ def test_a_window_meeting_the_slo_resets_the_missed_count() -> None:
     loop.engine = fast
     loop.run_until(lambda lp: lp.ticks[-1].due is not None)
     assert loop.tuning().missedWindows == 0 and loop.condition("SLOMet")["status"] == "True"
+
+
+# --- the printer columns -------------------------------------------------------------------------------------------
+
+
+def column(status: dict[str, Any], name: str) -> Any:
+    """What `kubectl get` shows in the printer column `name` (a plain .status path) for this status."""
+    path = next(c["jsonPath"] for c in PRINTER_COLUMNS if c["name"] == name)
+    assert re.fullmatch(r"\.status(\.\w+)+", path), path
+    value: Any = {"status": status}
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def test_the_printer_columns_show_one_windows_figures_beside_its_own_max_batch_size() -> None:
+    """While tuning, the schedule applied now is the next trial's, with no figures yet: the columns show the last
+    window measured, its own maxBatchSize with its TTFT, TPOT and tok/s, rounded as people read them."""
+    loop = Loop.start()
+
+    def another_batch_open(lp: Loop) -> bool:  # a trial at a new batch applied, its window not measured yet
+        current, history = lp.current(), conclusive(lp.tuning().history)
+        return current is not None and bool(history) and \
+            current["schedule"]["maxBatchSize"] != history[-1].schedule.maxBatchSize
+
+    loop.run_until(another_batch_open)
+    t, stat = loop.tuning(), loop.isvc.spec.slo.statistic
+    measured = conclusive(t.history)[-1]
+    assert t.current is not None and measured.metrics is not None
+    assert column(loop.status, "Applied") == t.current.schedule.maxBatchSize
+
+    def shows(batch: int | None, metrics: TrialMetrics) -> None:
+        figures = {name: column(loop.status, name) for name in ("MaxBatchSize", "TTFT", "TPOT", "Tok/s")}
+        assert figures == {"MaxBatchSize": batch, "TTFT": round(metrics.ttftMs.of(stat)),
+                           "TPOT": round(metrics.tpotMs.of(stat)), "Tok/s": round(metrics.outputTokensPerSecond)}
+        assert all(isinstance(v, int) for v in figures.values()), figures  # whole ms (>= 10 ms here) and tok/s
+
+    shows(measured.schedule.maxBatchSize, measured.metrics)
+    loop.run_until(settled)  # after tuning: each window at the applied schedule
+    loop.tick_until_due()
+    loop.tick()
+    window = loop.ticks[-1].measurement
+    applied = loop.tuning().applied
+    assert window is not None and window.metrics is not None and applied is not None
+    shows(applied.maxBatchSize, window.metrics)
+
+
+def test_milliseconds_are_shown_whole_and_with_one_decimal_under_ten() -> None:
+    assert (at.readable_ms(61.4), at.readable_ms(1234.5678), at.readable_ms(9.96), at.readable_ms(2.64)) == (
+        61, 1235, 10.0, 2.6)
 
 
 # --- 8. a spec change that changes the problem ---------------------------------------------------------------------
