@@ -602,10 +602,16 @@ class Plan(_Model):
         raise KeyError(name)
 
 
+# status.observed: the last window measured, for people (the printer columns show it): the maxBatchSize it ran and its
+# figures, rounded as people read them; status.tuning.history keeps each trial's figures unrounded.
 class Observed(_Model):
-    ttftMs: float | None = Field(default=None, description="TTFT over the last window, at the SLO's statistic")
-    tpotMs: float | None = Field(default=None, description="TPOT over the last window, at the SLO's statistic")
-    outputTokensPerSecond: float | None = None
+    maxBatchSize: int | None = Field(default=None, description="the maxBatchSize the last window ran")
+    ttftMs: float | None = Field(default=None, description="TTFT over the last window, at the SLO's statistic "
+                                 "(whole ms; one decimal under 10 ms)")
+    tpotMs: float | None = Field(default=None, description="TPOT over the last window, at the SLO's statistic "
+                                 "(whole ms; one decimal under 10 ms)")
+    outputTokensPerSecond: float | None = Field(default=None, description="output tokens/s over the last window, "
+                                                "whole")
     errorRate: float | None = None
     window: str | None = Field(default=None, description="the window measured, as its length (Go duration)")
     samples: int | None = Field(default=None, ge=0, description="requests that finished in the window")

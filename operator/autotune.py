@@ -4,7 +4,7 @@
 operator just observed (the engine pods, a Prometheus window when one was due, the benchmark Job), and returns the
 actions to take (a schedule to apply to every engine and the ConfigMap, a Job to create or delete, a replica count
 to scale to, events) and the new status. It does no I/O and reads no clock: the autotune driver
-(`autotune_loop.py`) gathers the observation, runs the actions and writes the status through the one status writer.
+(`autotune_loop.py`) gathers the observation, writes the status through the one status writer, then runs the actions.
 The status holds the whole state (the trial in progress, the typed history, the capacity probes), so an operator that
 restarts resumes where it was, and the pure tuner (`tuner.next_step`) decides every trial from the history, as the
 simulator's tests drive it.
@@ -54,6 +54,7 @@ from .api import (
 from .autotune_types import Actions as Actions
 from .autotune_types import Event as Event
 from .autotune_types import GenerationsRun as GenerationsRun
+from .autotune_types import Intent as Intent
 from .autotune_types import JobPhase as JobPhase
 from .autotune_types import Measurement as Measurement
 from .autotune_types import Observation as Observation
@@ -158,6 +159,29 @@ def configmap_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, 
     if schedule is not None and applied is not None:
         return schedule, applied.scheduleGeneration
     return None, plan_generation(applied, isvc.metadata.generation)
+
+
+def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any], pods: Sequence[PodState],
+                    now: float) -> Intent:
+    """What `status` records the engines and the load Job must be now: the tuner's applied schedule (when the
+    ConfigMap holds it, `applied_schedule`), and the open trial's Job while its window runs and its target pod has an
+    address (rendered as `open_window` rendered it, so a Job recreated at the window's opening is the same Job)."""
+    tuning = tuning_of(status)
+    if tuning is None:
+        return Intent()
+    apply = tuning.applied if applied_schedule(isvc, plan, status) is not None else None
+    current, job = tuning.current, None
+    target = next((p for p in pods if current is not None and p.name == current.target and p.ip), None)
+    if current is not None and current.job and target is not None and target.ip is not None \
+            and now < parse_rfc3339(current.measureUntil):
+        job = render_bench_job(isvc, name=current.job, target_ip=target.ip, concurrency=current.concurrency or 1,
+                               duration_s=parse_rfc3339(current.measureUntil) - now + JOB_SLACK_S)
+    return Intent(apply=apply, job=job)
+
+
+def readable_ms(ms: float) -> float:
+    """Milliseconds as people read them: whole, with one decimal under 10 ms (a fast TPOT must not read 0)."""
+    return round(ms) if ms >= 10 else round(ms, 1)
 
 
 def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
@@ -545,7 +569,7 @@ class _Step:
         entry = trial_status(self.problem, len(self.tuning.history), trial).model_copy(
             update={"schedule": current.schedule, "window": f"{current.measureFrom}/{current.measureUntil}"})
         self.tuning.history.append(entry)
-        self.observe(metrics, current.measureFrom, current.measureUntil)
+        self.observe(metrics, current.measureFrom, current.measureUntil, current.schedule.maxBatchSize)
         self.event("Warning" if entry.outcome == "failed" else "Normal", "TrialMeasured",
                    f"trial {entry.trial}: maxBatchSize {current.schedule.maxBatchSize}: {entry.verdict}")
         if entry.outcome == "failed":
@@ -554,15 +578,18 @@ class _Step:
         self.tuning.message = f"trial {entry.trial}: {entry.verdict}"
         self.next_trial()
 
-    def observe(self, metrics: TrialMetrics, start: str, end: str) -> None:
-        """status.observed: the window's figures at the SLO's statistic, and the judge's word on them."""
+    def observe(self, metrics: TrialMetrics, start: str, end: str, max_batch_size: int | None) -> None:
+        """status.observed: the last window measured, for people (`kubectl get` shows it): the maxBatchSize it ran
+        beside its figures at the SLO's statistic, rounded as people read them, and the judge's word on them (judged
+        on the unrounded figures, which the history keeps)."""
         stat = self.isvc.spec.slo.statistic
         window = parse_rfc3339(end) - parse_rfc3339(start)
         judgement = self.problem.judge(metrics)
         self.status["observed"] = {
             **(self.status.get("observed") or {}),
-            "ttftMs": round(metrics.ttftMs.of(stat), 3), "tpotMs": round(metrics.tpotMs.of(stat), 3),
-            "outputTokensPerSecond": round(metrics.outputTokensPerSecond, 3), "errorRate": metrics.errorRate,
+            "maxBatchSize": max_batch_size,
+            "ttftMs": readable_ms(metrics.ttftMs.of(stat)), "tpotMs": readable_ms(metrics.tpotMs.of(stat)),
+            "outputTokensPerSecond": round(metrics.outputTokensPerSecond), "errorRate": metrics.errorRate,
             "window": format_duration(window), "samples": metrics.samples, "measuredAt": end,
             "sloMet": judgement.meets, "failing": list(judgement.failing),
         }
@@ -603,7 +630,8 @@ class _Step:
         if m.metrics is None:
             return  # no traffic or no Prometheus: nothing said about the SLO
         start = m.start if m.start is not None else end - _window_s(self.isvc)
-        self.observe(m.metrics, rfc3339(start), rfc3339(end))
+        applied = self.tuning.applied  # what the window ran: the verdict's schedule, applied when tuning concluded
+        self.observe(m.metrics, rfc3339(start), rfc3339(end), applied.maxBatchSize if applied is not None else None)
         judgement = self.problem.judge(m.metrics)
         if judgement.meets:
             self.tuning.missedWindows = 0

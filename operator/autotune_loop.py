@@ -11,10 +11,13 @@ When it looks (so that hundreds of InferenceServices cost little): each Inferenc
 minute at the latest); a change to it that the loop did not write itself, or to its engine workloads, makes it due at
 once (`track`, `poke`). Every look at a set of due InferenceServices reads each (one GET, its engine pods; LOOK_WORKERS
 at a time), reads every due window from Prometheus together (windows end on a grid, so those that end together are one
-query per figure: `PrometheusClient.read_windows`), then for each runs the actions `advance` returns (delete a Job,
-apply a schedule to every engine, create a Job, scale), writes the status through the one status writer (from the object
-it read; read again only on a conflict) and posts the events. The loop never writes the ConfigMap: reconcile does, from
-status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one source.
+query per figure: `PrometheusClient.read_windows`), then for each writes the status `advance` returns through the one
+status writer (from the object it read; read again only on a conflict), and only then acts: deletes a Job, applies the
+written schedule to every engine, creates the written trial's Job, scales, and posts the events. Record, then act: a
+write that fails leaves nothing applied and the next look decides again; a written intent this process has not carried
+out (a new leader, acts that raised) is carried out by the next look (`_act`). The loop never writes the ConfigMap:
+reconcile does, from status.tuning.applied (`handlers.on_applied_schedule`), so the ConfigMap has one writer and one
+source.
 """
 
 from __future__ import annotations
@@ -71,6 +74,8 @@ class AutotuneLoop:
         self.interval = interval
         self.next_look: dict[Key, float] = {}  # the InferenceServices tuned, and when each is due (unix seconds)
         self.outside: dict[Key, str] = {}  # what each last looked like outside the loop's own status keys
+        # The intent (`Intent.key`) of each one's written status that this process has carried out (`_act`).
+        self.carried: dict[Key, tuple[int | None, str | None]] = {}
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -89,6 +94,7 @@ class AutotuneLoop:
             if not wanted:
                 self.next_look.pop(key, None)
                 self.outside.pop(key, None)
+                self.carried.pop(key, None)
                 return
             if key in self.next_look and (outside is None or self.outside.get(key) == outside):
                 return
@@ -211,27 +217,33 @@ class AutotuneLoop:
                  up: dict[str, bool]) -> at.Actions:
         isvc, status = read.isvc, read.status
         namespace, name = isvc.metadata.namespace, isvc.metadata.name
+        key = (namespace, name)
         obs = self._observe(read, reading, now, up)
         actions = at.advance(isvc, read.plan, status, obs)
-        self._act(read.obj, isvc, read.plan, read.pods, actions)
+        # Record, then act (controller-runtime's order): the status naming the trial, its schedule and generation is
+        # written first; a write that fails (conflicts exhausted) raises here and nothing is applied, so the next look
+        # decides again from the status as it was. What the write records is then carried out.
         update = self.kube.update_status(namespace, name, lambda o: merge_status(o.get("status") or {},
                                                                                    actions.status), read=read.obj)
+        if update is None:  # deleted meanwhile: its children go with it
+            self.track(namespace, name, False)
+            return actions
+        written = update.new
+        self._act(read, written, actions, now)
         if actions.create_job is not None:
-            self.delete_orphan_jobs(read.obj, actions.status)
+            self.delete_orphan_jobs(read.obj, written)
         for type_, reason, message in actions.events:
             self.calls.post_event(read.obj, type_, reason, message)
-        written = update.new if update is not None else actions.status
         when = at.next_look(isvc, written, now)
         if when <= now:  # a window due and not read (Prometheus not configured, a bad answer): not in a busy loop
             when = now + (at.RECHECK_S if read.due is not None and reading is None else self.interval)
-        self._schedule((namespace, name), when)
+        self._schedule(key, when)
         return actions
 
     def delete_orphan_jobs(self, obj: Mapping[str, Any], status: Status) -> list[str]:
-        """Delete this InferenceService's load Jobs other than the one `status.tuning.current.job` names. A leader
-        that died between creating a trial's Job and writing the status naming it left that Job running; its
-        successor opened the trial again with a Job of a new name. Called after a tick that created a Job (the
-        successor's first such tick), once the status names it."""
+        """Delete this InferenceService's load Jobs other than the one `status.tuning.current.job` names: one whose
+        delete failed, or one an older operator (which created the Job before writing the status) left running when
+        it died between the two. Called after a look that created a Job, once the status names it."""
         meta = obj.get("metadata") or {}
         namespace, name, uid = meta.get("namespace") or "default", meta.get("name") or "", meta.get("uid")
         current = ((status.get("tuning") or {}).get("current") or {}).get("job")
@@ -266,22 +278,32 @@ class AutotuneLoop:
         return at.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
                               prometheus_configured=self.prometheus is not None, job=job, replica_limit=limit)
 
-    def _act(self, obj: Mapping[str, Any], isvc: InferenceService, plan: Plan, pods: list[at.PodState],
-             actions: at.Actions) -> None:
+    def _act(self, read: _Look, written: Status, actions: at.Actions, now: float) -> None:
+        """Carry out what the written status records (`at.recorded_intent`): the applied schedule on every engine
+        and the open trial's Job, unless this process already did for this intent. A new leader, or a look whose
+        acts raised after the write, finds the intent not carried out and carries it out again (an engine already
+        at that generation answers 409, an existing Job is kept), so the retry heals itself."""
+        isvc = read.isvc
         ns, name = isvc.metadata.namespace, isvc.metadata.name
         if actions.delete_job:
             self.calls.delete_job(ns, actions.delete_job)
-        if actions.apply is not None:
-            self._apply(obj, isvc, plan, pods, actions.apply, actions)
-        if actions.create_job is not None:
-            self.kube.create_if_absent(actions.create_job)
+        intent = at.recorded_intent(isvc, read.plan, written, read.pods, now)
+        with self.lock:
+            carried = self.carried.get((ns, name))
+        if intent.key != carried:
+            if intent.apply is not None and (carried is None or intent.key[0] != carried[0]):
+                self._apply(isvc, read.pods, intent.apply, actions)
+            if intent.job is not None:
+                self.kube.create_if_absent(intent.job)
+            with self.lock:
+                self.carried[(ns, name)] = intent.key
         if actions.scale is not None:
             self.calls.scale(ns, name, actions.scale)
 
-    def _apply(self, obj: Mapping[str, Any], isvc: InferenceService, plan: Plan, pods: list[at.PodState],
-               applied: AppliedSchedule, actions: at.Actions) -> None:
+    def _apply(self, isvc: InferenceService, pods: list[at.PodState], applied: AppliedSchedule,
+               actions: at.Actions) -> None:
         """The schedule hot on every engine (PUT /admin/schedule, with its generation). The ConfigMap follows
-        from the status this tick writes (reconcile's `on_applied_schedule`): a restarted pod keeps the schedule,
+        from the status this look wrote (reconcile's `on_applied_schedule`): a restarted pod keeps the schedule,
         and an engine the PUT missed takes it from its config file."""
         ns = isvc.metadata.namespace
         token = self.calls.admin_token(ns, admin_secret_name(isvc), ADMIN_TOKEN_KEY)

@@ -139,3 +139,18 @@ class Actions:
     delete_job: str | None = None
     scale: int | None = None
     events: list[Event] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Intent:
+    """What a written status says the engines and the load Job must be (`autotune.recorded_intent`): the driver
+    carries it out after the write, and again when it has not yet (a new leader, an act that raised)."""
+
+    apply: AppliedSchedule | None = None  # the tuner's schedule, to PUT on every engine
+    job: dict[str, Any] | None = None  # the open trial's load Job, to create if absent
+
+    @property
+    def key(self) -> tuple[int | None, str | None]:
+        """What tells two intents apart: the schedule generation and the Job's name."""
+        return (self.apply.scheduleGeneration if self.apply is not None else None,
+                self.job["metadata"]["name"] if self.job is not None else None)

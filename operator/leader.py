@@ -45,6 +45,7 @@ DEFAULT_LEASE_NAME = "npuserve-operator"
 LEASE_DURATION_S, RENEW_DEADLINE_S, RETRY_PERIOD_S = 15, 10, 2
 JITTER = 1.2  # electionconfig.Config's: renew_deadline must exceed retry_period * 1.2
 EXIT_LOST = 3  # the exit code of a leader that lost its Lease
+WATCHDOG_POLL_S = 0.25  # how often the leader's watchdog looks at its last renewal
 # A standby is alive while its last look at the Lease is this recent (at least, or 5 retry periods).
 STANDBY_STALE_S = 30.0
 
@@ -146,16 +147,18 @@ class _TimedLeases:
 class _Lock(LeaseLock):
     """LeaseLock over our API client, remembering when the Lease was last read and last written by us."""
 
-    def __init__(self, settings: ElectionSettings, api: client.ApiClient) -> None:
+    def __init__(self, settings: ElectionSettings, api: client.ApiClient,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(settings.lease_name, settings.namespace, settings.identity)  # type: ignore[no-untyped-call]
         self.api_instance = _TimedLeases(client.CoordinationV1Api(api),  # type: ignore[assignment]
                                          settings.request_timeout_s)
-        self.polled = time.monotonic()
+        self.clock = clock
+        self.polled = clock()
         self.written: float | None = None
 
     def get(self, name: str, namespace: str) -> Any:
         found = super().get(name, namespace)  # type: ignore[no-untyped-call]
-        self.polled = time.monotonic()
+        self.polled = self.clock()
         return found
 
     # A write counts from when it was sent: the renew deadline then ends no later than the server's renewal + the
@@ -170,7 +173,7 @@ class _Lock(LeaseLock):
             name, namespace, updated_record))
 
     def _written_if(self, write: Callable[[], Any]) -> bool:
-        sent = time.monotonic()
+        sent = self.clock()
         ok = bool(write())
         if ok:
             self.written = sent
@@ -184,13 +187,15 @@ def _exit_lost(message: str) -> None:
 
 
 class Elector:
-    """One candidate: `acquire` (blocks), then `start_renewing`; `release` on a graceful stop."""
+    """One candidate: `acquire` (blocks), then `start_renewing`; `release` on a graceful stop. `clock`: the
+    watchdog's (tests drive it)."""
 
     def __init__(self, settings: ElectionSettings, api: client.ApiClient,
-                 on_lost: Callable[[str], None] = _exit_lost) -> None:
+                 on_lost: Callable[[str], None] = _exit_lost, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.api = api
-        self.lock = _Lock(settings, api)
+        self.clock = clock
+        self.lock = _Lock(settings, api, clock)
         self.on_lost = on_lost
         self.stopping = threading.Event()  # set: renewing stops (the library's "leading_failed")
         cfg = electionconfig.Config(  # type: ignore[no-untyped-call]
@@ -209,12 +214,12 @@ class Elector:
 
     def alive(self) -> bool:
         """A standby is alive while it keeps polling the Lease."""
-        return time.monotonic() - self.lock.polled < max(STANDBY_STALE_S, 5 * self.settings.retry_period_s)
+        return self.clock() - self.lock.polled < max(STANDBY_STALE_S, 5 * self.settings.retry_period_s)
 
     def start_renewing(self) -> None:
         """Renew from a thread; a watchdog calls `on_lost` once no renewal succeeded for the renew deadline."""
         if self.lock.written is None:
-            self.lock.written = time.monotonic()
+            self.lock.written = self.clock()
         self.threads = [threading.Thread(target=self._renew, name="leader-election", daemon=True),
                         threading.Thread(target=self._watch, name="leader-watchdog", daemon=True)]
         for t in self.threads:
@@ -230,8 +235,10 @@ class Elector:
                          f"{self.settings.lease_name} (not renewed within {self.settings.renew_deadline_s:g} s)")
 
     def _watch(self) -> None:
-        while not self.stopping.wait(0.25):
-            since = time.monotonic() - (self.lock.written or 0.0)
+        # Not the library's loop alone: it counts its renew deadline from after its retry sleep and sleeps again
+        # after a failed try, so at the defaults it may act about 16 s after the last renewal, past the 15 s lease.
+        while not self.stopping.wait(WATCHDOG_POLL_S):
+            since = self.clock() - (self.lock.written or 0.0)
             if since > self.settings.renew_deadline_s:
                 self.on_lost(f"{self.settings.identity}: the Lease {self.settings.namespace}/"
                              f"{self.settings.lease_name} was last renewed {since:.1f} s ago, past the renew "

@@ -32,6 +32,7 @@ from npuserve.operator.api import (
     TuningStatus,
     TuningTrial,
 )
+from npuserve.operator.crd import PRINTER_COLUMNS
 from npuserve.operator.planner import plan as plan_spec
 
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
@@ -871,6 +872,56 @@ def test_a_window_meeting_the_slo_resets_the_missed_count() -> None:
     assert loop.tuning().missedWindows == 0 and loop.condition("SLOMet")["status"] == "True"
 
 
+# --- the printer columns -------------------------------------------------------------------------------------------
+
+
+def column(status: dict[str, Any], name: str) -> Any:
+    """What `kubectl get` shows in the printer column `name` (a plain .status path) for this status."""
+    path = next(c["jsonPath"] for c in PRINTER_COLUMNS if c["name"] == name)
+    assert re.fullmatch(r"\.status(\.\w+)+", path), path
+    value: Any = {"status": status}
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def test_the_printer_columns_show_one_windows_figures_beside_its_own_max_batch_size() -> None:
+    """While tuning, the schedule applied now is the next trial's, with no figures yet: the columns show the last
+    window measured, its own maxBatchSize with its TTFT, TPOT and tok/s, rounded as people read them."""
+    loop = Loop.start()
+
+    def another_batch_open(lp: Loop) -> bool:  # a trial at a new batch applied, its window not measured yet
+        current, history = lp.current(), conclusive(lp.tuning().history)
+        return current is not None and bool(history) and \
+            current["schedule"]["maxBatchSize"] != history[-1].schedule.maxBatchSize
+
+    loop.run_until(another_batch_open)
+    t, stat = loop.tuning(), loop.isvc.spec.slo.statistic
+    measured = conclusive(t.history)[-1]
+    assert t.current is not None and measured.metrics is not None
+    assert column(loop.status, "Applied") == t.current.schedule.maxBatchSize
+
+    def shows(batch: int | None, metrics: TrialMetrics) -> None:
+        figures = {name: column(loop.status, name) for name in ("MaxBatchSize", "TTFT", "TPOT", "Tok/s")}
+        assert figures == {"MaxBatchSize": batch, "TTFT": round(metrics.ttftMs.of(stat)),
+                           "TPOT": round(metrics.tpotMs.of(stat)), "Tok/s": round(metrics.outputTokensPerSecond)}
+        assert all(isinstance(v, int) for v in figures.values()), figures  # whole ms (>= 10 ms here) and tok/s
+
+    shows(measured.schedule.maxBatchSize, measured.metrics)
+    loop.run_until(settled)  # after tuning: each window at the applied schedule
+    loop.tick_until_due()
+    loop.tick()
+    window = loop.ticks[-1].measurement
+    applied = loop.tuning().applied
+    assert window is not None and window.metrics is not None and applied is not None
+    shows(applied.maxBatchSize, window.metrics)
+
+
+def test_milliseconds_are_shown_whole_and_with_one_decimal_under_ten() -> None:
+    assert (at.readable_ms(61.4), at.readable_ms(1234.5678), at.readable_ms(9.96), at.readable_ms(2.64)) == (
+        61, 1235, 10.0, 2.6)
+
+
 # --- 8. a spec change that changes the problem ---------------------------------------------------------------------
 
 
@@ -899,6 +950,35 @@ def test_a_new_slo_resets_the_tuning_and_the_configmap_schedule(baseline: Loop) 
     best = loop.tuning().best
     assert best is not None and best.schedule.maxBatchSize is not None
     assert abs(best.schedule.maxBatchSize - 4000) <= TOLERANCE * 4000  # TPOT = 10 + 0.005 b <= 30
+
+
+def test_a_new_problem_with_the_same_knobs_is_a_new_schedule_generation_past_the_plans() -> None:
+    """A spec change that moves the SLO makes reconcile put the plan's schedule into the ConfigMap at a generation
+    past the tuner's (`plan_generation`), and the engines may take it. The new problem's first trial has the knobs
+    already applied, and still goes to the engines at a new generation past that one: at the old generation the
+    engines would refuse it (409, they run a newer one) and its first window would be discarded as ScheduleNotRun."""
+    loop = Loop.start()
+    loop.tick()  # the first problem's first trial: the plan's batch, at generation 2
+    first = loop.tuning().applied
+    assert first is not None and first.scheduleGeneration == 2
+    loop.isvc = make_isvc({"objective": "decodeLatency", "tpotMs": 30})
+    loop.isvc.metadata.generation = 2  # the spec change
+    assert plan_spec(loop.isvc.spec) == loop.plan  # the same plan: the same first trial
+    held, held_generation = at.configmap_schedule(loop.isvc, loop.plan, loop.status)  # reconcile, before the look
+    assert held is None and held_generation == 2 + 2  # the plan's schedule, past the tuner's generation 2
+    loop.tick()
+    t = loop.tuning()
+    assert t.round == 2 and t.current is not None and t.current.schedule == first.knobs()  # unchanged knobs
+    apply = loop.ticks[-1].actions.apply
+    assert apply is not None and apply.knobs() == first.knobs()
+    assert t.applied is not None and apply.scheduleGeneration == t.applied.scheduleGeneration == held_generation + 1
+    assert at.configmap_schedule(loop.isvc, loop.plan, loop.status)[1] == apply.scheduleGeneration
+    # Engines that ran the ConfigMap's generation and then took the PUT measure the trial at its generation.
+    loop.tick_until_due()
+    metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
+    ran = at.GenerationsRun(lowest=apply.scheduleGeneration, highest=apply.scheduleGeneration, pods=1)
+    loop.tick(at.Measurement(metrics=metrics, generations=ran))
+    assert [(e.outcome, e.reason) for e in loop.tuning().history] == [("measured", None)]
 
 
 def test_a_spec_change_drops_the_capacity_and_the_open_job() -> None:

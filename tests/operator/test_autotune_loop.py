@@ -15,9 +15,10 @@ import httpx
 from test_autotune import DECODE_SLO, make_isvc, ready_status
 
 from npuserve.operator import autotune as at
+from npuserve.operator import kube as kube_module
 from npuserve.operator.autotune import GenerationsRun
 from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
-from npuserve.operator.kube import AutotuneKube, Kube, StatusUpdate
+from npuserve.operator.kube import AutotuneKube, Kube, StatusConflict, StatusUpdate
 from npuserve.operator.planner import plan as plan_spec
 from npuserve.operator.prometheus import (
     Empty,
@@ -158,8 +159,8 @@ FIGURES = {"ttft_ms.mean": "120", "ttft_ms.p90": "200", "ttft_ms.p99": "300", "t
            "schedule_generation_min": "2", "schedule_generation_max": "2", "schedule_generation_pods": "1"}
 
 
-def tuned(name: str) -> dict[str, Any]:
-    isvc = make_isvc(DECODE_SLO)
+def tuned(name: str, mode: str = "online") -> dict[str, Any]:
+    isvc = make_isvc(DECODE_SLO, mode=mode)
     data = isvc.model_dump(mode="json", exclude_none=True)
     data["metadata"] = {**data["metadata"], "name": name, "namespace": "default"}
     status = ready_status(plan_spec(isvc.spec)) | {"selector": name}
@@ -261,6 +262,103 @@ def test_next_look() -> None:
     assert at.next_look(isvc, converged, 1_700_000_013.0) == 1_700_000_035.0
     assert at.window_due(isvc, converged, 1_700_000_034.9) is None
     assert at.window_due(isvc, converged, 1_700_000_035.2) == at.WindowRequest(1_700_000_015.0, 1_700_000_035.0, None)
+
+
+# --- record, then act: the status names the trial before the engines and the Job see it ---------------------------
+
+
+class ActingCluster(FakeCluster):
+    """FakeCluster with the acts counted: the schedule PUTs (through `kube.put_schedule`), the Jobs created, and
+    status writes that can be made to fail (`failing_writes` conflicts exhausted) or an admin-token read that raises."""
+
+    def __init__(self, objs: list[dict[str, Any]]) -> None:
+        super().__init__(objs)
+        self.created: list[str] = []
+        self.deleted: list[str] = []
+        self.failing_writes = 0
+        self.failing_token_reads = 0
+
+    def update_status(self, namespace: str, name: str, change: Callable[[Mapping[str, Any]], Any],
+                      read: Mapping[str, Any] | None = None) -> StatusUpdate | None:
+        if self.failing_writes:
+            self.failing_writes -= 1
+            raise StatusConflict(f"{namespace}/{name}: the status write conflicted 5 times in a row")
+        return super().update_status(namespace, name, change, read)
+
+    def admin_token(self, namespace: str, secret: str, key: str) -> str | None:
+        if self.failing_token_reads:
+            self.failing_token_reads -= 1
+            raise RuntimeError("the API server went away")
+        return "token"
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        self.created.append(manifest["metadata"]["name"])
+        return True
+
+    def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
+        return []
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        self.deleted.append(name)
+
+
+def acting_driver(obj: dict[str, Any], monkeypatch: Any) -> tuple[AutotuneLoop, ActingCluster, list[int]]:
+    """The real driver over one benchmark-mode InferenceService; the schedule generations PUT to the engines."""
+    cluster = ActingCluster([obj])
+    puts: list[int] = []
+
+    def put_schedule(pods: list[at.PodState], token: str, knobs: Mapping[str, Any]) -> dict[str, str]:
+        puts.append(knobs["scheduleGeneration"])
+        return {}
+
+    monkeypatch.setattr(kube_module, "put_schedule", put_schedule)
+    return fresh_leader(cluster), cluster, puts
+
+
+def fresh_leader(cluster: ActingCluster) -> AutotuneLoop:
+    loop = AutotuneLoop(cast(Kube, cluster), None)
+    loop.calls = cast(AutotuneKube, cluster)
+    loop.prometheus = PrometheusClient("http://prometheus.test:9090",
+                                       transport=httpx.MockTransport(lambda r: httpx.Response(500)))
+    loop.track("default", "alpha", True)
+    return loop
+
+
+def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial(monkeypatch: Any) -> None:
+    loop, cluster, puts = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
+    key = ("default", "alpha")
+    cluster.failing_writes = 1
+    assert loop.look([key], T0) == {}  # the look failed at the write
+    assert puts == [] and cluster.created == []  # nothing the status does not name reached the engines or the Jobs
+    assert "tuning" not in cluster.objs[key]["status"]
+    assert loop.next_look[key] == T0 + at.RECHECK_S  # looked at again soon
+
+    taken = loop.look([key], T0 + at.RECHECK_S)
+    assert taken[key].apply is not None and taken[key].create_job is not None
+    tuning = cluster.objs[key]["status"]["tuning"]
+    assert puts == [tuning["applied"]["scheduleGeneration"]] == [2]  # the generation the status names
+    assert cluster.created == [tuning["current"]["job"]]
+    loop.look([key], T0 + 2 * at.RECHECK_S)  # the trial runs on: nothing is applied or created again
+    assert len(puts) == 1 and len(cluster.created) == 1
+
+
+def test_what_a_written_status_names_and_was_not_carried_out_is_carried_out_by_the_next_look(
+        monkeypatch: Any) -> None:
+    loop, cluster, puts = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
+    key = ("default", "alpha")
+    cluster.failing_token_reads = 1  # the acts after the write raise (as a leader dying there leaves them undone)
+    assert loop.look([key], T0) == {}
+    tuning = cluster.objs[key]["status"]["tuning"]
+    job, generation = tuning["current"]["job"], tuning["applied"]["scheduleGeneration"]
+    assert puts == [] and cluster.created == []
+
+    loop.look([key], T0 + at.RECHECK_S)  # the same trial, now on the engines with its Job
+    assert cluster.objs[key]["status"]["tuning"]["current"]["job"] == job
+    assert puts == [generation] and cluster.created == [job]
+    successor = fresh_leader(cluster)  # a new leader carries the recorded intent out once (409s on the engines)
+    successor.look([key], T0 + 2 * at.RECHECK_S)
+    successor.look([key], T0 + 3 * at.RECHECK_S)
+    assert puts == [generation] * 2 and cluster.created == [job] * 2
 
 
 class FakeJobs:

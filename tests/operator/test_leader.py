@@ -171,6 +171,53 @@ def test_a_leader_that_cannot_renew_within_the_deadline_is_told_it_lost(leases: 
     a.stop_renewing()
 
 
+class SteppedClock:
+    """The watchdog's clock, set by the test; counts its reads, so a test knows the watchdog has looked."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.reads = 0
+        self.read = threading.Condition()
+
+    def __call__(self) -> float:
+        with self.read:
+            self.reads += 1
+            self.read.notify_all()
+            return self.now
+
+    def looked_after(self, reads: int) -> None:
+        """Wait until the watchdog read the clock twice more (one whole turn of its loop at this time)."""
+        with self.read:
+            assert self.read.wait_for(lambda: self.reads >= reads + 2, timeout=30), "the watchdog stopped looking"
+
+
+def test_at_the_charts_timings_the_watchdog_stops_the_leader_before_a_standby_may_take_the_lease(
+        leases: FakeLeases) -> None:
+    """The library's renew loop alone may act past the lease duration at the defaults (its deadline counts from after
+    a retry sleep): the watchdog must end the leader within the renew deadline of its last renewal, and so before
+    a standby, counting the lease duration from the renewal it saw, can take the Lease."""
+    lost: list[str] = []
+    clock = SteppedClock()
+    a = leader.Elector(settings("a"), client.ApiClient(), on_lost=lost.append, clock=clock)  # the chart's timings
+    s = a.settings
+    assert s.renew_deadline_s + leader.WATCHDOG_POLL_S < s.lease_duration_s
+    a.lock.written = clock.now  # the last renewal; no renewal after it (the renew loop is not started)
+    watchdog = threading.Thread(target=a._watch, daemon=True)
+    watchdog.start()
+    try:
+        for since in (0.0, s.renew_deadline_s - 0.5, s.renew_deadline_s):
+            clock.now = a.lock.written + since
+            clock.looked_after(clock.reads)
+            assert lost == [], since  # within the renew deadline: still leading
+        # Past the renew deadline and still before the lease could expire for a standby: it has stopped.
+        clock.now = a.lock.written + (s.renew_deadline_s + s.lease_duration_s) / 2
+        watchdog.join(timeout=30)  # it returns once it has called the leader lost
+        assert not watchdog.is_alive() and len(lost) == 1 and "past the renew deadline of 10 s" in lost[0], lost
+    finally:
+        a.stopping.set()
+        watchdog.join(timeout=5)
+
+
 def test_a_graceful_stop_stops_renewing_without_calling_it_lost(leases: FakeLeases) -> None:
     lost: list[str] = []
     a = elector("a", lost, lease_duration_s=4, renew_deadline_s=2.5, retry_period_s=1)
