@@ -65,7 +65,10 @@ def rfc3339(t: float) -> str:
 
 
 def parse_rfc3339(text: str) -> float:
-    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    """Unix seconds of an RFC 3339 time ('Z' or an offset, fractions of a second allowed); one without a zone is
+    taken as UTC, never as the host's local time."""
+    parsed = datetime.fromisoformat(text)
+    return (parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)).timestamp()
 
 
 # --- what the driver observes --------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import httpx
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+from kubernetes.utils import parse_quantity
 from pydantic import ValidationError
 
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
@@ -379,11 +380,6 @@ def job_phase(job: client.V1Job | None) -> JobPhase:
     return "active"
 
 
-def _quantity(value: str) -> float:
-    """A Kubernetes quantity of CPUs or devices (no binary suffixes on those)."""
-    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
-
-
 class AutotuneKube:
     """The autotune loop's calls, beside `Kube`'s: one API client shared."""
 
@@ -444,7 +440,9 @@ class AutotuneKube:
                 continue
             value = (status.allocatable or {}).get(name)
             if value:
-                total += int(_quantity(str(value)) // per_pod)
+                # Any quantity the API server writes: "7910m", and "1k" for a thousand (a shared device's count).
+                quantity = parse_quantity(str(value))  # type: ignore[no-untyped-call]
+                total += int(float(quantity) // per_pod)
         return total
 
     def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:

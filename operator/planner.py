@@ -14,7 +14,7 @@ from fractions import Fraction
 
 from pydantic import ValidationError
 
-from npuserve.catalog.accelerators import GIB, Accelerator, get_accelerator
+from npuserve.catalog.accelerators import GIB, get_accelerator
 from npuserve.catalog.models import get_model_preset
 from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV, SCHEDULE_FIELD_BY_NAME, unservable
 from npuserve.mindie_config import (
@@ -523,10 +523,6 @@ def model_spec(spec: InferenceServiceSpec) -> ModelSpec:
         return get_model_preset(source.preset)
     assert source.architecture is not None
     return _spec_from_architecture(source.architecture)
-
-
-def accelerator_of(spec: InferenceServiceSpec) -> Accelerator:
-    return get_accelerator(spec.accelerator.type)
 
 
 def servability(plan: Plan) -> str | None:

@@ -146,11 +146,6 @@ class Claim:
         """They meet it, and the noise leaves at most `tolerance` of doubt about any bound: what SLOMet=True says."""
         return self.meets and all(u <= 1 + self.tolerance for u in self.upper.values())
 
-    @property
-    def surely_misses(self) -> bool:
-        """Some bound is missed beyond what the noise explains."""
-        return self.judgement.failure is None and any(v > 1 for v in self.lower.values())
-
 
 def kv_exhausted(metrics: TrialMetrics) -> bool:
     """Whether the KV cache ran out in the window: some engine's usage reached KV_EXHAUSTED_USAGE and requests were

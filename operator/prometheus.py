@@ -1,4 +1,4 @@
-"""PromQL over HTTP: the engine metrics of one InferenceService over one time window
+"""PromQL over HTTP: the engine metrics of InferenceServices over time windows
 (docs/operator.md#what-the-operator-reads-from-prometheus).
 
 The tuner judges a trial from what Prometheus scraped of the engines while the trial's schedule ran. This module
@@ -8,19 +8,22 @@ facts (KV usage, preemptions) and judges nothing: whether the KV cache ran out i
 - Series are selected by `namespace` and `npuserve_io_inferenceservice`: the pod label `npuserve.io/inferenceservice`
   as the PodMonitors' `podTargetLabels` copy it (the chart's monitor and `render.render_podmonitor`), optionally
   narrowed to some pods (benchmark mode measures one).
-- Every query runs at the window's end over the whole window (`[Ns]`, whole seconds) and aggregates to one series.
+- Every query runs at the window's end over the whole window (`[Ns]`, whole seconds) and aggregates to one series
+  per InferenceService: the windows that end together are read with one query per figure for them all.
 - Nothing here raises on a bad Prometheus: a query answers a number, `Empty` (no series), `NotANumber` (NaN or Inf,
-  e.g. a mean over no requests) or `Unreachable`. A query that answers several series is a bug here, and raises.
+  e.g. a mean over no requests) or `Unreachable`. A query that answers two series for one InferenceService, or no
+  vector, is a bug here, and raises.
 
 The metric names come from the engine contract (`npuserve.engine_contract`); the operator never imports the engine.
-The client is synchronous: the operator calls it from a worker thread.
+The client's methods are synchronous, each with its own event loop: the operator calls them from a worker thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -33,6 +36,9 @@ from npuserve.operator.names import INSTANCE_LABEL
 
 QUERY_PATH = "/api/v1/query"
 READY_PATH = "/-/ready"
+# Queries in flight at once: a group's 20 figures in three rounds, well inside Prometheus's default
+# --query.max-concurrency of 20, which its other clients (rules, dashboards) share.
+MAX_CONCURRENT_QUERIES = 8
 
 
 # --- outcomes ------------------------------------------------------------------------------------------------------
@@ -112,15 +118,6 @@ class Selection:
                 raise ValueError("pods: give a sequence of at least one pod name, or None for every pod")
             object.__setattr__(self, "pods", tuple(self.pods))  # a list given stays hashable and unshared
 
-    def matchers(self, **extra: str) -> str:
-        """The label matchers, `{namespace="ns",npuserve_io_inferenceservice="name",...}`."""
-        parts = [f"namespace={promql_string(self.namespace)}",
-                 f"{INSTANCE_PROM_LABEL}={promql_string(self.inference_service)}"]
-        if self.pods is not None:
-            parts.append(f"pod=~{promql_string('|'.join(regex_quote(p) for p in self.pods))}")
-        parts.extend(f"{k}={promql_string(v)}" for k, v in extra.items())
-        return "{" + ",".join(parts) + "}"
-
 
 # --- the queries of one window -------------------------------------------------------------------------------------
 
@@ -167,24 +164,16 @@ class Selections:
         return "{" + ",".join(parts) + "}"
 
 
-def window_queries(selection: Selection, window_s: int) -> dict[str, str]:
-    """The PromQL of every figure of one InferenceService's reading, by figure name; each runs at the window's end
-    and answers one series."""
-    return _queries(selection.matchers, None, window_s)
-
-
 def grouped_window_queries(selections: Selections, window_s: int) -> dict[str, str]:
-    """The same figures for every member of `selections` at once: each query answers one series per member (none
-    for a member without series), labelled with `selections.labels`."""
-    return _queries(selections.matchers, ",".join(selections.labels), window_s)
-
-
-def _queries(matchers: Callable[..., str], by: str | None, window_s: int) -> dict[str, str]:
+    """The PromQL of every figure of a reading, by figure name, for every member of `selections` at once: each runs
+    at the window's end and answers one series per member (none for a member without series), labelled with
+    `selections.labels`."""
+    matchers, by = selections.matchers, ",".join(selections.labels)
     sel = matchers()
     rng = f"[{window_s}s]"
 
     def agg(op: str, expr: str) -> str:
-        return f"{op}({expr})" if by is None else f"{op} by ({by}) ({expr})"
+        return f"{op} by ({by}) ({expr})"
 
     def increase(series: str, matchers: str = sel) -> str:
         return agg("sum", f"increase({series}{matchers}{rng})")
@@ -193,8 +182,7 @@ def _queries(matchers: Callable[..., str], by: str | None, window_s: int) -> dic
         return f"1000 * {increase(m.sum_series)} / {increase(m.count_series)}"
 
     def quantile_ms(m: EngineMetric, q: float) -> str:
-        le = "le" if by is None else f"{by},le"
-        return f"1000 * histogram_quantile({q}, sum by ({le}) (increase({m.bucket}{sel}{rng})))"
+        return f"1000 * histogram_quantile({q}, sum by ({by},le) (increase({m.bucket}{sel}{rng})))"
 
     queries: dict[str, str] = {}
     for prefix, m in (("ttft_ms", contract.METRIC_TIME_TO_FIRST_TOKEN),
@@ -273,7 +261,7 @@ class WindowReading:
 
     @classmethod
     def from_figures(cls, selection: Selection, end: float, window_s: int, figures: dict[str, Figure]) -> WindowReading:
-        """A reading from the figures of `window_queries`, by name."""
+        """A reading from the figures of `grouped_window_queries`, by name."""
 
         def latency(prefix: str) -> LatencyReading:
             return LatencyReading(mean=figures[f"{prefix}.mean"], p90=figures[f"{prefix}.p90"],
@@ -290,7 +278,7 @@ class WindowReading:
                    schedule_generation_pods=f["schedule_generation_pods"])
 
     def figures(self) -> dict[str, Figure]:
-        """Every figure by name (`ttft_ms.p90`, `errors`, ...), the names of `window_queries`."""
+        """Every figure by name (`ttft_ms.p90`, `errors`, ...), the names of `grouped_window_queries`."""
         out: dict[str, Figure] = {}
         for f in fields(self):
             value: Any = getattr(self, f.name)
@@ -374,36 +362,103 @@ class WindowReading:
 
 class PrometheusClient:
     """Instant queries against Prometheus's HTTP API (`POST /api/v1/query`, form-encoded: a query over many
-    InferenceServices is longer than a URL may be). Not async: called from a worker thread. Each query is bounded by
-    `timeout`, on the wire and on Prometheus's side (its `timeout` parameter).
+    InferenceServices is longer than a URL may be). Each query is bounded by `timeout`, on the wire and on
+    Prometheus's side (its `timeout` parameter); at most `concurrency` are in flight at once. Each call runs its own
+    event loop: call it from a worker thread, not from an event loop.
 
     `transport` replaces the network (tests pass an `httpx.MockTransport`)."""
 
-    def __init__(self, url: str, timeout: float = 5.0, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, transport: httpx.AsyncBaseTransport | None = None,
+                 concurrency: int = MAX_CONCURRENT_QUERIES) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency {concurrency}: want >= 1")
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, transport=transport)
+        self.concurrency = concurrency
+        self._transport = transport
 
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> PrometheusClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _http(self) -> httpx.AsyncClient:
+        # One per call: an AsyncClient's connections belong to the event loop that opened them.
+        return httpx.AsyncClient(base_url=self.url, timeout=self.timeout, transport=self._transport)
 
     def ready(self) -> bool:
         """Whether Prometheus answers and is ready to serve queries (`/-/ready`)."""
-        try:
-            return self._http.get(READY_PATH).status_code == 200
-        except httpx.HTTPError:
-            return False
 
-    def _ask(self, promql: str, at: float) -> list[tuple[dict[str, str], str]] | Unreachable:
-        """The answer's series (labels, value as Prometheus wrote it); a scalar is one series without labels."""
+        async def ask() -> bool:
+            async with self._http() as http:
+                try:
+                    return (await http.get(READY_PATH)).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+        return asyncio.run(ask())
+
+    def read_windows(self, windows: Sequence[tuple[Selection, float, float]]) -> list[WindowReading | Unreachable]:
+        """The readings of many windows (selection, start, end), in their order. Each query runs at `end` over
+        `ceil(end - start)` seconds (at least 1), one query per figure for every window that ends at the same time and
+        is as long (`grouped_window_queries`): the autotune loop aligns window ends to a grid so that they do. A
+        selection of several pods is read alone. A group's queries run at once (at most `concurrency`); once
+        Prometheus does not answer one, the group's others are cancelled and every window not read yet is
+        Unreachable with that answer."""
+        return asyncio.run(self._read_windows(windows))
+
+    async def _read_windows(self, windows: Sequence[tuple[Selection, float, float]],
+                            ) -> list[WindowReading | Unreachable]:
+        groups: dict[tuple[int, int, object], list[int]] = {}
+        for i, (selection, start, end) in enumerate(windows):
+            shape: object = None if selection.pods is None else (1 if len(selection.pods) == 1 else i)
+            groups.setdefault((_window_seconds(start, end), round(end * 1000), shape), []).append(i)
+        out: list[WindowReading | Unreachable | None] = [None] * len(windows)
+        down: Unreachable | None = None
+        async with self._http() as http:
+            gate = asyncio.Semaphore(self.concurrency)
+            for (window_s, _, _), members in groups.items():
+                end = windows[members[0]][2]
+                selections = Selections(tuple(dict.fromkeys(windows[i][0] for i in members)))
+                queries = grouped_window_queries(selections, window_s)
+                answers = down or await self._read_group(http, gate, queries, end, selections.labels)
+                if isinstance(answers, Unreachable):
+                    down = answers
+                    for i in members:
+                        out[i] = down
+                    continue
+                for i in members:
+                    selection = windows[i][0]
+                    key = selections.key(selection)
+                    figures: dict[str, Figure] = {
+                        name: _count(name, answers[name][key]) if key in answers[name] else Empty(promql)
+                        for name, promql in queries.items()}
+                    out[i] = WindowReading.from_figures(selection, end, window_s, figures)
+        return [r for r in out if r is not None]
+
+    async def _read_group(self, http: httpx.AsyncClient, gate: asyncio.Semaphore, queries: dict[str, str],
+                          at: float, labels: tuple[str, ...],
+                          ) -> dict[str, dict[tuple[str, ...], float | NotANumber]] | Unreachable:
+        """Every query of one group at once, by figure name; the first that Prometheus does not answer, instead."""
+
+        async def one(name: str, promql: str) -> tuple[str, dict[tuple[str, ...], float | NotANumber] | Unreachable]:
+            async with gate:
+                return name, await self._query_by(http, promql, at, labels)
+
+        tasks = [asyncio.create_task(one(name, promql)) for name, promql in queries.items()]
+        answers: dict[str, dict[tuple[str, ...], float | NotANumber]] = {}
         try:
-            response = self._http.post(QUERY_PATH, data={"query": promql, "time": f"{at:.3f}",
+            for finished in asyncio.as_completed(tasks):
+                name, answer = await finished  # a bug in a query (ValueError) raises here
+                if isinstance(answer, Unreachable):
+                    return answer  # the rest would wait out the same timeout: cancelled below
+                answers[name] = answer
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return answers
+
+    async def _ask(self, http: httpx.AsyncClient, promql: str, at: float,
+                   ) -> list[tuple[dict[str, str], str]] | Unreachable:
+        """The answer's series (labels, value as Prometheus wrote it)."""
+        try:
+            response = await http.post(QUERY_PATH, data={"query": promql, "time": f"{at:.3f}",
                                                          "timeout": f"{self.timeout:g}s"})
         except httpx.HTTPError as e:
             return Unreachable(self.url, f"{type(e).__name__}: {e}".rstrip(": "))
@@ -419,15 +474,14 @@ class PrometheusClient:
             return Unreachable(self.url, f"{answered}, not a Prometheus answer: {response.text[:200]!r}")
         try:
             result_type, result = body["data"]["resultType"], body["data"]["result"]
-            if result_type == "scalar":
-                return [({}, str(result[1]))]
             if result_type == "vector":
                 return [(dict(r.get("metric", {})), str(r["value"][1])) for r in result]
         except (KeyError, IndexError, TypeError, AttributeError) as e:
             return Unreachable(self.url, f"{answered}, malformed answer ({type(e).__name__}: {e})")
-        raise ValueError(f"query answered a {result_type}, not numbers: {promql}")
+        # Every query here is a `... by (labels)` aggregation, which answers a vector.
+        raise ValueError(f"query answered a {result_type}, not a vector: {promql}")
 
-    def _number(self, promql: str, text: str) -> float | NotANumber | Unreachable:
+    def _number(self, text: str, promql: str) -> float | NotANumber | Unreachable:
         try:
             value = float(text)  # Prometheus writes "NaN", "+Inf", "-Inf" for the non-finite
         except ValueError:
@@ -436,24 +490,11 @@ class PrometheusClient:
             return NotANumber(promql, text)
         return value
 
-    def query(self, promql: str, at: float) -> float | Empty | NotANumber | Unreachable:
-        """One instant query at unix time `at`. The query must aggregate to at most one series: more is a bug in the
-        query, and raises ValueError."""
-        answer = self._ask(promql, at)
-        if isinstance(answer, Unreachable):
-            return answer
-        if not answer:
-            return Empty(promql)
-        if len(answer) > 1:
-            raise ValueError(f"query answered {len(answer)} series, not one ({[m for m, _ in answer[:3]]} ...): "
-                             f"{promql}")
-        return self._number(promql, answer[0][1])
-
-    def query_by(self, promql: str, at: float, labels: tuple[str, ...],
-                 ) -> dict[tuple[str, ...], float | NotANumber] | Unreachable:
-        """One instant query that answers a series per value of `labels` (a `... by (labels)` aggregation): each
-        series' number by those values. Two series with the same values are a bug in the query, and raise."""
-        answer = self._ask(promql, at)
+    async def _query_by(self, http: httpx.AsyncClient, promql: str, at: float, labels: tuple[str, ...],
+                        ) -> dict[tuple[str, ...], float | NotANumber] | Unreachable:
+        """One instant query at unix time `at` that answers a series per value of `labels`: each series' number by
+        those values. Two series with the same values are a bug in the query, and raise ValueError."""
+        answer = await self._ask(http, promql, at)
         if isinstance(answer, Unreachable):
             return answer
         out: dict[tuple[str, ...], float | NotANumber] = {}
@@ -461,51 +502,11 @@ class PrometheusClient:
             key = tuple(metric.get(label, "") for label in labels)
             if key in out:
                 raise ValueError(f"query answered two series for {dict(zip(labels, key, strict=True))}: {promql}")
-            number = self._number(promql, text)
+            number = self._number(text, promql)
             if isinstance(number, Unreachable):
                 return number
             out[key] = number
         return out
-
-    def read_window(self, selection: Selection, start: float, end: float) -> WindowReading | Unreachable:
-        """Every figure of `selection` over the window ending at `end`: each query runs at `end` over
-        `ceil(end - start)` seconds (at least 1). Stops at the first query Prometheus does not answer."""
-        window_s = _window_seconds(start, end)
-        figures: dict[str, Figure] = {}
-        for name, promql in window_queries(selection, window_s).items():
-            answer = self.query(promql, end)
-            if isinstance(answer, Unreachable):
-                return answer
-            figures[name] = _count(name, answer)
-        return WindowReading.from_figures(selection, end, window_s, figures)
-
-    def read_windows(self, windows: Sequence[tuple[Selection, float, float]]) -> list[WindowReading | Unreachable]:
-        """The readings of many windows (selection, start, end), in their order, with one query per figure for every
-        window that ends at the same time and is as long (`grouped_window_queries`): the autotune loop aligns window
-        ends to a grid so that they do. A selection of several pods is read alone. Once Prometheus does not answer,
-        every window not read yet is Unreachable with that answer."""
-        groups: dict[tuple[int, int, object], list[int]] = {}
-        for i, (selection, start, end) in enumerate(windows):
-            shape: object = None if selection.pods is None else (1 if len(selection.pods) == 1 else i)
-            groups.setdefault((_window_seconds(start, end), round(end * 1000), shape), []).append(i)
-        out: list[WindowReading | Unreachable | None] = [None] * len(windows)
-        down: Unreachable | None = None
-        for (window_s, _, _), members in groups.items():
-            end = windows[members[0]][2]
-            selections = Selections(tuple(dict.fromkeys(windows[i][0] for i in members)))
-            figures: dict[tuple[str, ...], dict[str, Figure]] = {selections.key(s): {} for s in selections.members}
-            for name, promql in ([] if down else grouped_window_queries(selections, window_s).items()):
-                answer = self.query_by(promql, end, selections.labels)
-                if isinstance(answer, Unreachable):
-                    down = answer
-                    break
-                for key, held in figures.items():
-                    held[name] = _count(name, answer[key]) if key in answer else Empty(promql)
-            for i in members:
-                selection = windows[i][0]
-                out[i] = down or WindowReading.from_figures(selection, end, window_s,
-                                                            figures[selections.key(selection)])
-        return [r for r in out if r is not None]
 
 
 def _window_seconds(start: float, end: float) -> int:

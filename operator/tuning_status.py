@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from npuserve.operator.api import FAILURE_REASONS, TuningStatus, TuningTrial, TuningVerdict
+from npuserve.operator.api import FAILURE_REASONS, TuningTrial, TuningVerdict
 
 from .problem import TunedSchedule, TuningProblem
-from .tuner import NextTrial, Trial, Verdict, next_step
+from .tuner import Trial, Verdict
 
 
 def trial_status(problem: TuningProblem, index: int, trial: Trial) -> TuningTrial:
@@ -74,14 +74,3 @@ def verdict_status(verdict: Verdict, history: Sequence[TuningTrial]) -> TuningVe
                          maxBatchSize=verdict.schedule.maxBatchSize if verdict.schedule else None,
                          limit=verdict.limit, trials=[entries[i].trial for i in verdict.evidence],
                          pooled=verdict.pooled, noise=verdict.noise, message=verdict.message)
-
-
-def tuning_status(problem: TuningProblem, trials: Sequence[Trial]) -> TuningStatus:
-    """`status.tuning` for a history: Running while there is a next trial, then the verdict's phase and best."""
-    step = next_step(problem, trials)
-    history = [trial_status(problem, i, t) for i, t in enumerate(trials)][-100:]
-    if isinstance(step, NextTrial):
-        return TuningStatus(phase="Running", trial=len(trials), history=history)
-    best = None if step.best is None else trial_status(problem, step.best, trials[step.best])
-    return TuningStatus(phase=phase_of(step), trial=len(trials), best=best, history=history,
-                        verdict=verdict_status(step, history))

@@ -129,11 +129,6 @@ class StepCost:
     def total_s(self) -> float:
         return self.overhead_s + max(self.device_s, self.host_s) + self.swap_s
 
-    def as_dict(self) -> dict[str, float | str]:
-        return {"weights_s": self.weights_s, "kv_s": self.kv_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
-                "host_s": self.host_s, "overhead_s": self.overhead_s, "swap_s": self.swap_s,
-                "total_s": self.total_s, "bound": self.bound}
-
 
 class CostModel:
     """Step times of one model on `world_size` cards of one accelerator. Per-step arithmetic only: the constants of
@@ -195,14 +190,3 @@ class CostModel:
         return (self._step_overhead_s + max(device, shape.num_seqs * self._seq_overhead_s)
                 + shape.swapped_blocks * self._swap_s_per_block)
 
-
-def decode_shape(batch: int, context_per_seq: int) -> StepShape:
-    """A decode step of `batch` sequences each holding `context_per_seq` tokens (for tests and quick estimates)."""
-    return StepShape(num_seqs=batch, new_tokens=batch, context_tokens=batch * context_per_seq,
-                     attended_pairs=batch * context_per_seq, sampled_rows=batch)
-
-
-def prefill_shape(prompt_lens: list[int]) -> StepShape:
-    """A prefill step of fresh prompts (causal attention: a prompt of n tokens attends n (n + 1) / 2 pairs)."""
-    return StepShape(num_seqs=len(prompt_lens), new_tokens=sum(prompt_lens), context_tokens=sum(prompt_lens),
-                     attended_pairs=sum(n * (n + 1) // 2 for n in prompt_lens), sampled_rows=len(prompt_lens))

@@ -50,7 +50,7 @@ def test_unknown_preset_names_the_known_ones() -> None:
 def test_accelerators_memory_and_idle_figures_from_the_guide() -> None:
     b3 = get_accelerator("ascend-910b3")
     assert b3.memory_bytes == 64 * GIB and b3.idle_memory_bytes == int(3.4 * GIB)
-    assert get_accelerator("ascend-910b4").memory_gib == 32
+    assert get_accelerator("ascend-910b4").memory_bytes == 32 * GIB
     assert b3.resource_name == "huawei.com/Ascend910"
     assert get_accelerator("nvidia-h100-80gb").resource_name == "nvidia.com/gpu"
 

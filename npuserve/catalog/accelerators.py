@@ -38,10 +38,6 @@ class Accelerator(BaseModel):
     fitted_memory_bandwidth_gbps: float | None = Field(default=None, description="fitted GB/s (simulator)")
     fitted_interconnect_gbps: float | None = Field(default=None, description="fitted GB/s per direction (simulator)")
 
-    @property
-    def memory_gib(self) -> float | None:
-        return None if self.memory_bytes is None else self.memory_bytes / GIB
-
     def simulation_figures(self) -> SimulationFigures | None:
         """The figures the simulator runs this card with: the published ones where they exist, else the fitted
         ones (source "fitted" when any figure is); None when a figure is neither published nor fitted."""

@@ -1096,6 +1096,17 @@ def test_parse_duration_refuses(text: str) -> None:
         at.parse_duration(text)
 
 
+@pytest.mark.parametrize(("text", "seconds"), [
+    ("2024-05-01T12:00:00Z", 1714564800.0),  # as the loop writes it (`rfc3339`)
+    ("2024-05-01T12:00:00.250Z", 1714564800.25),  # as kubectl and client-go write a MicroTime
+    ("2024-05-01T14:00:00+02:00", 1714564800.0),
+    ("2024-05-01T12:00:00", 1714564800.0),  # no zone: UTC, not the host's local time
+])
+def test_parse_rfc3339(text: str, seconds: float) -> None:
+    assert at.parse_rfc3339(text) == seconds
+    assert at.parse_rfc3339(at.rfc3339(seconds)) == math.floor(seconds)  # whole seconds both ways
+
+
 def test_no_traffic_then_prometheus_down_are_two_inconclusive_entries() -> None:
     """Each cause of an inconclusive window is recorded once while the trial stays open: an empty window, then
     Prometheus down (the e2e order that once lost the second: it was not recorded, nor its event posted)."""

@@ -1,5 +1,6 @@
 """kube.py: the one status writer (optimistic concurrency, retry on 409), pruning of what a previous render made, the
-engines' /info read concurrently with a bound and a timeout, and how each engine container last ended."""
+engines' /info read concurrently with a bound and a timeout, how each engine container last ended, and how many
+pods the nodes hold."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from npuserve.operator.api import InferenceService
 from npuserve.operator.autotune_types import EngineReport, Termination
 from npuserve.operator.kube import (
     STATUS_WRITE_ATTEMPTS,
+    AutotuneKube,
     EnginePod,
+    Kube,
     StatusConflict,
     engine_pods,
     merge_patch,
@@ -214,3 +217,29 @@ def test_engine_pods_carry_how_their_engine_container_last_ended() -> None:
     reports = read_engines([p for p in pods if not p.ready])  # not ready: no /info read, the facts carried over
     assert reports == [EngineReport("down", False, error="not ready", restarts=2, terminated=ended),
                        EngineReport("backing-off", False, error="not ready", restarts=5, terminated=ended)]
+
+
+# --- what the nodes hold ---------------------------------------------------------------------------------------------
+
+
+class FakeNodes:
+    """`core.list_node()` over nodes given as (unschedulable, allocatable)."""
+
+    def __init__(self, nodes: list[tuple[bool, dict[str, str]]]) -> None:
+        self.nodes = [client.V1Node(spec=client.V1NodeSpec(unschedulable=off),
+                                    status=client.V1NodeStatus(allocatable=allocatable)) for off, allocatable in nodes]
+
+    def list_node(self) -> client.V1NodeList:
+        return client.V1NodeList(items=self.nodes)
+
+
+def test_the_replica_limit_reads_every_quantity_the_api_server_writes() -> None:
+    kube = Kube.__new__(Kube)  # no API server: only `core` is read
+    kube.core = FakeNodes([(False, {"cpu": "7500m", "npu.example/shares": "1k"}),  # 1000, as Kubernetes writes it
+                           (False, {"cpu": "16", "npu.example/shares": "1500"}),
+                           (True, {"cpu": "64", "npu.example/shares": "8k"}),  # cordoned: not counted
+                           (False, {})])  # type: ignore[assignment]
+    calls = AutotuneKube.__new__(AutotuneKube)
+    calls.kube = kube
+    assert calls.replica_limit(None, 2.0) == 3 + 8
+    assert calls.replica_limit("npu.example/shares", 250.0) == 4 + 6

@@ -31,12 +31,24 @@ from npuserve.sim import (
     sweep,
 )
 from npuserve.sim import calibration as cal
-from npuserve.sim.cost_model import decode_shape, prefill_shape
+from npuserve.sim.cost_model import StepShape
 from npuserve.sim.lengths import draw_output
 from npuserve.sim.load import LoadDriver
 
 LLAMA = get_model_preset("llama3-8b")
 H100 = Hardware.of(get_accelerator("nvidia-h100-80gb"))
+
+
+def decode_shape(batch: int, context_per_seq: int) -> StepShape:
+    """A decode step of `batch` sequences each holding `context_per_seq` tokens."""
+    return StepShape(num_seqs=batch, new_tokens=batch, context_tokens=batch * context_per_seq,
+                     attended_pairs=batch * context_per_seq, sampled_rows=batch)
+
+
+def prefill_shape(prompt_lens: list[int]) -> StepShape:
+    """A prefill step of fresh prompts (causal attention: a prompt of n tokens attends n (n + 1) / 2 pairs)."""
+    return StepShape(num_seqs=len(prompt_lens), new_tokens=sum(prompt_lens), context_tokens=sum(prompt_lens),
+                     attended_pairs=sum(n * (n + 1) // 2 for n in prompt_lens), sampled_rows=len(prompt_lens))
 
 
 def engine_config(world_size: int = 1, **schedule: object) -> MindIEConfig:
