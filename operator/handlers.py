@@ -32,6 +32,8 @@ kopf settings, chosen on purpose:
 - autotune: a thread (`autotune_loop.AutotuneLoop`) started at start-up; `track_autotune`, an event handler, tells
   it which InferenceServices to tune and when one changed (the workload handlers too, when its engines did). Its
   state is all in their status (module docstring of `autotune.py`).
+- the Kubernetes client and the autotune loop live in kopf's memo, made by the startup handler (kopf copies the
+  operator's memo to each object's, after start-up): no module state, and a test hands the handlers its own.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
@@ -57,15 +59,20 @@ from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
 from .planner import PlanError, plan, servability
 from .render import render, render_admin_secret, render_configmap, selector
 
-_kube: kube_module.Kube | None = None
-_loop: AutotuneLoop | None = None
+# The keys of kopf's memo the startup handler fills (beside MEMO_PROMETHEUS_URL, which `npuserve operator` gives).
+MEMO_KUBE = "kube"
+MEMO_AUTOTUNE_LOOP = "autotune_loop"
 
 
-def kube() -> kube_module.Kube:
-    global _kube
-    if _kube is None:
-        _kube = kube_module.Kube()
-    return _kube
+def kube_of(memo: kopf.Memo) -> kube_module.Kube:
+    client: kube_module.Kube = memo[MEMO_KUBE]
+    return client
+
+
+def autotune_loop_of(memo: kopf.Memo) -> AutotuneLoop | None:
+    """None until start-up has made it (a handler that runs without the startup handler, as in a test)."""
+    loop: AutotuneLoop | None = memo.get(MEMO_AUTOTUNE_LOOP)
+    return loop
 
 
 @kopf.on.startup()
@@ -82,40 +89,38 @@ def configure(*, settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> 
     settings.persistence.consistency_timeout = 30.0
     settings.watching.client_timeout = 330
     settings.execution.max_workers = 16
-    global _loop
     # `npuserve operator --prometheus-url` puts it in kopf's memo; `kopf run -m` (the e2e tests) leaves the memo empty.
     prometheus_url = memo.get(MEMO_PROMETHEUS_URL) or os.environ.get(PROMETHEUS_URL_ENV) or None
-    _loop = AutotuneLoop(kube(), prometheus_url)
-    _loop.start()
+    client = kube_module.Kube()
+    loop = AutotuneLoop(client, prometheus_url)
+    memo[MEMO_KUBE], memo[MEMO_AUTOTUNE_LOOP] = client, loop
+    loop.start()
 
 
 @kopf.on.cleanup()
-def stop_autotune(**_: Any) -> None:
-    if _loop is not None:
-        _loop.stop()
+def stop_autotune(*, memo: kopf.Memo, **_: Any) -> None:
+    loop = autotune_loop_of(memo)
+    if loop is not None:
+        loop.stop()
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def track_autotune(*, body: kopf.Body, type: str | None, **_: Any) -> None:
+def track_autotune(*, body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """Tell the autotune loop which InferenceServices to tune (an event handler: no finalizer, unlike a timer)."""
-    if _loop is None:
+    loop = autotune_loop_of(memo)
+    if loop is None:
         return
     spec, status = body.get("spec") or {}, body.get("status") or {}
     wanted = type != "DELETED" and (bool((spec.get("autotune") or {}).get("enabled"))
                                     or bool((status.get("tuning") or {}).get("current")))
-    _loop.track(body.metadata.namespace or "default", body.metadata.name or "", wanted, outside_signature(body))
+    loop.track(body.metadata.namespace or "default", body.metadata.name or "", wanted, outside_signature(body))
 
 
 def _parse(body: Mapping[str, Any]) -> InferenceService:
     return InferenceService.model_validate({k: body.get(k) for k in ("apiVersion", "kind", "metadata", "spec")})
 
 
-def _write(namespace: str, name: str, change: Callable[[Mapping[str, Any]], Status | None],
-           ) -> kube_module.StatusUpdate | None:
-    return kube().update_status(namespace, name, change)
-
-
-def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
+def reconcile(body: kopf.Body, logger: kopf.Logger, client: kube_module.Kube) -> Plan:
     """Plan; write the plan; apply and prune, or deploy nothing where the engine cannot serve the plan yet."""
     name, namespace = body.metadata.name or "", body.metadata.namespace or "default"
     generation = body.metadata.get("generation")
@@ -125,15 +130,15 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         result = plan(isvc.spec)
     except (PlanError, ValidationError) as e:
         message = str(e)
-        _write(namespace, name, lambda o: st.plan_failed(o.get("status") or {}, message, generation, st.now_rfc3339()))
+        client.update_status(namespace, name, lambda o: st.plan_failed(o.get("status") or {}, message, generation,
+                                                                       st.now_rfc3339()))
         kopf.warn(body, reason="PlanFailed", message=message[:1024])
         raise kopf.PermanentError(f"cannot plan: {message}") from e
     sel, autotune = selector(isvc), isvc.spec.autotune.enabled
-    client = kube()
     why = servability(result)
     if why is not None:
-        _write(namespace, name, lambda o: st.cannot_serve(o.get("status") or {}, result, why, generation, sel,
-                                                          st.now_rfc3339(), autotune))
+        client.update_status(namespace, name, lambda o: st.cannot_serve(o.get("status") or {}, result, why, generation,
+                                                                        sel, st.now_rfc3339(), autotune))
         removed = client.prune(namespace, name, [])  # what an earlier spec deployed
         kopf.warn(body, reason=st.ENGINE_CANNOT_SERVE, message=st.cannot_serve_message(why, result)[:1024])
         logger.warning("not deployed: %s%s", why, f"; removed {', '.join(removed)}" if removed else "")
@@ -150,28 +155,27 @@ def reconcile(body: kopf.Body, logger: kopf.Logger) -> Plan:
         schedule, schedule_generation = configmap_schedule(isvc, result, o.get("status") or {})
         return st.planned(o.get("status") or {}, result, generation, sel, st.now_rfc3339(), autotune, schedule)
 
-    _write(namespace, name, write_plan)
+    client.update_status(namespace, name, write_plan)
     kopf.info(body, reason="Planned", message=st.plan_summary(result))
     # The engines' admin token: made once, kept (the pods read it from their environment).
     if isvc.metadata.uid and client.create_if_absent(render_admin_secret(isvc, secrets.token_urlsafe(32))):
         logger.info("created the admin Secret of %s/%s", namespace, name)
     objects = render(isvc, result, schedule, schedule_generation)
-    applied, skipped = _apply(body, namespace, name, generation, objects)
+    applied, skipped = _apply(client, body, namespace, name, generation, objects)
     removed = client.prune(namespace, name, objects)
-    _write(namespace, name, lambda o: st.deployed(o.get("status") or {}, applied, skipped, generation,
-                                                  st.now_rfc3339()))
+    client.update_status(namespace, name, lambda o: st.deployed(o.get("status") or {}, applied, skipped, generation,
+                                                                st.now_rfc3339()))
     kopf.info(body, reason="Applied", message=f"applied {', '.join(applied)}"
               + (f"; removed {', '.join(removed)}" if removed else ""))
     logger.info("reconciled: %s", st.plan_summary(result))
     return result
 
 
-def _apply(body: kopf.Body, namespace: str, name: str, generation: int | None,
+def _apply(client: kube_module.Kube, body: kopf.Body, namespace: str, name: str, generation: int | None,
            objects: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """Server-side apply of each object; (kinds applied, optional kinds skipped because their API is not served).
     A required kind that is not served, or an apply the API server refuses, is said on the Deployed condition and
     raised for kopf to retry."""
-    client = kube()
     applied: list[str] = []
     skipped: list[str] = []
     for manifest in objects:
@@ -185,36 +189,36 @@ def _apply(body: kopf.Body, namespace: str, name: str, generation: int | None,
                                   f"install {hint}")
                 continue
             message = f"the API server does not serve {manifest['apiVersion']} {kind}; install {hint}"
-            _fail_deploy(body, namespace, name, generation, f"{kind}NotInstalled", message)
+            _fail_deploy(client, body, namespace, name, generation, f"{kind}NotInstalled", message)
             raise kopf.TemporaryError(message, delay=60)
         try:
             client.apply(manifest)
         except k8s_client.ApiException as e:
-            _fail_deploy(body, namespace, name, generation, "ApplyFailed",
+            _fail_deploy(client, body, namespace, name, generation, "ApplyFailed",
                          f"{kind}/{manifest['metadata']['name']}: {e.status} {e.reason}: {e.body}"[:1024])
             raise
         applied.append(kind)
     return applied, skipped
 
 
-def _fail_deploy(body: kopf.Body, namespace: str, name: str, generation: int | None, reason: str,
-                 message: str) -> None:
-    _write(namespace, name, lambda o: st.not_deployed(o.get("status") or {}, reason, message, generation,
-                                                      st.now_rfc3339()))
+def _fail_deploy(client: kube_module.Kube, body: kopf.Body, namespace: str, name: str, generation: int | None,
+                 reason: str, message: str) -> None:
+    client.update_status(namespace, name, lambda o: st.not_deployed(o.get("status") or {}, reason, message,
+                                                                    generation, st.now_rfc3339()))
     kopf.warn(body, reason=reason, message=message)
 
 
 @kopf.on.field(GROUP, VERSION, PLURAL, field="status.tuning.applied")
-def on_applied_schedule(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+def on_applied_schedule(*, body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
     """The autotune loop applied a schedule (status.tuning.applied): the ConfigMap follows, at its generation."""
-    write_configmap(body, logger)
+    write_configmap(body, logger, kube_of(memo))
 
 
-def write_configmap(body: Mapping[str, Any], logger: kopf.Logger) -> None:
+def write_configmap(body: Mapping[str, Any], logger: kopf.Logger, client: kube_module.Kube) -> None:
     """The ConfigMap from the status as it is now: the tuner's schedule and generation, or the plan's."""
     metadata = body.get("metadata") or {}
     namespace, name = metadata.get("namespace") or "default", metadata.get("name") or ""
-    obj = kube().get_inference_service(namespace, name)  # the status now, not the event's (it may be older)
+    obj = client.get_inference_service(namespace, name)  # the status now, not the event's (it may be older)
     status = (obj or {}).get("status") or {}
     plan_now = st.plan_of(status) if obj is not None and st.engines_expected(status) else None
     if obj is None or plan_now is None:
@@ -224,24 +228,24 @@ def write_configmap(body: Mapping[str, Any], logger: kopf.Logger) -> None:
     except ValidationError:
         return
     schedule, schedule_generation = configmap_schedule(isvc, plan_now, status)
-    kube().apply(render_configmap(isvc, plan_now, schedule, schedule_generation))
+    client.apply(render_configmap(isvc, plan_now, schedule, schedule_generation))
     logger.info("ConfigMap of %s/%s at schedule generation %d", namespace, name, schedule_generation)
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
-def on_create(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, logger)
+def on_create(*, body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(body, logger, kube_of(memo))
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def on_update(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
-    reconcile(body, logger)
+def on_update(*, body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
+    reconcile(body, logger, kube_of(memo))
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-def on_resume(*, body: kopf.Body, logger: kopf.Logger, **_: Any) -> None:
+def on_resume(*, body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
     """After an operator restart: re-apply (idempotent by server-side apply) so nothing drifted while it was away."""
-    reconcile(body, logger)
+    reconcile(body, logger, kube_of(memo))
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
@@ -252,32 +256,34 @@ def on_delete(*, name: str, namespace: str | None, logger: kopf.Logger, **_: Any
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={INSTANCE_LABEL: kopf.PRESENT})
-def on_engine_deployment(*, body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+def on_engine_deployment(*, body: kopf.Body, type: str | None, logger: kopf.Logger, memo: kopf.Memo,
+                         **_: Any) -> None:
     """An engine Deployment changed (its pods became ready or not): update its InferenceService's readiness."""
-    _on_workload(body, type, logger)
+    _on_workload(body, type, logger, memo)
 
 
 # Watched only where the LeaderWorkerSet CRD is installed (kopf warns "Unresolved resources cannot be served" and
 # carries on without it, and starts watching when the CRD is created).
 @kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={INSTANCE_LABEL: kopf.PRESENT})
-def on_engine_leaderworkerset(*, body: kopf.Body, type: str | None, logger: kopf.Logger, **_: Any) -> None:
+def on_engine_leaderworkerset(*, body: kopf.Body, type: str | None, logger: kopf.Logger, memo: kopf.Memo,
+                              **_: Any) -> None:
     """A multi-node replica's LeaderWorkerSet changed: the same readiness update as for a Deployment."""
-    _on_workload(body, type, logger)
+    _on_workload(body, type, logger, memo)
 
 
-def _on_workload(body: kopf.Body, type: str | None, logger: kopf.Logger) -> None:
+def _on_workload(body: kopf.Body, type: str | None, logger: kopf.Logger, memo: kopf.Memo) -> None:
     if type == "DELETED":
         return
     name, namespace = body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default"
-    if _loop is not None:
-        _loop.poke(namespace, name)  # an engine restarted or went unready: an open trial fails now, not at its end
-    update_readiness(name, namespace, logger)
+    loop = autotune_loop_of(memo)
+    if loop is not None:
+        loop.poke(namespace, name)  # an engine restarted or went unready: an open trial fails now, not at its end
+    update_readiness(name, namespace, logger, kube_of(memo))
 
 
-def update_readiness(name: str, namespace: str, logger: kopf.Logger) -> None:
+def update_readiness(name: str, namespace: str, logger: kopf.Logger, client: kube_module.Kube) -> None:
     """Pods ready, the Ready condition, phase, and the KV blocks each engine actually allocated (its /info), judged
     against the plan in the status."""
-    client = kube()
     obj = client.get_inference_service(namespace, name)
     status = (obj or {}).get("status") or {}
     sel = status.get("selector")

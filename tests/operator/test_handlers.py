@@ -29,16 +29,19 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
 
 
 def _cluster(monkeypatch: pytest.MonkeyPatch, obj: dict[str, Any], served: set[str] | None = None) -> FakeKube:
-    fake = FakeKube(obj, served)
-    monkeypatch.setattr(handlers, "_kube", fake)
-    return fake
+    return FakeKube(obj, served)
+
+
+def _memo(fake: FakeKube) -> kopf.Memo:
+    """kopf's memo as the startup handler leaves it, without the autotune loop."""
+    return kopf.Memo({handlers.MEMO_KUBE: fake})
 
 
 def _reconcile(fake: FakeKube, spec_changes: dict[str, Any] | None = None) -> None:
     obj = copy.deepcopy(fake.custom.obj)  # type: ignore[attr-defined]
     obj["spec"].update(spec_changes or {})
     fake.custom.obj["spec"] = obj["spec"]  # type: ignore[attr-defined]
-    handlers.reconcile(kopf.Body(obj), LOG)  # type: ignore[arg-type]
+    handlers.reconcile(kopf.Body(obj), LOG, fake)  # type: ignore[arg-type]
 
 
 def _conditions(fake: FakeKube) -> dict[str, dict[str, Any]]:
@@ -173,7 +176,7 @@ def test_the_configmap_follows_status_tuning_applied_from_the_status_now(
     fake.custom.write(tuned(7, 11))  # type: ignore[attr-defined]
     event_body = copy.deepcopy(fake.custom.obj)  # type: ignore[attr-defined]
     fake.custom.write(tuned(9, 12))  # type: ignore[attr-defined]  # the loop applied again before the handler ran
-    handlers.on_applied_schedule(body=kopf.Body(event_body), logger=LOG)  # type: ignore[arg-type]
+    handlers.on_applied_schedule(body=kopf.Body(event_body), logger=LOG, memo=_memo(fake))  # type: ignore[arg-type]
     config = json.loads(fake.objects[("ConfigMap", "team-a", "tiny-config")]["data"]["config.json"])
     assert config["BackendConfig"]["ScheduleConfig"]["maxBatchSize"] == 9
     assert config["npuserve"]["scheduleGeneration"] == 12
@@ -186,7 +189,7 @@ def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatc
     fake.custom.obj["spec"]["replicas"] = 3  # type: ignore[attr-defined]
     monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", True)])
     monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", True, kv_blocks=8192)])
-    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     assert fake.status["phase"] == "Ready" and fake.status["observed"] == {"kvBlocksAllocated": 8192}
     assert _conditions(fake)["Ready"]["message"] == "1/1 engine pods ready"
     assert events[-1] == ("Normal", "Ready", "1/1 engine pods ready")
@@ -200,18 +203,18 @@ def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monke
     monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", False)])
     monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=1,
                                                                          terminated=fatal)])
-    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     ready = _conditions(fake)["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "EngineCrashed")
     assert "engine pod tiny-a exited with code 1 (Error), restarted 1 time(s): no engine step has completed" in (
         ready["message"])
     assert [e[:2] for e in events if e[0] == "Warning"] == [("Warning", "EngineCrashed")]
     assert "no engine step has completed" in events[-1][2]
-    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]  # the next workload event
+    handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]  # the next workload event
     assert [e[1] for e in events].count("EngineCrashed") == 1  # one event per change, not one per workload event
     monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=4,
                                                                          terminated=fatal)])
-    handlers.update_readiness("tiny", "team-a", LOG)  # type: ignore[arg-type]
+    handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     assert _conditions(fake)["Ready"]["reason"] == "EngineCrashLooping"
     assert events[-1][:2] == ("Warning", "EngineCrashLooping")
 
@@ -239,22 +242,50 @@ def test_npuserve_operator_loads_the_handlers_by_name_and_passes_prometheus_in_k
 ])
 def test_the_startup_handler_takes_prometheus_from_the_memo_then_the_environment(
         monkeypatch: pytest.MonkeyPatch, memo_url: str | None, env_url: str | None, expected: str | None) -> None:
-    started: list[str | None] = []
+    started: list[tuple[object, str | None]] = []
+    client = object()
 
     class Loop:
         def __init__(self, kube: object, prometheus_url: str | None) -> None:
-            started.append(prometheus_url)
+            started.append((kube, prometheus_url))
 
         def start(self) -> None:
             pass
 
     monkeypatch.setattr(handlers, "AutotuneLoop", Loop)
-    monkeypatch.setattr(handlers, "_kube", object())
-    monkeypatch.setattr(handlers, "_loop", None)
+    monkeypatch.setattr(kube, "Kube", lambda: client)
     if env_url is None:
         monkeypatch.delenv("NPUSERVE_PROMETHEUS_URL", raising=False)
     else:
         monkeypatch.setenv("NPUSERVE_PROMETHEUS_URL", env_url)
     memo = kopf.Memo() if memo_url is None else kopf.Memo(prometheus_url=memo_url)
     handlers.configure(settings=kopf.OperatorSettings(), memo=memo)
-    assert started == [expected]
+    assert started == [(client, expected)]
+    # The handlers find the client and the loop in the memo kopf copies to every object's.
+    assert handlers.kube_of(memo) is client and isinstance(handlers.autotune_loop_of(memo), Loop)
+
+
+def test_the_handlers_tell_the_autotune_loop_from_the_memo(monkeypatch: pytest.MonkeyPatch,
+                                                           events: list[Any]) -> None:
+    """The event handler tracks an InferenceService, the workload handler pokes it, with the memo's loop; without
+    one (before start-up), neither fails."""
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)
+    calls: list[tuple[str, ...]] = []
+
+    class Loop:
+        def track(self, namespace: str, name: str, wanted: bool, signature: object) -> None:
+            calls.append(("track", namespace, name, str(wanted)))
+
+        def poke(self, namespace: str, name: str) -> None:
+            calls.append(("poke", namespace, name))
+
+    isvc = kopf.Body(copy.deepcopy(fake.custom.obj))  # type: ignore[attr-defined]
+    workload = kopf.Body({"metadata": {"namespace": "team-a", "name": "tiny",
+                                       "labels": {"npuserve.io/inferenceservice": "tiny"}}})
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [])
+    monkeypatch.setattr(kube, "read_engines", lambda pods: [])
+    for memo in (_memo(fake), kopf.Memo({**_memo(fake), handlers.MEMO_AUTOTUNE_LOOP: Loop()})):
+        handlers.track_autotune(body=isvc, type="ADDED", memo=memo)
+        handlers.on_engine_deployment(body=workload, type="MODIFIED", logger=LOG, memo=memo)  # type: ignore[arg-type]
+    assert calls == [("track", "team-a", "tiny", "False"), ("poke", "team-a", "tiny")]
