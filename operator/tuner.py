@@ -323,9 +323,18 @@ def _throughput_below(problem: TuningProblem, h: History, edge: Point) -> Point:
     below = max(_certain_up_to(h, edge.batch), key=lambda p: (p.throughput, p.batch))
     if below is edge:
         return edge
-    lead = math.log(below.throughput / max(edge.throughput, 1e-9))
-    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(below.windows) + 1 / len(edge.windows))
-    return below if lead > max(doubt, problem.tolerance) else edge
+    return below if _lead(below, edge) > max(_lead_doubt(h, below, edge), problem.tolerance) else edge
+
+
+def _lead(a: Point, b: Point) -> float:
+    """How much more tok/s `a` measured than `b`, as a log ratio."""
+    return math.log(a.throughput / max(b.throughput, 1e-9))
+
+
+def _lead_doubt(h: History, a: Point, b: Point) -> float:
+    """How large a lead of `a` over `b` the noise alone may make: the t-quantile of the log ratio of two pooled
+    means, each over its own windows."""
+    return t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(a.windows) + 1 / len(b.windows))
 
 
 def _certain_up_to(h: History, top: int) -> list[Point]:
@@ -346,9 +355,8 @@ def _undecided_peak(problem: TuningProblem, h: History, top: int | None = None) 
     if len(pts) < 2:
         return None
     best, second = pts[0], pts[1]
-    lead = math.log(best.throughput / max(second.throughput, 1e-9))
-    doubt = t_quantile(h.noise.df) * h.noise.throughput * math.sqrt(1 / len(best.windows) + 1 / len(second.windows))
-    if lead + problem.tolerance >= doubt:  # the runner-up cannot be better by more than the tolerance
+    # The runner-up cannot be better by more than the tolerance.
+    if _lead(best, second) + problem.tolerance >= _lead_doubt(h, best, second):
         return None
     for p in sorted((best, second), key=lambda p: len(p.windows)):
         if len(p.windows) < MAX_REPEATS:
