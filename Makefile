@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml
 lint: setup
 	$(BIN)/ruff check .
 
-# mypy sees the folders under their import names (npuserve.engine, npuserve.operator) through a tree of links, as
+# mypy sees the folders under their import names (npuserve.engine, npuserve.planning, ...) through a tree of links, as
 # the editable install's import hook is invisible to it and `operator/` by path would clash with the stdlib.
 TYPECHECK_TREE := build/typecheck
 typecheck: setup
 	@rm -rf $(TYPECHECK_TREE) && mkdir -p $(TYPECHECK_TREE)/npuserve
 	@for f in npuserve/*.py npuserve/py.typed npuserve/catalog; do ln -s "$(CURDIR)/$$f" $(TYPECHECK_TREE)/npuserve/; done
-	@for p in engine operator loadgen sim; do ln -s "$(CURDIR)/$$p" $(TYPECHECK_TREE)/npuserve/$$p; done
+	@for p in engine planning operator loadgen sim; do ln -s "$(CURDIR)/$$p" $(TYPECHECK_TREE)/npuserve/$$p; done
 	cd $(TYPECHECK_TREE) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p npuserve
 
 # --durations: where the suite's time goes, printed at the end of every run (CI's limit is 90 minutes).

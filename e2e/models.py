@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from npuserve.operator.api import InferenceServiceSpec
-from npuserve.operator.planner import ARCHITECTURE_FIELDS, model_spec
+from npuserve.planning.api import InferenceServiceSpec
+from npuserve.planning.planner import ARCHITECTURE_FIELDS, model_spec
 
 
 def create_dummy_for(spec: dict[str, Any], out: Path, seed: int = 0) -> Path:

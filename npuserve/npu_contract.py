@@ -1,6 +1,6 @@
 """The Ascend attention kernels' limits that decide the KV block size on npu, defined once: the engine refuses a
 block size its kernels cannot take (engine/servable.py) and routes each step by them (engine/backends/npu.py); the
-operator's plan refuses the same block size before it deploys (operator/planner.py). No torch here.
+operator's plan refuses the same block size before it deploys (planning/planner.py). No torch here.
 
 Sources (hiascend ATB operator documentation, CANN 8.0.RC2 to 9.1.0):
 - PagedAttentionOperation (ascendtb_01_0198; ascendtb_01_0070): `block_size % 16 == 0`, `block_size x head_size <=

@@ -6,7 +6,7 @@ actions to take (a schedule to apply to every engine and the ConfigMap, a Job to
 to scale to, events) and the new status. It does no I/O and reads no clock: the autotune driver
 (`autotune_loop.py`) gathers the observation, writes the status through the one status writer, then runs the actions.
 The status holds the whole state (the trial in progress, the typed history, the capacity probes), so an operator that
-restarts resumes where it was, and the pure tuner (`tuner.next_step`) decides every trial from the history, as the
+restarts resumes where it was, and the pure tuner (`tuner.decide`) decides every trial from the history, as the
 simulator's tests drive it.
 
 One trial: the tuner's schedule goes to every engine (PUT /admin/schedule) and into the ConfigMap (a restarted pod
@@ -36,9 +36,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 
 from npuserve.engine_contract import HOT_SCHEDULE_FIELDS
-
-from . import capacity as capacity_part
-from .api import (
+from npuserve.planning.api import (
     SCHEDULE_NOT_RUN,
     AppliedSchedule,
     FailureReasonName,
@@ -51,6 +49,11 @@ from .api import (
     TuningStatus,
     TuningTrial,
 )
+from npuserve.planning.problem import TunedSchedule, TuningProblem
+from npuserve.planning.tuner import NextTrial, Trial, Verdict, best_so_far, decide
+from npuserve.planning.tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
+
+from . import capacity as capacity_part
 from .autotune_types import Actions as Actions
 from .autotune_types import Event as Event
 from .autotune_types import GenerationsRun as GenerationsRun
@@ -61,12 +64,9 @@ from .autotune_types import Observation as Observation
 from .autotune_types import PodState as PodState
 from .autotune_types import Status, format_duration, parse_duration, parse_rfc3339, rfc3339
 from .autotune_types import WindowRequest as WindowRequest
-from .problem import TunedSchedule, TuningProblem
 from .render import bench_job_name, render_bench_job
 from .status import condition as condition_of
 from .status import serving_phase, set_condition
-from .tuner import NextTrial, Trial, Verdict, best_so_far, next_step
-from .tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
 
 SETTLE_FRACTION = 0.25  # of autotune.window: settles after a change and is not measured
 # Settling also lasts this many times the last window's mean request latency: requests admitted under the schedule
@@ -246,7 +246,7 @@ def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) ->
 def next_look(isvc: InferenceService, status: Mapping[str, Any], now: float) -> float:
     """When the driver must run `advance` again for this InferenceService if nothing about it changes meanwhile: the
     open trial's window end, the next window after tuning, a recheck while it waits (for engines, Prometheus, a
-    capacity step), and IDLE_LOOK_S at the latest."""
+    capacity probe), and IDLE_LOOK_S at the latest."""
     tuning = tuning_of(status)
     latest = now + IDLE_LOOK_S
     if not isvc.spec.autotune.enabled:
@@ -275,7 +275,7 @@ def waits_for_prometheus(status: Mapping[str, Any]) -> bool:
 
 
 def needs_replica_limit(isvc: InferenceService, plan: Plan, status: Mapping[str, Any]) -> bool:
-    """Whether this step may scale: capacity is asked for and not yet measured for this tuning problem (only then
+    """Whether this look may scale: capacity is asked for and not yet measured for this tuning problem (only then
     does the driver list the nodes)."""
     if isvc.spec.capacity is None:
         return False
@@ -284,17 +284,17 @@ def needs_replica_limit(isvc: InferenceService, plan: Plan, status: Mapping[str,
                                                                                                   "Failed"))
 
 
-# --- the step ------------------------------------------------------------------------------------------------------
+# --- one look -------------------------------------------------------------------------------------------------------
 
 
 def advance(isvc: InferenceService, plan: Plan, status: Mapping[str, Any], obs: Observation) -> Actions:
-    """One step of the loop (module docstring). `status` is the InferenceService's status now."""
-    step = _Step(isvc, plan, status, obs)
-    step.run()
-    return step.actions
+    """One look of the loop (module docstring). `status` is the InferenceService's status now."""
+    look = _Look(isvc, plan, status, obs)
+    look.run()
+    return look.actions
 
 
-class _Step:
+class _Look:
     def __init__(self, isvc: InferenceService, plan: Plan, status: Mapping[str, Any], obs: Observation) -> None:
         self.isvc, self.plan, self.obs = isvc, plan, obs
         self.now = rfc3339(obs.now)
@@ -388,12 +388,12 @@ class _Step:
                 self.tuning.message += f"; {WAITING_MESSAGE}"
             self.condition("Tuning", True, REASON_ROLLED_BACK if rolled_back else REASON_WAITING, self.tuning.message)
             return
-        step = next_step(self.problem, trials_of(self.tuning.history))
-        if isinstance(step, NextTrial):
+        decision = decide(self.problem, trials_of(self.tuning.history))
+        if isinstance(decision, NextTrial):
             number = len(self.tuning.history)
-            self.open_window("trial", number, self.problem.knobs(step.schedule), step.reason)
+            self.open_window("trial", number, self.problem.knobs(decision.schedule), decision.reason)
         else:
-            self.conclude(step)
+            self.conclude(decision)
 
     def open_window(self, kind: Literal["trial", "capacity"], number: int, knobs: ScheduleKnobs, reason: str,
                     concurrency: int | None = None, attempts: int = 0) -> str:
@@ -617,10 +617,10 @@ class _Step:
                            f"{self.problem.batch_max} was shown to meet it: relax spec.slo, add cards "
                            "(spec.accelerator.cards) or replicas, or shorten spec.workload")
         self.event("Normal" if verdict.slo_met else "Warning", "TuningFinished", said)
-        capacity_part.step(self)
+        capacity_part.advance(self)
 
     def after_tuning(self) -> None:
-        if capacity_part.step(self):
+        if capacity_part.advance(self):
             return
         m = self.obs.measurement
         if m is None:

@@ -34,10 +34,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import get_accelerator
+from npuserve.planning.api import AppliedSchedule, InferenceService, Plan
 
 from . import autotune as at
 from . import kube as kube_module
-from .api import AppliedSchedule, InferenceService, Plan
 from .autotune_types import Status
 from .names import COMPONENT_LABEL, INSTANCE_LABEL
 from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
@@ -146,7 +146,7 @@ class AutotuneLoop:
 
     def look(self, keys: list[Key], now: float | None = None) -> dict[Key, at.Actions]:
         """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key.
-        `now`: the clock for the whole look (tests); by default each step takes the time when it runs, since a look
+        `now`: the clock for the whole look (tests); by default each part of it takes the time when it runs, since a look
         at many InferenceServices takes a while."""
 
         def clock() -> float:
@@ -339,7 +339,7 @@ class AutotuneLoop:
 
 
 def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:
-    """A Prometheus window as the autotune step reads it."""
+    """A Prometheus window as a look of the autotune loop reads it."""
     if isinstance(reading, Unreachable):
         return at.Measurement(inconclusive=f"Prometheus unreachable: {reading.error}", reason="PrometheusUnreachable")
     metrics = reading.trial_metrics(min_requests=1)
@@ -349,7 +349,7 @@ def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:
 
 
 def generations_of(reading: WindowReading) -> at.GenerationsRun:
-    """The engines' schedule-generation gauge over the window, as facts (the step judges them)."""
+    """The engines' schedule-generation gauge over the window, as facts (the look judges them)."""
 
     def whole(figure: Figure) -> int | None:
         return round(figure) if isinstance(figure, float) else None
@@ -360,7 +360,7 @@ def generations_of(reading: WindowReading) -> at.GenerationsRun:
 
 
 def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:
-    """The status as it is now with what the autotune step owns taken from `computed`: tuning, capacity, observed
+    """The status as it is now with what the autotune loop owns taken from `computed`: tuning, capacity, observed
     (but the KV blocks readiness writes), the applied schedule, the Tuning and SLOMet conditions, and the phase
     between Ready and Tuning."""
     new: Status = dict(now)
@@ -385,9 +385,9 @@ def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:
 
 
 def outside_signature(body: Mapping[str, Any]) -> str:
-    """What of an InferenceService the autotune step does not write itself: its generation and its status but for
-    the step's own keys, conditions and phase. When it changes (a spec change, a new plan, engines that became ready
-    or went) the loop looks at it again at once; the step's own writes do not wake it."""
+    """What of an InferenceService the autotune loop does not write itself: its generation and its status but for
+    the loop's own keys, conditions and phase. When it changes (a spec change, a new plan, engines that became ready
+    or went) the loop looks at it again at once; the loop's own writes do not wake it."""
     status = body.get("status") or {}
     kept = {k: v for k, v in status.items() if k not in (*_OWNED_KEYS, "phase", "conditions")}
     conditions = sorted((str(c.get("type")), str(c.get("status")), str(c.get("reason")), str(c.get("message")))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from .api import AppliedSchedule, InconclusiveReasonName, TrialMetrics
+from npuserve.planning.api import AppliedSchedule, InconclusiveReasonName, TrialMetrics
 
 Status = dict[str, Any]  # an InferenceService's status as the API server holds it
 

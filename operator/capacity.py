@@ -16,16 +16,25 @@ import math
 from collections.abc import Mapping
 from typing import Literal, Protocol
 
-from .api import CapacityProbe, CapacityStatus, InferenceService, Plan, TrialInProgress, TrialMetrics, TuningStatus
+from npuserve.planning.api import (
+    CapacityProbe,
+    CapacityStatus,
+    InferenceService,
+    Plan,
+    TrialInProgress,
+    TrialMetrics,
+    TuningStatus,
+)
+from npuserve.planning.problem import TuningProblem
+
 from .autotune_types import Actions, Observation, Status
-from .problem import TuningProblem
 
 CAPACITY_LIMIT_FACTOR = 2  # the capacity search goes at most this many times the tuned maxBatchSize
 CAPACITY_TOLERANCE = 0.1  # the capacity search stops when the bracket is this narrow (relative)
 
 
 class CapacityHost(Protocol):
-    """What the capacity part needs of one autotune step."""
+    """What the capacity part needs of one look of the autotune loop."""
 
     isvc: InferenceService
     plan: Plan
@@ -44,7 +53,7 @@ class CapacityHost(Protocol):
     def open_probe(self, number: int, concurrency: int) -> str: ...
 
 
-def step(host: CapacityHost) -> bool:
+def advance(host: CapacityHost) -> bool:
     """Measure or derive the per-instance concurrency and scale to the target; True while a probe runs."""
     spec = host.isvc.spec.capacity
     if spec is None or host.tuning.phase == "Running":
@@ -138,7 +147,7 @@ def close_probe(host: CapacityHost, current: TrialInProgress, metrics: TrialMetr
     cap.probes.append(CapacityProbe(concurrency=current.concurrency, passed=judgement.meets, verdict=verdict))
     _write(host, cap)
     host.event("Normal", "CapacityProbe", f"{current.concurrency} users: {verdict}")
-    step(host)
+    advance(host)
 
 
 def _scale(host: CapacityHost, cap: CapacityStatus, target: int, low: int, high: int | None,

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from npuserve.operator import api
+from npuserve.planning import api
 
 CRD_FILE = "deploy/crds/inferenceservices.npuserve.io.yaml"
 HELM_CRD_FILE = "deploy/helm/npuserve/crds/inferenceservices.npuserve.io.yaml"
@@ -198,7 +198,7 @@ def build_crd() -> dict[str, Any]:
 
 def crd_yaml() -> str:
     header = (
-        "# Generated from operator/api.py by operator/crd.py; do not edit by hand.\n"
+        "# Generated from planning/api.py by operator/crd.py; do not edit by hand.\n"
         "# Regenerate: NPUSERVE_UPDATE_CRD=1 .venv/bin/pytest tests/operator/test_crd.py\n"
     )
     return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)

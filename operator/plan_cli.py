@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
-from npuserve.operator.api import InferenceService, InferenceServiceSpec, Plan
-from npuserve.operator.planner import PlanError, plan
+from npuserve.planning.api import InferenceService, InferenceServiceSpec, Plan
+from npuserve.planning.planner import PlanError, plan
 
 DEFAULT_ACCELERATOR = "ascend-910b4"  # the guide's worked example: 32 GB cards
 

@@ -31,8 +31,8 @@ import httpx
 
 from npuserve import engine_contract as contract
 from npuserve.engine_contract import EngineMetric
-from npuserve.operator.api import LatencyStats, TrialMetrics
 from npuserve.operator.names import INSTANCE_LABEL
+from npuserve.planning.api import LatencyStats, TrialMetrics
 
 QUERY_PATH = "/api/v1/query"
 READY_PATH = "/-/ready"

@@ -45,9 +45,9 @@ from npuserve.engine_contract import (
     serve_command,
 )
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
-from npuserve.operator.api import API_VERSION, KIND, InferenceService, Plan, PlanSchedule
-from npuserve.operator.planner import model_spec
-from npuserve.operator.problem import max_batch_size_limit
+from npuserve.planning.api import API_VERSION, KIND, InferenceService, Plan, PlanSchedule
+from npuserve.planning.planner import model_spec
+from npuserve.planning.problem import max_batch_size_limit
 
 from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
 

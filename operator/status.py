@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from npuserve.catalog.accelerators import get_accelerator
+from npuserve.planning.api import Plan, PlanSchedule, ScheduleKnobs
 
-from .api import Plan, PlanSchedule, ScheduleKnobs
 from .autotune_types import EngineReport, Status
 
 CONDITION_TYPES = ("Planned", "Deployed", "Ready", "SLOMet", "Tuning")

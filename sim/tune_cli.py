@@ -1,8 +1,8 @@
-"""`npuserve tune --simulate`: the operator's tuner (`npuserve.operator.tuner`, pure) against the simulated engine.
+"""`npuserve tune --simulate`: the operator's tuner (`npuserve.planning.tuner`, pure) against the simulated engine.
 
 Each trial applies the tuner's schedule to the simulated engine, runs the load, and hands the tuner what a settled
 Prometheus window would show (output tok/s, TTFT and TPOT mean/p90/p99, errors, preemptions, samples). The same
-`next_step` runs in the operator against real engines, so what this prints is what the operator would do.
+`decide` runs in the operator against real engines, so what this prints is what the operator would do.
 
 The load of a trial is the guide's benchmark (docs/simulator.md#npuserve-tune---simulate): maxBatchSize - 1
 closed-loop users, unless `--max-concurrency` or `--request-rate` fixes it. `--noise` multiplies every measured
@@ -23,10 +23,10 @@ from npuserve.loadgen import cli_args
 from npuserve.loadgen.datasets import DatasetError
 from npuserve.loadgen.metrics import BenchMetrics, Distribution, compute_metrics
 from npuserve.mindie_config import MindIEConfigError
-from npuserve.operator.api import LatencyStats, SLOSpec, TrialMetrics
-from npuserve.operator.problem import TunedSchedule, TuningProblem
-from npuserve.operator.tuner import Trial, Verdict, next_step
-from npuserve.operator.tuning_status import trial_status
+from npuserve.planning.api import LatencyStats, SLOSpec, TrialMetrics
+from npuserve.planning.problem import TunedSchedule, TuningProblem
+from npuserve.planning.tuner import Trial, Verdict, decide
+from npuserve.planning.tuning_status import trial_status
 
 from . import simulate_cli
 from .engine import SimulationConfig, SimulationResult, simulate
@@ -97,10 +97,10 @@ def simulator_measure(base: SimulationConfig, requests: list[SimRequest], *, ben
 
 def tune(problem: TuningProblem, measure: Measure, *, noise: float = 0.0, seed: int = 0
          ) -> tuple[list[Trial], Verdict]:
-    """The loop the operator runs: next_step, measure (with `noise` drawn per trial, seeded), until a verdict."""
+    """The loop the operator runs: decide, measure (with `noise` drawn per trial, seeded), until a verdict."""
     rng = random.Random(seed)
     trials: list[Trial] = []
-    while not isinstance(step := next_step(problem, trials), Verdict):
+    while not isinstance(step := decide(problem, trials), Verdict):
         metrics = measure(step.schedule)
         if noise > 0:
             metrics = with_noise(metrics, noise, rng)

@@ -27,7 +27,7 @@ MINDIE_DEFAULTS = {"cacheBlockSize": 128, "maxPrefillBatchSize": 50, "maxPrefill
 
 def _schemas() -> dict[str, type[BaseModel]]:
     from npuserve.engine.server.protocol import ScheduleUpdate
-    from npuserve.operator.api import PlanSchedule, ScheduleKnobs
+    from npuserve.planning.api import PlanSchedule, ScheduleKnobs
 
     return {"config.json": ScheduleSection, "CRD spec.engine.schedule": ScheduleKnobs, "plan": PlanSchedule,
             "PUT /admin/schedule": ScheduleUpdate}
@@ -74,7 +74,7 @@ def test_the_schedule_generation_is_one_field_everywhere() -> None:
     contract's key, with the contract's field (its range and description)."""
     from npuserve.engine.server.protocol import ScheduleUpdate
     from npuserve.mindie_config import NpuserveExtensions
-    from npuserve.operator.api import AppliedSchedule
+    from npuserve.planning.api import AppliedSchedule
 
     assert contract.SCHEDULE_GENERATION_KEY == "scheduleGeneration"
     reference = contract.schedule_generation_field()

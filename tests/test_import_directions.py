@@ -1,10 +1,15 @@
 """The dependency arrows between the parts (docs/architecture.md, "Parts and arrows"), read from the source:
 
-    contracts (npuserve/) <- torch-free core (engine's scheduler, kvcache) <- engine / sim / loadgen <- operator
+    contracts (npuserve/) <- engine's torch-free core (scheduler, kvcache) <- engine
+    contracts <- loadgen
+    contracts <- planning (the pure planner and tuner) <- operator
+    engine's torch-free core, loadgen, planning <- sim
 
-Every import in every .py file of npuserve/, engine/, operator/, loadgen/ and sim/ counts, function-level and
-TYPE_CHECKING ones included: a lazy import is still an arrow. A second check imports every engine module in a fresh
-interpreter where the operator, the simulator and the load generator cannot be imported.
+Every arrow points down: the operator and the simulator both use the planning core and neither uses the other, so
+no cycle can form between them. Every import in every .py file of npuserve/, engine/, planning/, operator/, loadgen/
+and sim/ counts, function-level and TYPE_CHECKING ones included: a lazy import is still an arrow. A second check
+imports every engine module in a fresh interpreter where the planning core, the operator, the simulator and the load
+generator cannot be imported.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FOLDERS = {"npuserve": "npuserve", "engine": "npuserve.engine", "operator": "npuserve.operator",
-           "loadgen": "npuserve.loadgen", "sim": "npuserve.sim"}
-PARTS = ("engine", "operator", "loadgen", "sim")  # npuserve.<part>; any other npuserve module is a contract
+FOLDERS = {"npuserve": "npuserve", "engine": "npuserve.engine", "planning": "npuserve.planning",
+           "operator": "npuserve.operator", "loadgen": "npuserve.loadgen", "sim": "npuserve.sim"}
+PARTS = ("engine", "planning", "operator", "loadgen", "sim")  # npuserve.<part>; any other npuserve module is a contract
 
 # What the simulator takes from the engine: the torch-free core it runs on a virtual clock, and nothing that touches
 # a device (tests/engine/test_imports.py checks that these import no torch).
@@ -31,19 +36,10 @@ SIM_ENGINE_CORE = {
     "npuserve.engine.sequence": "the request state the scheduler schedules",
     "npuserve.engine.step_output": "request_metrics: a request's timings computed as the engine reports them",
 }
-# What the simulator takes from the operator: the plan it starts from and the tuner it runs trials for. All pure
-# (no cluster, no Prometheus): `npuserve simulate` and `npuserve tune --simulate` run without a cluster.
-SIM_OPERATOR_PURE = {
-    "npuserve.operator.api": "the InferenceService spec and plan types the planner takes and gives",
-    "npuserve.operator.planner": "simulate_cli: the plan the operator would compute (engine config, KV blocks)",
-    "npuserve.operator.problem": "tune_cli: the tuning problem and its judge",
-    "npuserve.operator.tuner": "tune_cli: next_step, the search the operator runs",
-    "npuserve.operator.tuning_status": "tune_cli: the trials as status.tuning shows them",
-}
 # The operator's I/O modules read the cluster and Prometheus and return facts; the pure modules decide. These are
-# all the operator modules an I/O module may import: types and names, no decision logic.
+# all the operator and planning modules an I/O module may import: types and names, no decision logic.
 OPERATOR_IO = ("npuserve.operator.kube", "npuserve.operator.prometheus")
-OPERATOR_TYPES = ("npuserve.operator.api", "npuserve.operator.autotune_types", "npuserve.operator.names")
+OPERATOR_TYPES = ("npuserve.planning.api", "npuserve.operator.autotune_types", "npuserve.operator.names")
 
 
 def _module_name(path: Path) -> str:
@@ -128,42 +124,49 @@ def test_the_load_generator_imports_only_contracts() -> None:
     assert _wrong({"loadgen": ()}) == []
 
 
-def test_the_operator_imports_neither_the_engine_nor_the_load_generator() -> None:
-    """It renders the engine's and the load generator's command lines from the contracts; it may use the simulator."""
-    assert _wrong({"operator": ("sim",)}) == []
+def test_the_planning_core_imports_only_contracts() -> None:
+    """Pure: the operator and the simulator both build on it, so it may reach neither (nor the engine or a device)."""
+    assert _wrong({"planning": ()}) == []
 
 
-def test_the_simulator_imports_the_torch_free_core_the_load_generator_and_the_pure_planner_and_tuner() -> None:
-    wrong = _wrong({"sim": ("engine", "loadgen", "operator")})
+def test_the_operator_imports_only_the_planning_core() -> None:
+    """Not the engine or the load generator (it renders their command lines from the contracts), nor the simulator:
+    the simulator imports the planning core too, and an arrow from the operator to it is the start of a cycle."""
+    assert _wrong({"operator": ("planning",)}) == []
+
+
+def test_the_simulator_imports_the_torch_free_core_the_load_generator_and_the_planning_core() -> None:
+    """Never the operator: `npuserve simulate` and `npuserve tune --simulate` run the planner and tuner the operator
+    runs, from the planning core, without a cluster."""
+    wrong = _wrong({"sim": ("engine", "loadgen", "planning")})
     for module, target in ARROWS:
-        if _part(module) != "sim":
-            continue
-        if _part(target) == "engine" and not any(_under(target, core) for core in SIM_ENGINE_CORE):
+        if _part(module) == "sim" and _part(target) == "engine" and not any(_under(target, c) for c in SIM_ENGINE_CORE):
             wrong.append(f"{module} -> {target} (not the engine's torch-free core)")
-        if _part(target) == "operator" and target not in SIM_OPERATOR_PURE:
-            wrong.append(f"{module} -> {target} (not a pure planner or tuner module)")
     assert wrong == []
-    # The lists name modules that exist and are used: a stale entry would allow an arrow nobody checks.
+    # The list names modules that exist and are used: a stale entry would allow an arrow nobody checks.
     used = {t for m, t in ARROWS if _part(m) == "sim"}
     assert all(any(_under(t, core) for t in used) for core in SIM_ENGINE_CORE)
-    assert set(SIM_OPERATOR_PURE) <= used
+    assert {t for t in used if _part(t) == "planning"} >= {"npuserve.planning.planner", "npuserve.planning.tuner"}
 
 
-def test_the_operator_modules_the_simulator_uses_reach_no_simulator() -> None:
-    """The operator may use the simulator, and the simulator uses these: they must not lead back to it (a cycle)."""
-    reached, todo = set(SIM_OPERATOR_PURE), list(SIM_OPERATOR_PURE)
-    while todo:
-        module = todo.pop()
-        for m, t in ARROWS:
-            if m == module and t not in reached:
-                reached.add(t)
-                todo.append(t)
-    assert sorted(m for m in reached if _part(m) == "sim") == []
+def test_no_part_has_a_cycle_with_another() -> None:
+    """The arrows between parts, drawn as a graph of parts, have no cycle: every part reaches only parts below it."""
+    below = {(_part(m), _part(t)) for m, t in ARROWS if _part(m) != _part(t)}
+    reach = {p: {t for m, t in below if m == p} for p in (*PARTS, "contracts")}
+    changed = True
+    while changed:
+        changed = False
+        for targets in reach.values():
+            more = set().union(*(reach[t] for t in targets)) - targets if targets else set()
+            if more:
+                targets |= more
+                changed = True
+    assert sorted(p for p, targets in reach.items() if p in targets) == []
 
 
 @pytest.mark.parametrize("io_module", OPERATOR_IO)
 def test_the_operators_io_modules_import_no_decision_logic(io_module: str) -> None:
-    own = sorted(t for m, t in ARROWS if m == io_module and _part(t) == "operator")
+    own = sorted(t for m, t in ARROWS if m == io_module and _part(t) in ("operator", "planning"))
     assert own and set(own) <= set(OPERATOR_TYPES), own
 
 
@@ -223,11 +226,12 @@ def test_the_handlers_and_the_command_line_import_nothing_of_each_other() -> Non
     assert [a for a in ARROWS if a in ((handlers, cli), (cli, handlers))] == []
 
 
-# A fresh interpreter where the operator, the simulator and the load generator cannot be imported: every engine
-# module imports (the import hook of the editable install maps the folders, so the source alone cannot show that).
+# A fresh interpreter where the planning core, the operator, the simulator and the load generator cannot be
+# imported: every engine module imports (the import hook of the editable install maps the folders, so the source
+# alone cannot show that).
 _BLOCKED_IMPORT = """
 import importlib, importlib.abc, json, pkgutil, sys
-BLOCKED = ("npuserve.operator", "npuserve.sim", "npuserve.loadgen")
+BLOCKED = ("npuserve.planning", "npuserve.operator", "npuserve.sim", "npuserve.loadgen")
 tried = []
 class Blocker(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -248,7 +252,7 @@ print(json.dumps({"modules": names, "blocked": sorted(set(tried)), "failed": fai
 """
 
 
-def test_every_engine_module_imports_without_the_operator_the_simulator_and_the_load_generator() -> None:
+def test_every_engine_module_imports_without_the_planning_core_operator_simulator_and_load_generator() -> None:
     # -P: the repository root is the working directory, and its `operator/` folder must not shadow the stdlib.
     out = subprocess.run([sys.executable, "-P", "-c", _BLOCKED_IMPORT], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
@@ -256,3 +260,8 @@ def test_every_engine_module_imports_without_the_operator_the_simulator_and_the_
     result = json.loads(out.stdout)
     assert result["modules"] == sorted(m for m in SOURCES if _part(m) == "engine" and m != "npuserve.engine")
     assert (result["blocked"], result["failed"]) == ([], {})
+
+
+@pytest.mark.parametrize("part", ["planning", "operator", "sim", "loadgen"])
+def test_no_module_cycle_within(part: str) -> None:
+    assert _module_cycles(part) == []

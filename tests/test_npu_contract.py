@@ -9,8 +9,8 @@ import re
 import pytest
 
 from npuserve.npu_contract import NPU_BLOCK_SIZE, block_size_problem, npu_block_size_problem, prefix_encoder_takes
-from npuserve.operator.api import InferenceServiceSpec
-from npuserve.operator.planner import PlanError, plan
+from npuserve.planning.api import InferenceServiceSpec
+from npuserve.planning.planner import PlanError, plan
 
 
 @pytest.mark.parametrize(("block_size", "head_dim", "error"), [

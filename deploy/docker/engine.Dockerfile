@@ -17,6 +17,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY npuserve/ npuserve/
 COPY engine/ engine/
+COPY planning/ planning/
 COPY operator/ operator/
 COPY loadgen/ loadgen/
 COPY sim/ sim/

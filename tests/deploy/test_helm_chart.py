@@ -392,8 +392,8 @@ def test_operator_is_locked_down(helm: Path, tmp_path: Path) -> None:
 def _engine_objects() -> list[dict[str, Any]]:
     """What the operator renders for every example InferenceService (single- and multi-node)."""
     from npuserve.operator import render as r
-    from npuserve.operator.api import InferenceService
-    from npuserve.operator.planner import plan
+    from npuserve.planning.api import InferenceService
+    from npuserve.planning.planner import plan
 
     objects: list[dict[str, Any]] = []
     for path in sorted((REPO / "examples").glob("*.yaml")):

@@ -22,9 +22,9 @@ import pytest
 import yaml
 from operator_harness import wait_for
 
-from npuserve.operator.api import InferenceService
-from npuserve.operator.planner import plan
 from npuserve.operator.render import render
+from npuserve.planning.api import InferenceService
+from npuserve.planning.planner import plan
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "examples" / "tiny-cpu.yaml"

@@ -26,9 +26,9 @@ from operator_harness import helm_install, running_operator, scratch_namespace, 
 from npuserve.operator.handlers import _parse
 from npuserve.operator.kube import GROUP, PLURAL, VERSION
 from npuserve.operator.names import INSTANCE_LABEL
-from npuserve.operator.planner import PlanError, plan, servability
 from npuserve.operator.render import render
 from npuserve.operator.status import ENGINE_CANNOT_SERVE
+from npuserve.planning.planner import PlanError, plan, servability
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 EXAMPLES = int(os.environ.get("NPUSERVE_CRD_EXAMPLES", "300"))

@@ -217,9 +217,9 @@ UNSERVED_KINDS = {"LeaderWorkerSet", "PodMonitor"}  # their CRDs (LWS, Prometheu
 def test_rendered_objects_pass_server_side_dry_run(
     k8s_cluster: localk8s.Cluster, helm_release: str, example: str
 ) -> None:
-    from npuserve.operator.api import InferenceService
-    from npuserve.operator.planner import plan
     from npuserve.operator.render import render
+    from npuserve.planning.api import InferenceService
+    from npuserve.planning.planner import plan
 
     raw = yaml.safe_load((EXAMPLES / example).read_text())
     # A name of its own: an object of the example's name may exist (`make demo` leaves tiny-cpu's running).

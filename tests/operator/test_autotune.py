@@ -22,7 +22,8 @@ from isvc_helpers import REPO, load_yaml
 from npuserve.engine_contract import ENGINE_PORT, HOT_SCHEDULE_FIELDS, SCHEDULE_GENERATION_KEY
 from npuserve.operator import autotune as at
 from npuserve.operator import capacity
-from npuserve.operator.api import (
+from npuserve.operator.crd import PRINTER_COLUMNS
+from npuserve.planning.api import (
     CapacityStatus,
     InferenceService,
     LatencyStats,
@@ -32,8 +33,7 @@ from npuserve.operator.api import (
     TuningStatus,
     TuningTrial,
 )
-from npuserve.operator.crd import PRINTER_COLUMNS
-from npuserve.operator.planner import plan as plan_spec
+from npuserve.planning.planner import plan as plan_spec
 
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
 TICK_S = 2.0  # this test's virtual driver steps its clock by this much (the real loop looks when something is due)

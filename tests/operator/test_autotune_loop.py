@@ -19,7 +19,6 @@ from npuserve.operator import kube as kube_module
 from npuserve.operator.autotune import GenerationsRun
 from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
 from npuserve.operator.kube import AutotuneKube, Kube, StatusConflict, StatusUpdate
-from npuserve.operator.planner import plan as plan_spec
 from npuserve.operator.prometheus import (
     Empty,
     LatencyReading,
@@ -30,6 +29,7 @@ from npuserve.operator.prometheus import (
     WindowReading,
     grouped_window_queries,
 )
+from npuserve.planning.planner import plan as plan_spec
 
 
 def reading(finished: float, in_flight: float = 12.0, pods: float | Empty = 2.0) -> WindowReading:
@@ -406,8 +406,8 @@ def test_with_no_open_trial_every_load_job_of_the_service_goes_and_the_named_one
 def test_the_selector_is_the_one_the_bench_job_carries() -> None:
     from isvc_helpers import REPO, load_yaml
 
-    from npuserve.operator.api import InferenceService
     from npuserve.operator.render import render_bench_job
+    from npuserve.planning.api import InferenceService
 
     isvc = InferenceService.model_validate(load_yaml(REPO / "examples" / "demo.yaml"))
     labels = render_bench_job(isvc, name="j", target_ip="10.0.0.1", concurrency=2, duration_s=10)["metadata"]["labels"]

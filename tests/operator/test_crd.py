@@ -16,8 +16,8 @@ import pytest
 from isvc_helpers import EXAMPLES, REPO, apply_defaults, cel_failures, load_yaml, unknown_fields
 from pydantic import BaseModel, ValidationError
 
-from npuserve.operator import api
 from npuserve.operator.crd import CRD_FILE, PRINTER_COLUMNS, build_crd, crd_yaml, write_crd
+from npuserve.planning import api
 
 K8S_VERSION = "1.30.0"
 

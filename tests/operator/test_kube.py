@@ -14,7 +14,6 @@ from fake_kube import TINY, FakeKube, FakeStatusApi
 from kubernetes import client
 
 from npuserve.operator import status as st
-from npuserve.operator.api import InferenceService
 from npuserve.operator.autotune_types import EngineReport, Termination
 from npuserve.operator.kube import (
     STATUS_WRITE_ATTEMPTS,
@@ -27,8 +26,9 @@ from npuserve.operator.kube import (
     read_engines,
     update_status,
 )
-from npuserve.operator.planner import plan
 from npuserve.operator.render import render
+from npuserve.planning.api import InferenceService
+from npuserve.planning.planner import plan
 
 NS, NAME = TINY["metadata"]["namespace"], TINY["metadata"]["name"]
 ISVC = InferenceService.model_validate(TINY)

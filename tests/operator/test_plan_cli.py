@@ -13,7 +13,7 @@ import pytest
 from isvc_helpers import REPO
 
 from npuserve.cli import main
-from npuserve.operator.api import Plan
+from npuserve.planning.api import Plan
 
 GOLDEN = ["plan", "--preset", "llama3-8b", "--cards", "2", "--card-memory-gib", "32", "--reserved-gib", "3",
           "--avg-input-tokens", "186", "--avg-output-tokens", "346", "--max-output-tokens", "512"]
@@ -204,7 +204,8 @@ def _modules_after(code: str) -> set[str]:
 
 def test_the_operator_never_imports_torch_or_the_engine() -> None:
     modules = _modules_after(
-        "import argparse; from npuserve.operator import api, crd, planner, render, plan_cli; "
+        "import argparse; from npuserve.planning import api, planner; "
+        "from npuserve.operator import crd, render, plan_cli; "
         "parser = argparse.ArgumentParser(); plan_cli.configure(parser); "
         f"assert plan_cli.run(parser.parse_args({GOLDEN[1:]!r} + ['--format', 'json'])) == 0"
     )

@@ -23,9 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from npuserve import engine_contract as contract
-from npuserve.operator.api import LatencyStats, PlanSchedule, TrialMetrics
 from npuserve.operator.names import INSTANCE_LABEL
-from npuserve.operator.problem import TuningProblem
 from npuserve.operator.prometheus import (
     MAX_CONCURRENT_QUERIES,
     Empty,
@@ -38,6 +36,8 @@ from npuserve.operator.prometheus import (
     grouped_window_queries,
     prometheus_label_name,
 )
+from npuserve.planning.api import LatencyStats, PlanSchedule, TrialMetrics
+from npuserve.planning.problem import TuningProblem
 
 URL = "http://prometheus.test:9090"
 SEL = Selection(namespace="ns1", inference_service="tiny")

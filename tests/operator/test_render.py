@@ -13,9 +13,9 @@ from isvc_helpers import EXAMPLES, REPO, load_yaml
 
 from npuserve.mindie_config import MindIEConfig, MindIEConfigError
 from npuserve.operator import render as r
-from npuserve.operator.api import InferenceService, Plan
-from npuserve.operator.planner import plan
-from npuserve.operator.problem import TuningProblem
+from npuserve.planning.api import InferenceService, Plan
+from npuserve.planning.planner import plan
+from npuserve.planning.problem import TuningProblem
 
 K8S_VERSION = "1.30.0"
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from npuserve.operator.api import InferenceServiceSpec
 from npuserve.operator.autotune_types import EngineReport, Termination
-from npuserve.operator.planner import plan
 from npuserve.operator.status import (
     cannot_serve,
     deployed,
@@ -20,6 +18,8 @@ from npuserve.operator.status import (
     readiness,
     set_condition,
 )
+from npuserve.planning.api import InferenceServiceSpec
+from npuserve.planning.planner import plan
 
 # A two-layer model on the CPU: 1 GiB of KV per pod (floor((2 - 0.002) x 0.8)), blocks of 2 x 2 layers x 128 tokens
 # x 2 KV heads x 32 x 4 bytes = 128 KiB, so 8192 blocks; one block per prompt of 64 tokens, two per request.

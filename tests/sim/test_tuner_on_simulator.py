@@ -1,4 +1,4 @@
-"""The tuner (`operator/tuner.py`) against the simulated engine, checked against an exhaustive sweep of the same
+"""The tuner (`planning/tuner.py`) against the simulated engine, checked against an exhaustive sweep of the same
 simulator (issue 12): for each objective it must end within 3% of the sweep's answer in at most 5 trials (for
 `throughput`, the chosen point's tok/s within 3% of the sweep's best), on the guide's setup and two others; with
 +-5% noise per measured figure, within 5% in at most 8 trials in at least 9 of 10 seeds. The trials are printed
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from npuserve.operator.api import LatencyStats, SLOSpec, TrialMetrics
-from npuserve.operator.problem import TunedSchedule, TuningProblem
-from npuserve.operator.tuner import Trial, Verdict, next_step
+from npuserve.planning.api import LatencyStats, SLOSpec, TrialMetrics
+from npuserve.planning.problem import TunedSchedule, TuningProblem
+from npuserve.planning.tuner import Trial, Verdict, decide
 from npuserve.sim import calibration as cal
 from npuserve.sim import tune_cli
 from npuserve.sim.engine import SimulationConfig
@@ -102,7 +102,7 @@ def _grid(low: int, high: int) -> list[int]:
 def _guide() -> Setup:
     """LLaMA3-8B on 2 x 910B4 with the calibrated simulator, the guide's 1000 users, and the guide's own plan:
     maxBatchSize in [90, 272] starting at 108 (docs/planning.md#the-steps, step 4)."""
-    from npuserve.operator.api import PlanSchedule
+    from npuserve.planning.api import PlanSchedule
 
     base = cal.guide_config(cal.GuidePoint(True, 108, 54))
     schedule = PlanSchedule.model_validate({**base.engine.schedule.model_dump(include=set(PlanSchedule.model_fields)),
@@ -347,7 +347,7 @@ def _noise_row(setup: Setup, objective: str, noise: float) -> NoiseRow:
     for seed in range(NOISE_SEEDS):
         measure = _noisy(setup, noisy, noise, seed)
         trials: list[Trial] = []
-        while not isinstance(step := next_step(noisy, trials), Verdict):
+        while not isinstance(step := decide(noisy, trials), Verdict):
             trials.append(Trial(schedule=step.schedule, metrics=measure(step.schedule)))
         row.trials.append(len(trials))
         row.chosen.append(step.schedule.maxBatchSize if step.schedule else None)

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from npuserve.engine_contract import schedule_field
-from npuserve.operator.api import (
+from npuserve.planning.api import (
     LatencyStats,
     Objective,
     Plan,
@@ -31,7 +31,7 @@ from npuserve.operator.api import (
     TrialMetrics,
     TrialReason,
 )
-from npuserve.operator.planner import MINDIE_MAX_BATCH_SIZE, planned_prefill_tokens
+from npuserve.planning.planner import MINDIE_MAX_BATCH_SIZE, planned_prefill_tokens
 
 OWNED_KNOBS = ("maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "supportSelectBatch")
 LatencyName = Literal["ttft", "tpot"]

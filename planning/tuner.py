@@ -1,7 +1,7 @@
 """The closed-loop tuner of the ScheduleConfig (docs/operator.md, "Autotuning"): the MindIE tuning guide's three best
 practices, in fewer benchmark runs than the guide's manual +-100 steps.
 
-Pure: `next_step(problem, trials)` reads the whole history of trials and returns the next schedule to measure or a
+Pure: `decide(problem, trials)` reads the whole history of trials and returns the next schedule to measure or a
 verdict. It keeps no state, so the operator resumes from `status.tuning.history` (`tuning_status.trial_from_status`),
 and the simulator drives the very same function. No I/O, no clock, no randomness.
 
@@ -23,7 +23,7 @@ estimated from the data (repeats, the isotonic fit's residuals). A batch never m
   the boundary measured more tok/s than the boundary beyond the noise and `tolerance` (a KV-starved cache, a CPU
   engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down
   to 1.
-- `throughput`: the most output tokens/s, which rises then falls past a peak. The tuner steps out until the peak is
+- `throughput`: the most output tokens/s, which rises then falls past a peak. The tuner moves out until the peak is
   bracketed, then jumps to the vertex of the parabola through the best point and its neighbours, and stops when that
   vertex promises less than a third of `tolerance` more throughput, or lies within `tolerance` of the best batch.
   Any TTFT/TPOT bounds cap the batch; under them, only a batch certain to meet them can be the verdict.
@@ -40,7 +40,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from npuserve.operator.api import BatchLimit, FailureReasonName, StopReason, TrialMetrics
+from npuserve.planning.api import BatchLimit, FailureReasonName, StopReason, TrialMetrics
 
 from . import fits
 from .problem import (
@@ -56,9 +56,9 @@ from .problem import (
     with_findings,
 )
 
-# Factors of maxBatchSize where no fit can say yet: the outward step from one point (the guide's +100 from 200),
+# Factors of maxBatchSize where no fit can say yet: the outward move from one point (the guide's +100 from 200),
 # the longest jump up from a batch that meets, the longest drop below one that misses, the back-off below a failure.
-STEP = 1.5
+OUTWARD = 1.5
 MAX_JUMP = 2.0
 MAX_DROP = 2.0
 BACKOFF = 0.5
@@ -115,7 +115,7 @@ class Verdict(_Model):
     message: str
 
 
-Step = NextTrial | Verdict
+Decision = NextTrial | Verdict
 
 
 def failure_of(problem: TuningProblem, trial: Trial) -> str | None:
@@ -241,7 +241,7 @@ def _latency_series(problem: TuningProblem, points: Sequence[Point], key: Latenc
 # --- the search ----------------------------------------------------------------------------------------------------
 
 
-def next_step(problem: TuningProblem, trials: Sequence[Trial]) -> Step:
+def decide(problem: TuningProblem, trials: Sequence[Trial]) -> Decision:
     """The next trial to measure, or the verdict, from the problem and every trial so far (oldest first).
 
     Only the trials of this problem count (the schedule it would set at their batch): after a change of objective
@@ -251,10 +251,10 @@ def next_step(problem: TuningProblem, trials: Sequence[Trial]) -> Step:
         return Verdict(reason="pinned", best=None, schedule=problem.schedule_for(problem.batch_start),
                        slo_met=None, limit="pinned", message=f"{which} pinned in spec.engine.schedule: nothing to tune")
     h = _digest(problem, trials)
-    step = _repeat(problem, h) or _search(problem, h)
-    if isinstance(step, NextTrial) and len(h.relevant) >= problem.max_trials:
-        return _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {step.reason})")
-    return step
+    decision = _repeat(problem, h) or _search(problem, h)
+    if isinstance(decision, NextTrial) and len(h.relevant) >= problem.max_trials:
+        return _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {decision.reason})")
+    return decision
 
 
 def _propose(problem: TuningProblem, batch: int, reason: str) -> NextTrial:
@@ -286,7 +286,7 @@ def _repeat(problem: TuningProblem, h: History) -> NextTrial | None:
     return None
 
 
-def _search(problem: TuningProblem, h: History) -> Step:
+def _search(problem: TuningProblem, h: History) -> Decision:
     lo = problem.floor
     if h.cap < lo:
         return _verdict(problem, h, "allFailed", f"maxBatchSize {lo}, the smallest there is, failed ({h.failed[lo]})")
@@ -295,15 +295,15 @@ def _search(problem: TuningProblem, h: History) -> Step:
             return _propose(problem, lo, f"the range holds the one value {lo}")
         return _verdict(problem, h, "converged", f"the range holds the one value {lo}")
     if problem.objective == "throughput":
-        step = _peak(problem, h)
-        return (_undecided_peak(problem, h) if isinstance(step, Verdict) else None) or step
-    step = _boundary(problem, h, h.cap)
-    if isinstance(step, Verdict) and step.reason == "converged":
-        return _below_the_boundary(problem, h) or step
-    return step
+        decision = _peak(problem, h)
+        return (_undecided_peak(problem, h) if isinstance(decision, Verdict) else None) or decision
+    decision = _boundary(problem, h, h.cap)
+    if isinstance(decision, Verdict) and decision.reason == "converged":
+        return _below_the_boundary(problem, h) or decision
+    return decision
 
 
-def _below_the_boundary(problem: TuningProblem, h: History) -> Step | None:
+def _below_the_boundary(problem: TuningProblem, h: History) -> Decision | None:
     """A latency objective maximises throughput under its bounds too: once the boundary is found, when a batch below
     it measured more tok/s than the boundary itself (throughput falls before latency binds: a KV-starved cache, a CPU
     engine), the peak search runs below the boundary, as the throughput objective's does below a missed bound. Only a
@@ -312,8 +312,8 @@ def _below_the_boundary(problem: TuningProblem, h: History) -> Step | None:
     edge = _bracket(problem, h, h.cap).certain
     if edge is None or _throughput_below(problem, h, edge) is edge:
         return None
-    step = _peak(problem, h, edge.batch)
-    return (_undecided_peak(problem, h, edge.batch) if isinstance(step, Verdict) else None) or step
+    decision = _peak(problem, h, edge.batch)
+    return (_undecided_peak(problem, h, edge.batch) if isinstance(decision, Verdict) else None) or decision
 
 
 def _throughput_below(problem: TuningProblem, h: History, edge: Point) -> Point:
@@ -366,7 +366,7 @@ def _undecided_peak(problem: TuningProblem, h: History, top: int | None = None) 
     return None
 
 
-def _first(problem: TuningProblem, h: History, top: int) -> Step:
+def _first(problem: TuningProblem, h: History, top: int) -> Decision:
     """The first usable trial: the plan's start, or well below the lowest failure (down to 1)."""
     lo = problem.floor
     if not h.failed:
@@ -430,7 +430,7 @@ def _target(problem: TuningProblem, h: History, pts: Sequence[Point]) -> float:
     return min(fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds())
 
 
-def _boundary(problem: TuningProblem, h: History, top: int) -> Step:
+def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
     """The largest batch in [floor, top] that meets every bound, certainly."""
     lo, tol = problem.floor, problem.tolerance
     pts = [p for p in h.points if p.batch <= top]
@@ -455,7 +455,7 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Step:
     if b_lo is None and br.upper is not None and br.upper <= lo:
         return _verdict(problem, h, "sloUnreachable", f"even maxBatchSize {lo}, the smallest there is, misses the SLO")
     guess = _target(problem, h, pts)
-    step = max(1, math.floor(tol * (b_lo or br.upper or lo)))
+    gap = max(1, math.floor(tol * (b_lo or br.upper or lo)))  # the least move from a measured batch
     if b_lo is not None and br.upper is not None:
         low, high = b_lo + 1, br.upper - 1
         if guess <= b_lo and not h.noise.exact:
@@ -464,7 +464,7 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Step:
             target = round(math.sqrt(b_lo * br.upper))
             why = f"between {b_lo} (meets) and {br.upper} (does not), the fit proposes nothing: halving"
         else:
-            target = min(max(round(guess), b_lo + step), br.upper - step)
+            target = min(max(round(guess), b_lo + gap), br.upper - gap)
             # A batch that closes the bracket whichever way it falls, when there is one: from it to the upper end,
             # or from the lower end to it, lies within tolerance.
             closes_if_met = next((t for t in range(b_lo + 1, br.upper) if br.upper - 1 - t <= _within(tol, t)), None)
@@ -476,14 +476,14 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Step:
             target = min(target, math.floor(math.sqrt(b_lo * br.upper)))
     elif b_lo is not None:
         low, high = b_lo + 1, top
-        target = min(max(round(guess), b_lo + step), math.floor(b_lo * MAX_JUMP))
+        target = min(max(round(guess), b_lo + gap), math.floor(b_lo * MAX_JUMP))
         why = f"{b_lo} meets the SLO; the fit puts the crossing at {guess:.0f}"
     else:
         assert br.upper is not None
         low, high = lo, br.upper - 1
         # A tolerance below the fitted crossing: secants from above overshoot a convex latency, and a batch that
         # meets closes the bracket at once.
-        target = max(min(math.floor(guess * (1 - tol)), br.upper - step), math.ceil(br.upper / MAX_DROP))
+        target = max(min(math.floor(guess * (1 - tol)), br.upper - gap), math.ceil(br.upper / MAX_DROP))
         if guess < lo:  # the fit puts every batch above the bound: the smallest there is says whether any meets it
             target, why = lo, f"{br.upper} misses the SLO; the fit puts the crossing below {lo}"
         why = f"{br.upper} misses the SLO; the fit puts the crossing at {guess:.0f}"
@@ -522,7 +522,7 @@ def _noise_text(h: History) -> str:
     return f"+-{worst:.1%} per window"
 
 
-def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Step:
+def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Decision:
     """The batch of the most output tokens/s in [floor, cap] (and at most `top`), below any batch that misses a
     bound."""
     lo, tol = problem.floor, problem.tolerance
@@ -544,14 +544,14 @@ def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Step:
     if i == len(pts) - 1 and upper - 1 - m > tol * m:  # highest at the largest batch measured: go up
         vertex = _vertex(pts[-3:], best) if len(pts) >= 3 else None
         # Past the fitted peak by as much as the best point is short of it, so the next point brackets the peak.
-        target = 2 * vertex[0] - m if vertex is not None and vertex[0] > m else m * STEP
+        target = 2 * vertex[0] - m if vertex is not None and vertex[0] > m else m * OUTWARD
         b = min(max(round(target), math.ceil(m * (1 + 2 * tol))), math.floor(m * MAX_JUMP), top)
         if blocked:  # never onto a failure or a missed bound: at most halfway to it
             b = min(b, math.floor(math.sqrt(m * upper)))
         return _near(problem, h, b, m + 1, top, f"throughput still rising at {m} ({best.throughput:.0f} tok/s)")
     if i == 0 and m - lower - 1 > tol * m:  # highest at the smallest batch measured: go down
         vertex = _vertex(pts[:3], best) if len(pts) >= 3 else None
-        target = 2 * vertex[0] - m if vertex is not None and vertex[0] < m else m / STEP
+        target = 2 * vertex[0] - m if vertex is not None and vertex[0] < m else m / OUTWARD
         b = max(min(round(target), math.floor(m * (1 - 2 * tol))), math.ceil(m / MAX_JUMP), lo)
         return _near(problem, h, b, lo, m - 1, f"throughput higher at {m} ({best.throughput:.0f} tok/s) than below it"
                      if i + 1 < len(pts) else f"{m} is the smallest batch measured")
@@ -572,7 +572,7 @@ def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Step:
         said = f"{m} is within {max(gain, 0):.1%} of the fitted peak ({peak:.0f} tok/s at {v:.0f})"
         # Stop when the best point sits at the fitted peak, or the fit promises little more; but a parabola across
         # a wide gap misses a peak that falls off a cliff past it (KV pressure): then look into the gap first.
-        if abs(v / m - 1) < tol or (gain < tol / 3 and max(upper / m, m / below) <= STEP):
+        if abs(v / m - 1) < tol or (gain < tol / 3 and max(upper / m, m / below) <= OUTWARD):
             return _verdict(problem, h, "converged", said)
         if gain < tol / 3:
             target, why = halve, f"{said}, but the gap around it is wide: halving it"
@@ -589,7 +589,7 @@ def _vertex(near: Sequence[Point], best: Point) -> tuple[float, float] | None:
     return fits.vertex([p.batch for p in near], [p.throughput for p in near], best.batch, best.throughput, MAX_JUMP)
 
 
-def _near(problem: TuningProblem, h: History, target: int, low: int, high: int, why: str) -> Step:
+def _near(problem: TuningProblem, h: History, target: int, low: int, high: int, why: str) -> Decision:
     """A trial at the unmeasured batch in [low, high] nearest `target`; converged when there is none."""
     b = _unmeasured(h, target, low, high)
     if b is None:

@@ -1,4 +1,4 @@
-"""The tuner (operator/tuner.py, docs/operator.md#autotuning-specautotune) driven in a loop against an analytic engine:
+"""The tuner (planning/tuner.py, docs/operator.md#autotuning-specautotune) driven in a loop against an analytic engine:
 it converges near the analytic optimum of each objective within the trial budgets, exact and with +-5% noise, and
 handles the edge cases (pinned knobs, an unreachable SLO, failed and noisy trials, a one-value range, the trial budget,
 resuming).
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npuserve.operator.api import (
+from npuserve.planning.api import (
     InferenceServiceSpec,
     LatencyStats,
     PlanSchedule,
@@ -25,10 +25,10 @@ from npuserve.operator.api import (
     TrialMetrics,
     TuningTrial,
 )
-from npuserve.operator.planner import plan
-from npuserve.operator.problem import TunedSchedule, TuningProblem, pooled
-from npuserve.operator.tuner import NextTrial, Trial, Verdict, failure_of, next_step
-from npuserve.operator.tuning_status import trial_from_status, trial_status, trials_of, verdict_status
+from npuserve.planning.planner import plan
+from npuserve.planning.problem import TunedSchedule, TuningProblem, pooled
+from npuserve.planning.tuner import NextTrial, Trial, Verdict, decide, failure_of
+from npuserve.planning.tuning_status import trial_from_status, trial_status, trials_of, verdict_status
 
 # --- the analytic engine -------------------------------------------------------------------------------------------
 # Shaped on the MindIE guide's measurements (docs/simulator.md#calibration). supportSelectBatch true: TPOT convex in the
@@ -98,8 +98,8 @@ def drive(p: TuningProblem, engine: Engine, limit: int = 40,
     """The tuner's loop, as the simulator and the operator run it; checks every proposal on the way."""
     trials = list(history or [])
     for _ in range(limit):
-        step = next_step(p, trials)
-        assert next_step(p, trials) == step  # pure: the same history gives the same answer
+        step = decide(p, trials)
+        assert decide(p, trials) == step  # pure: the same history gives the same answer
         if isinstance(step, Verdict):
             print(f"  -> {step.reason}: {step.message}")
             return step, trials
@@ -235,13 +235,13 @@ def test_any_range_ends_in_a_verdict_within_the_budget(objective: str, low: int,
 
 
 def test_a_pinned_max_batch_size_stops_at_once_and_says_so() -> None:
-    verdict = next_step(problem("throughput", pinned={"maxBatchSize": 300}), [])
+    verdict = decide(problem("throughput", pinned={"maxBatchSize": 300}), [])
     assert isinstance(verdict, Verdict)
     assert (verdict.reason, verdict.best, verdict.slo_met) == ("pinned", None, None)
     assert "maxBatchSize is pinned" in verdict.message
     assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 300
     every = {"maxBatchSize": 300, "maxPrefillBatchSize": 100, "maxPrefillTokens": 8192, "supportSelectBatch": True}
-    verdict = next_step(problem("decodeLatency", pinned=every), [])
+    verdict = decide(problem("decodeLatency", pinned=every), [])
     assert isinstance(verdict, Verdict) and verdict.reason == "pinned"
     assert "every knob the tuner owns is pinned" in verdict.message
 
@@ -276,10 +276,10 @@ def test_an_unreachable_slo_goes_down_to_one_and_reports_the_closest_trial() -> 
 def test_a_failed_trial_backs_off_below_it() -> None:
     # The KV cache runs out above 250: the throughput peak (276) is out of reach.
     p = problem("throughput", (50, 600, 300), noise=0.0)
-    first = next_step(p, [])
+    first = decide(p, [])
     assert isinstance(first, NextTrial) and first.schedule.maxBatchSize == 300
     failed = Trial(schedule=first.schedule, metrics=analytic_engine(kv_limit=250)(first.schedule))
-    step = next_step(p, [failed])
+    step = decide(p, [failed])
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 150  # 300 x 0.5
     assert "backing off below maxBatchSize 300 (KV cache exhausted)" in step.reason
     verdict, trials = drive(p, analytic_engine(kv_limit=250))
@@ -293,10 +293,10 @@ def test_failures_at_the_smallest_batch_tried_send_the_search_lower_down_to_one(
     p = problem("decodeLatency", noise=0.0)
     failures: list[Trial] = []
     for expected in (108, 54, 27, 13, 6, 3, 1):
-        step = next_step(p, failures)
+        step = decide(p, failures)
         assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == expected, step
         failures.append(Trial(schedule=step.schedule, failure="EngineNotReady", detail="pods not ready in 10m"))
-    verdict = next_step(p, failures)
+    verdict = decide(p, failures)
     assert isinstance(verdict, Verdict) and verdict.reason == "allFailed" and verdict.best is None
     assert "maxBatchSize 1, the smallest there is, failed (pods not ready in 10m)" in verdict.message
 
@@ -306,7 +306,7 @@ def test_errors_and_preemption_storms_fail_a_trial() -> None:
     ok = analytic_engine()(p.schedule_for(108))
     for bad, why in ((ok.model_copy(update={"errorRate": 0.02}), "error rate 2.0% above 1.0%"),
                      (ok.model_copy(update={"preemptions": 400}), "preemption storm: 400 preemptions in 500 requests")):
-        step = next_step(p, [Trial(schedule=p.schedule_for(108), metrics=bad)])
+        step = decide(p, [Trial(schedule=p.schedule_for(108), metrics=bad)])
         assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 54 and why in step.reason
 
 
@@ -362,11 +362,11 @@ def test_too_few_samples_asks_for_a_repeat_and_the_repeats_pool() -> None:
     p = problem("decodeLatency", noise=0.05, min_samples=100)
     engine = analytic_engine(samples=60)
     trials = [Trial(schedule=p.schedule_for(108), metrics=engine(p.schedule_for(108)))]
-    step = next_step(p, trials)
+    step = decide(p, trials)
     assert isinstance(step, NextTrial) and step.repeat_of == 0 and step.schedule == trials[0].schedule
     assert "only 60 requests" in step.reason
     trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))  # 120 pooled: enough
-    step = next_step(p, trials)
+    step = decide(p, trials)
     assert isinstance(step, NextTrial) and step.repeat_of is None and step.schedule.maxBatchSize != 108
 
 
@@ -378,11 +378,11 @@ def test_a_measurement_inconsistent_with_its_neighbours_is_repeated() -> None:
     # A window at 80 whose TPOT is far above that of a larger batch: TPOT never falls as the batch grows.
     odd = engine(p.schedule_for(80)).model_copy(update={"tpotMs": LatencyStats(mean=55, p90=66, p99=82)})
     trials.append(Trial(schedule=p.schedule_for(80), metrics=odd))
-    step = next_step(p, trials)
+    step = decide(p, trials)
     assert isinstance(step, NextTrial) and step.repeat_of == 3 and step.schedule.maxBatchSize == 80
     assert "80 misses the SLO (1.10x the bound) but 100 meets it" in step.reason
     # With exact measurements (noise 0) a repeat would say the same: none is asked, and the miss caps the search.
-    exact = next_step(p.model_copy(update={"noise": 0.0}), trials)
+    exact = decide(p.model_copy(update={"noise": 0.0}), trials)
     assert isinstance(exact, NextTrial) and exact.repeat_of is None and exact.schedule.maxBatchSize < 80
 
 
@@ -394,13 +394,13 @@ def test_noisy_points_bunched_below_the_bound_do_not_send_the_next_trial_far() -
     trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
         "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
         for b, tpot in ((120, 46.8), (122, 46.0), (124, 46.2), (126, 46.1))]
-    step = next_step(p, trials)
+    step = decide(p, trials)
     assert isinstance(step, NextTrial) and 130 <= step.schedule.maxBatchSize <= 160
 
 
 def test_the_peak_search_jumps_to_the_fitted_vertex() -> None:
     p = problem("throughput", (50, 600, 200), noise=0.0)
-    step = next_step(p, measured(p, analytic_engine(), 150, 200, 350))  # 2562, 2848, 2846 tok/s
+    step = decide(p, measured(p, analytic_engine(), 150, 200, 350))  # 2562, 2848, 2846 tok/s
     assert isinstance(step, NextTrial) and step.reason == "the fitted peak: 2939 tok/s at 264"
     assert step.schedule.maxBatchSize == 264  # the truth: 276
 
@@ -410,7 +410,7 @@ def test_a_wide_gap_past_the_best_point_is_looked_into_before_stopping() -> None
     # off a cliff (KV pressure) before 450.
     p = problem("throughput", (50, 600, 200), noise=0.0)
     history = measured(p, analytic_engine(), 100, 200, 450)
-    step = next_step(p, history)
+    step = decide(p, history)
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 300  # sqrt(200 x 450)
     assert "the gap around it is wide" in step.reason
     verdict, trials = drive(p, analytic_engine(), history=history)
@@ -432,7 +432,7 @@ def test_the_status_history_resumes_the_search_where_it_was() -> None:
     engine = analytic_engine(noise=0.05, seed=1)
     trials: list[Trial] = []
     for _ in range(4):
-        step = next_step(p, trials)
+        step = decide(p, trials)
         assert isinstance(step, NextTrial)
         trials.append(Trial(schedule=step.schedule, metrics=engine(step.schedule)))
     trials.append(Trial(schedule=p.schedule_for(400), failure="EngineNotReady", detail="pods not ready"))
@@ -443,7 +443,7 @@ def test_the_status_history_resumes_the_search_where_it_was() -> None:
     # Through JSON and back, as the operator reads status.tuning.history: the same trials, the same next step.
     restored = [trial_from_status(type(h).model_validate_json(h.model_dump_json())) for h in history]
     assert restored == trials
-    assert next_step(p, [t for t in restored if t is not None]) == next_step(p, trials)
+    assert decide(p, [t for t in restored if t is not None]) == decide(p, trials)
 
 
 @pytest.mark.parametrize("change", [
@@ -495,7 +495,7 @@ def test_the_verdicts_evidence_names_the_history_trials_past_an_inconclusive_win
                            reason="PrometheusUnreachable", verdict="Prometheus unreachable"),
                *(trial_status(p, i + 1, t) for i, t in enumerate(trials[1:], start=1))]
     assert trials_of(history) == trials
-    verdict = next_step(p, trials_of(history))
+    verdict = decide(p, trials_of(history))
     assert isinstance(verdict, Verdict) and verdict.evidence == (0, 1, 2)  # the three windows at 100
     status = verdict_status(verdict, history)
     assert status.trials == [0, 2, 3] and status.maxBatchSize == 100
@@ -506,7 +506,7 @@ def test_trials_of_another_problem_are_left_out() -> None:
     other = problem("firstTokenAndDecode", noise=0.0)  # supportSelectBatch false: another schedule at each batch
     engine = analytic_engine()
     foreign = measured(other, engine, 108, 150, 200)
-    assert next_step(p, foreign) == next_step(p, [])
+    assert decide(p, foreign) == decide(p, [])
 
 
 def test_the_full_schedule_keeps_the_plans_other_knobs() -> None:
@@ -555,9 +555,9 @@ def test_a_batch_that_meets_in_one_window_but_not_beyond_the_noise_is_measured_a
     # TPOT bound 50 ms. 100 meets by 10% in three windows that agree; 130 meets by 1% in one window.
     p = problem("decodeLatency", noise=0.05, max_trials=20)
     trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
-    step = next_step(p, trials)
+    step = decide(p, trials)
     assert isinstance(step, NextTrial) and step.repeat_of == 3 and "leaves it uncertain" in step.reason
-    out_of_trials = next_step(p.model_copy(update={"max_trials": 4}), trials)
+    out_of_trials = decide(p.model_copy(update={"max_trials": 4}), trials)
     assert isinstance(out_of_trials, Verdict) and out_of_trials.reason == "maxTrials"
     assert out_of_trials.schedule is not None and out_of_trials.schedule.maxBatchSize == 100
     assert out_of_trials.slo_met is True and out_of_trials.evidence == (0, 1, 2)
@@ -569,7 +569,7 @@ def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_sa
     # at 49.5 ms, under the bound; measured, 120 misses, so 130 above it is no answer either. The verdict: 100.
     p = problem("decodeLatency", noise=0.05, max_trials=5)
     trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (120, 50.5), (130, 48.5))
-    verdict = next_step(p, trials)
+    verdict = decide(p, trials)
     assert isinstance(verdict, Verdict) and verdict.schedule is not None
     assert verdict.schedule.maxBatchSize == 100 and verdict.slo_met is True and verdict.evidence == (0, 1, 2)
 
@@ -580,7 +580,7 @@ def test_a_throughput_verdict_under_a_bound_takes_only_a_batch_certain_to_meet_i
     # be said of 100.
     p = problem("throughput", tpot_ms=50, noise=0.05, max_trials=4)
     trials = _windows(p, (100, 45.0), (100, 45.5), (100, 44.5), (130, 49.5))
-    verdict = next_step(p, trials)
+    verdict = decide(p, trials)
     assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials"
     assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 100
     assert verdict.slo_met is True and verdict.evidence == (0, 1, 2)
@@ -616,7 +616,7 @@ def test_a_latency_verdict_takes_the_certain_batch_with_the_most_throughput_not_
     trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
         "outputTokensPerSecond": tps, "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
         for b, tps, tpot in ((16, 216.0, 61.0), (27, 158.0, 164.0))]
-    verdict = next_step(p, trials)
+    verdict = decide(p, trials)
     assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials"
     assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 16
     assert (verdict.best, verdict.evidence, verdict.slo_met, verdict.limit) == (0, (0,), True, "throughputPeak")
@@ -633,7 +633,7 @@ def test_a_latency_verdict_is_not_moved_down_by_noise_when_throughput_does_not_d
     trials = [Trial(schedule=p.schedule_for(b), metrics=window.model_copy(update={
         "outputTokensPerSecond": tps, "tpotMs": LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot)}))
         for b, tps, tpot in ((16, 103.0, 60.0), (40, 100.0, 70.0), (16, 102.0, 61.0), (40, 99.0, 69.0))]
-    verdict = next_step(p, trials)
+    verdict = decide(p, trials)
     assert isinstance(verdict, Verdict) and verdict.slo_met is True
     assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 40
     assert verdict.limit == "memory"

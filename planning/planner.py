@@ -23,7 +23,7 @@ from npuserve.mindie_config import (
 )
 from npuserve.modelspec import ModelSpec
 from npuserve.npu_contract import NPU_BLOCK_RULE, block_size_problem
-from npuserve.operator.api import (
+from npuserve.planning.api import (
     Architecture,
     ExplainEntry,
     InferenceServiceSpec,

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from npuserve.operator.api import InferenceServiceSpec, Plan
-from npuserve.operator.planner import PlanError, plan
+from npuserve.planning.api import InferenceServiceSpec, Plan
+from npuserve.planning.planner import PlanError, plan
 
 GUIDE_WORKLOAD = {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512}
 # The guide's inputs: LLaMA3-8B with the "head size" taken as hidden_size / num_key_value_heads = 4096 / 8 = 512.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from npuserve.operator.api import FAILURE_REASONS, TuningTrial, TuningVerdict
+from npuserve.planning.api import FAILURE_REASONS, TuningTrial, TuningVerdict
 
 from .problem import TunedSchedule, TuningProblem
 from .tuner import Trial, Verdict
