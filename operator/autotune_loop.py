@@ -146,8 +146,8 @@ class AutotuneLoop:
 
     def look(self, keys: list[Key], now: float | None = None) -> dict[Key, at.Actions]:
         """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key.
-        `now`: the clock for the whole look (tests); by default each part of it takes the time when it runs, since a look
-        at many InferenceServices takes a while."""
+        `now`: the clock for the whole look (tests); by default each part takes the time when it runs, since a look at
+        many InferenceServices takes a while."""
 
         def clock() -> float:
             return time.time() if now is None else now
