@@ -5,6 +5,8 @@ operator just observed (the engine pods, a Prometheus window when one was due, t
 actions to take (a schedule to apply to every engine and the ConfigMap, a Job to create or delete, a replica count
 to scale to, events) and the new status. It does no I/O and reads no clock: the autotune driver
 (`autotune_loop.py`) gathers the observation, writes the status through the one status writer, then runs the actions.
+What the status records of the schedule (its generation, the Job, the rollback) is `tuning_schedule.py`; when to look
+again and which window to read is `look_timing.py`.
 The status holds the whole state (the trial in progress, the typed history, the capacity probes), so an operator that
 restarts resumes where it was, and the pure tuner (`tuner.decide`) decides every trial from the history, as the
 simulator's tests drive it.
@@ -28,63 +30,47 @@ the replicas to hold the target.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import ValidationError
-
-from npuserve.engine_contract import HOT_SCHEDULE_FIELDS
 from npuserve.planning.api import (
     SCHEDULE_NOT_RUN,
     AppliedSchedule,
     FailureReasonName,
     InferenceService,
     Plan,
-    PlanSchedule,
     ScheduleKnobs,
     TrialInProgress,
     TrialMetrics,
     TuningStatus,
     TuningTrial,
 )
-from npuserve.planning.problem import TunedSchedule, TuningProblem
-from npuserve.planning.tuner import NextTrial, Trial, Verdict, best_so_far, decide
+from npuserve.planning.problem import TunedSchedule
+from npuserve.planning.tuner import NextTrial, Trial, Verdict, decide
 from npuserve.planning.tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
 
 from . import capacity as capacity_part
-from .autotune_types import Actions as Actions
-from .autotune_types import Event as Event
-from .autotune_types import GenerationsRun as GenerationsRun
-from .autotune_types import Intent as Intent
-from .autotune_types import JobPhase as JobPhase
-from .autotune_types import Measurement as Measurement
-from .autotune_types import Observation as Observation
-from .autotune_types import PodState as PodState
-from .autotune_types import Status, format_duration, parse_duration, parse_rfc3339, rfc3339
-from .autotune_types import WindowRequest as WindowRequest
+from .autotune_types import (
+    Actions,
+    Measurement,
+    Observation,
+    Status,
+    format_duration,
+    parse_rfc3339,
+    rfc3339,
+)
+from .look_timing import grid_after, settle_s, window_s
 from .render import bench_job_name, render_bench_job
 from .status import condition as condition_of
 from .status import serving_phase, set_condition
+from .tuning_schedule import JOB_SLACK_S, best_known, next_generation, problem_for, problem_key, tuning_of
 
-SETTLE_FRACTION = 0.25  # of autotune.window: settles after a change and is not measured
 # Settling also lasts this many times the last window's mean request latency: requests admitted under the schedule
 # before keep running under it after a live change (online traffic waits for its answers), and a window that counts
 # them measures the old schedule.
 SETTLE_REQUEST_LATENCIES = 2.0
 MISSED_WINDOWS = 3  # consecutive windows missing the SLO after tuning that start a new round
-JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 MAX_STRETCH = 4  # a window measured again grows to at most this many times autotune.window
-# Windows end on multiples of this many seconds (unix time): the windows of many InferenceServices that end together
-# and are as long are read with one Prometheus query per figure for them all (`PrometheusClient.read_windows`). The
-# settling time before a trial's window grows by less than this.
-WINDOW_GRID_S = 5.0
-# How long the driver may leave an InferenceService without looking at it when nothing is due: while it waits (for
-# engines, for Prometheus), and as a floor under every wait (`next_look`). Changes to the InferenceService and its
-# engine workloads wake the driver sooner (the kopf handlers tell it).
-RECHECK_S = 10.0
-IDLE_LOOK_S = 60.0
 HISTORY_LIMIT = 100  # status.tuning.history's maxItems
 # Condition reasons (docs/operator.md lists them).
 REASON_NO_PROMETHEUS = "NoPrometheus"
@@ -97,191 +83,10 @@ REASON_SCHEDULE_NOT_RUN = SCHEDULE_NOT_RUN
 WAITING_MESSAGE = "waiting for every engine pod to be ready before the next trial"
 
 
-# --- the problem ---------------------------------------------------------------------------------------------------
-
-
-def problem_for(isvc: InferenceService, plan: Plan, start: int | None = None) -> TuningProblem:
-    """The tuner's problem for this InferenceService; `start` (a new round's) replaces the plan's first batch."""
-    a = isvc.spec.autotune
-    problem = TuningProblem.from_plan(plan, isvc.spec.slo, max_trials=a.maxTrials, min_samples=a.minSamples)
-    if start is not None:
-        problem = problem.model_copy(update={"batch_start": min(max(start, problem.floor), problem.batch_max)})
-    return problem
-
-
-def problem_key(problem: TuningProblem) -> str:
-    """What makes trials comparable: the range, SLO, pinned knobs and base schedule (not the start or the budget)."""
-    text = problem.model_dump_json(exclude={"batch_start", "max_trials", "min_samples"})
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def tuning_of(status: Mapping[str, Any]) -> TuningStatus | None:
-    """status.tuning, or None without one (or one an older operator wrote in another shape: tuning starts over)."""
-    data = status.get("tuning")
-    if data is None:
-        return None
-    try:
-        return TuningStatus.model_validate(data)
-    except ValidationError:
-        return None
-
-
-def applied_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, Any]) -> PlanSchedule | None:
-    """The schedule the ConfigMap must hold: the tuner's, while autotune is on and its trials are of this plan;
-    None: the plan's."""
-    tuning = tuning_of(status)
-    if not isvc.spec.autotune.enabled or tuning is None or tuning.applied is None:
-        return None
-    if tuning.problem != problem_key(problem_for(isvc, plan)):
-        return None
-    return with_knobs(plan.schedule, tuning.applied.knobs())
-
-
-def plan_generation(applied: AppliedSchedule | None, spec_generation: int | None) -> int:
-    """The schedule generation of the plan's own schedule, when the ConfigMap holds it (autotune off, or a spec
-    change the tuner has not tuned yet): past every generation the tuner has applied, so engines that run the
-    tuner's schedule take the plan's back, and rising with each spec change (metadata.generation)."""
-    return (applied.scheduleGeneration if applied is not None else 0) + (spec_generation or 0)
-
-
-def next_generation(applied: AppliedSchedule | None, spec_generation: int | None) -> int:
-    """The generation of the next schedule the tuner applies: past its last one and past the plan's own."""
-    return plan_generation(applied, spec_generation) + 1
-
-
-def configmap_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, Any],
-                       ) -> tuple[PlanSchedule | None, int]:
-    """What the ConfigMap holds, from status.tuning.applied (the source): the tuner's schedule and its generation,
-    or (None: the plan's schedule) at `plan_generation`."""
-    schedule = applied_schedule(isvc, plan, status)
-    tuning = tuning_of(status)
-    applied = tuning.applied if tuning is not None else None
-    if schedule is not None and applied is not None:
-        return schedule, applied.scheduleGeneration
-    return None, plan_generation(applied, isvc.metadata.generation)
-
-
-def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any], pods: Sequence[PodState],
-                    now: float) -> Intent:
-    """What `status` records the engines and the load Job must be now: the tuner's applied schedule (when the
-    ConfigMap holds it, `applied_schedule`), and the open trial's Job while its window runs and its target pod has an
-    address (rendered as `open_window` rendered it, so a Job recreated at the window's opening is the same Job)."""
-    tuning = tuning_of(status)
-    if tuning is None:
-        return Intent()
-    apply = tuning.applied if applied_schedule(isvc, plan, status) is not None else None
-    current, job = tuning.current, None
-    target = next((p for p in pods if current is not None and p.name == current.target and p.ip), None)
-    if current is not None and current.job and target is not None and target.ip is not None \
-            and now < parse_rfc3339(current.measureUntil):
-        job = render_bench_job(isvc, name=current.job, target_ip=target.ip, concurrency=current.concurrency or 1,
-                               duration_s=parse_rfc3339(current.measureUntil) - now + JOB_SLACK_S)
-    return Intent(apply=apply, job=job)
-
-
 def readable_ms(ms: float) -> float:
     """Milliseconds as people read them: whole, with one decimal under 10 ms (a fast TPOT must not read 0)."""
     return round(ms) if ms >= 10 else round(ms, 1)
 
-
-def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
-    return schedule.model_copy(update=knobs.pinned())
-
-
-def best_known(problem: TuningProblem, history: Sequence[TuningTrial]) -> ScheduleKnobs:
-    """The schedule to roll back to: what the verdict would choose from the history now (certain to meet the SLO,
-    else the closest measured); without any measurement, the plan's."""
-    best = best_so_far(problem, trials_of(history))
-    if best is None:  # nothing measured well yet: the plan's own schedule (its hot knobs: what /admin/schedule takes)
-        return ScheduleKnobs(**{k: v for k, v in problem.base.model_dump().items()
-                                if k in ScheduleKnobs.model_fields and k in HOT_SCHEDULE_FIELDS})
-    return problem.knobs(best)
-
-
-# --- when to read Prometheus ---------------------------------------------------------------------------------------
-
-
-def _window_s(isvc: InferenceService) -> float:
-    return parse_duration(isvc.spec.autotune.window)
-
-
-def _settle_s(isvc: InferenceService) -> float:
-    return _window_s(isvc) * SETTLE_FRACTION
-
-
-def grid_after(t: float) -> float:
-    """The first window end (a multiple of WINDOW_GRID_S) at or after `t`."""
-    return math.ceil(round(t / WINDOW_GRID_S, 6)) * WINDOW_GRID_S
-
-
-def grid_before(t: float) -> float:
-    """The last window end at or before `t`."""
-    return math.floor(round(t / WINDOW_GRID_S, 6)) * WINDOW_GRID_S
-
-
-def window_due(isvc: InferenceService, status: Mapping[str, Any], now: float) -> WindowRequest | None:
-    """The window the driver must read from Prometheus now, if any: the open trial's once it has closed (and its
-    reading is not waiting for Prometheus to come back), or, after tuning, the last window each `window`, ending on
-    the grid."""
-    tuning = tuning_of(status)
-    if not isvc.spec.autotune.enabled or tuning is None:
-        return None
-    current = tuning.current
-    if current is not None:
-        if current.inconclusiveReason == "PrometheusUnreachable":
-            return None
-        end = parse_rfc3339(current.measureUntil)
-        if now < end:
-            return None
-        return WindowRequest(parse_rfc3339(current.measureFrom), end,
-                             (current.target,) if current.target else None)
-    if tuning.phase in ("Converged", "Stopped", "Failed"):
-        window, end = _window_s(isvc), grid_before(now)
-        last = parse_rfc3339(tuning.lastCheckAt) if tuning.lastCheckAt else 0.0
-        if end - last >= window:
-            return WindowRequest(end - window, end, None)
-    return None
-
-
-def next_look(isvc: InferenceService, status: Mapping[str, Any], now: float) -> float:
-    """When the driver must run `advance` again for this InferenceService if nothing about it changes meanwhile: the
-    open trial's window end, the next window after tuning, a recheck while it waits (for engines, Prometheus, a
-    capacity probe), and IDLE_LOOK_S at the latest."""
-    tuning = tuning_of(status)
-    latest = now + IDLE_LOOK_S
-    if not isvc.spec.autotune.enabled:
-        return latest
-    if tuning is None:
-        return now + RECHECK_S
-    current = tuning.current
-    if current is not None:
-        if current.inconclusiveReason == "PrometheusUnreachable":
-            return now + RECHECK_S
-        # A benchmark Job that fails, or an engine that stops being ready, ends the trial early: the Job is looked
-        # at every recheck; the engines' changes wake the driver.
-        soonest = parse_rfc3339(current.measureUntil)
-        return min(soonest, now + RECHECK_S) if current.job else min(soonest, latest)
-    if tuning.phase in ("Converged", "Stopped", "Failed"):
-        last = parse_rfc3339(tuning.lastCheckAt) if tuning.lastCheckAt else 0.0
-        return min(grid_after(last + _window_s(isvc)), latest)
-    return now + RECHECK_S  # running, no trial open: it waits for engines or Prometheus
-
-
-def waits_for_prometheus(status: Mapping[str, Any]) -> bool:
-    """Whether the open trial waits for Prometheus to answer again (only then does the driver ask it)."""
-    tuning = tuning_of(status)
-    return tuning is not None and tuning.current is not None and \
-        tuning.current.inconclusiveReason == "PrometheusUnreachable"
-
-
-def needs_replica_limit(isvc: InferenceService, plan: Plan, status: Mapping[str, Any]) -> bool:
-    """Whether this look may scale: capacity is asked for and not yet measured for this tuning problem (only then
-    does the driver list the nodes)."""
-    if isvc.spec.capacity is None:
-        return False
-    cap = status.get("capacity") or {}
-    return not (cap.get("problem") == problem_key(problem_for(isvc, plan)) and cap.get("phase") in ("Measured",
-                                                                                                  "Failed"))
 
 
 # --- one look -------------------------------------------------------------------------------------------------------
@@ -402,7 +207,7 @@ class _Look:
         # A window measured again is longer (x2, x3, x4): requests longer than the window never finish inside it, and
         # a new benchmark Job starts its load over.
         stretch = 1 + min(attempts, MAX_STRETCH - 1)
-        settle, window = max(_settle_s(self.isvc) * stretch, self.draining_s()), _window_s(self.isvc) * stretch
+        settle, window = max(settle_s(self.isvc) * stretch, self.draining_s()), window_s(self.isvc) * stretch
         until = grid_after(now + settle + window)
         start = until - window
         ready = sorted((p for p in self.obs.pods if p.ready and p.ip), key=lambda p: p.name)
@@ -438,7 +243,7 @@ class _Look:
         last = next((e.metrics for e in reversed(self.tuning.history) if e.metrics is not None), None)
         if last is None or last.e2eMeanMs is None:
             return 0.0
-        return min(SETTLE_REQUEST_LATENCIES * last.e2eMeanMs / 1000, _window_s(self.isvc))
+        return min(SETTLE_REQUEST_LATENCIES * last.e2eMeanMs / 1000, window_s(self.isvc))
 
     def open_probe(self, number: int, concurrency: int) -> str:
         assert self.tuning.applied is not None
@@ -629,7 +434,7 @@ class _Look:
         self.tuning.lastCheckAt = rfc3339(end)
         if m.metrics is None:
             return  # no traffic or no Prometheus: nothing said about the SLO
-        start = m.start if m.start is not None else end - _window_s(self.isvc)
+        start = m.start if m.start is not None else end - window_s(self.isvc)
         applied = self.tuning.applied  # what the window ran: the verdict's schedule, applied when tuning concluded
         self.observe(m.metrics, rfc3339(start), rfc3339(end), applied.maxBatchSize if applied is not None else None)
         judgement = self.problem.judge(m.metrics)
@@ -649,7 +454,7 @@ class _Look:
                        f"{self.tuning.missedWindows} consecutive window(s) missed the SLO ({missed}; traffic "
                        f"changed?); {MISSED_WINDOWS} start a new tuning round")
         started = parse_rfc3339(self.tuning.roundStartedAt) if self.tuning.roundStartedAt else 0.0
-        cool_down = _window_s(self.isvc) * self.isvc.spec.autotune.maxTrials
+        cool_down = window_s(self.isvc) * self.isvc.spec.autotune.maxTrials
         if self.tuning.missedWindows >= MISSED_WINDOWS and self.obs.now - started >= cool_down:
             best = self.tuning.best
             self.tuning = TuningStatus(phase="Running", round=self.tuning.round + 1, problem=self.key,

@@ -7,7 +7,7 @@ event handlers only tell it which InferenceServices exist and when one changed, 
 their status, and the children (engines, Secret, Jobs) go with their owner by garbage collection.
 
 When it looks (so that hundreds of InferenceServices cost little): each InferenceService has a time of its next look,
-`autotune.next_look` of its status (its open window's end, the next window after tuning, a recheck while it waits, a
+`look_timing.next_look` of its status (its open window's end, the next window after tuning, a recheck while it waits, a
 minute at the latest); a change to it that the loop did not write itself, or to its engine workloads, makes it due at
 once (`track`, `poke`). Every look at a set of due InferenceServices reads each (one GET, its engine pods; LOOK_WORKERS
 at a time), reads every due window from Prometheus together (windows end on a grid, so those that end together are one
@@ -37,7 +37,10 @@ from npuserve.catalog.accelerators import get_accelerator
 from npuserve.planning.api import AppliedSchedule, InferenceService, Plan
 
 from . import autotune as at
+from . import autotune_types as tt
 from . import kube as kube_module
+from . import look_timing as lt
+from . import tuning_schedule as ts
 from .autotune_types import Status
 from .names import COMPONENT_LABEL, INSTANCE_LABEL
 from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
@@ -61,8 +64,8 @@ class _Look:
     isvc: InferenceService
     plan: Plan
     status: Status
-    pods: list[at.PodState]
-    due: at.WindowRequest | None
+    pods: list[tt.PodState]
+    due: tt.WindowRequest | None
 
 
 class AutotuneLoop:
@@ -144,7 +147,7 @@ class AutotuneLoop:
 
     # -- a look at the due InferenceServices --
 
-    def look(self, keys: list[Key], now: float | None = None) -> dict[Key, at.Actions]:
+    def look(self, keys: list[Key], now: float | None = None) -> dict[Key, tt.Actions]:
         """Read each, read their due windows from Prometheus together, advance each; the actions taken, by key.
         `now`: the clock for the whole look (tests); by default each part takes the time when it runs, since a look at
         many InferenceServices takes a while."""
@@ -157,19 +160,19 @@ class AutotuneLoop:
                 return self._read(key, clock())
             except Exception:  # one InferenceService's failure must not stop the others' tuning
                 log.exception("autotune of %s/%s failed; trying again", *key)
-                self._schedule(key, clock() + at.RECHECK_S)
+                self._schedule(key, clock() + lt.RECHECK_S)
                 return None
 
         looks = {key: r for key, r in zip(keys, self._workers.map(read, keys), strict=True) if r is not None}
         readings = self._read_windows(looks)
         up: dict[str, bool] = {}
 
-        def advance(key: Key) -> at.Actions | None:
+        def advance(key: Key) -> tt.Actions | None:
             try:
                 return self._advance(looks[key], readings.get(key), clock(), up)
             except Exception:
                 log.exception("autotune of %s/%s failed; trying again", *key)
-                self._schedule(key, clock() + at.RECHECK_S)
+                self._schedule(key, clock() + lt.RECHECK_S)
                 return None
 
         taken = zip(looks, self._workers.map(advance, list(looks)), strict=True)
@@ -185,7 +188,7 @@ class AutotuneLoop:
             isvc = InferenceService.model_validate({k: obj.get(k) for k in ("apiVersion", "kind", "metadata",
                                                                             "spec")})
         except ValidationError:
-            self._schedule(key, now + at.IDLE_LOOK_S)  # the API server refuses such specs; a change wakes it
+            self._schedule(key, now + lt.IDLE_LOOK_S)  # the API server refuses such specs; a change wakes it
             return None
         status: Status = obj.get("status") or {}
         if not isvc.spec.autotune.enabled:
@@ -195,10 +198,10 @@ class AutotuneLoop:
         deployed = any(c.get("type") == "Deployed" and c.get("status") == "True"
                        for c in status.get("conditions") or [])
         if plan is None or not deployed or not status.get("selector"):
-            self._schedule(key, at.next_look(isvc, status, now))  # reconcile's writes wake it
+            self._schedule(key, lt.next_look(isvc, status, now))  # reconcile's writes wake it
             return None
         pods = self.calls.pods(namespace, str(status["selector"]))
-        return _Look(obj, isvc, plan, status, pods, at.window_due(isvc, status, now))
+        return _Look(obj, isvc, plan, status, pods, lt.window_due(isvc, status, now))
 
     def _read_windows(self, looks: Mapping[Key, _Look]) -> dict[Key, WindowReading | Unreachable]:
         wanted = [(key, read.due) for key, read in looks.items() if read.due is not None]
@@ -214,7 +217,7 @@ class AutotuneLoop:
         return {key: reading for (key, _), reading in zip(wanted, readings, strict=True)}
 
     def _advance(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
-                 up: dict[str, bool]) -> at.Actions:
+                 up: dict[str, bool]) -> tt.Actions:
         isvc, status = read.isvc, read.status
         namespace, name = isvc.metadata.namespace, isvc.metadata.name
         key = (namespace, name)
@@ -234,9 +237,9 @@ class AutotuneLoop:
             self.delete_orphan_jobs(read.obj, written)
         for type_, reason, message in actions.events:
             self.calls.post_event(read.obj, type_, reason, message)
-        when = at.next_look(isvc, written, now)
+        when = lt.next_look(isvc, written, now)
         if when <= now:  # a window due and not read (Prometheus not configured, a bad answer): not in a busy loop
-            when = now + (at.RECHECK_S if read.due is not None and reading is None else self.interval)
+            when = now + (lt.RECHECK_S if read.due is not None and reading is None else self.interval)
         self._schedule(key, when)
         return actions
 
@@ -256,30 +259,30 @@ class AutotuneLoop:
         return orphans
 
     def _observe(self, read: _Look, reading: WindowReading | Unreachable | None, now: float,
-                 up: dict[str, bool]) -> at.Observation:
+                 up: dict[str, bool]) -> tt.Observation:
         isvc, plan, status = read.isvc, read.plan, read.status
         ns = isvc.metadata.namespace
-        tuning = at.tuning_of(status)
+        tuning = ts.tuning_of(status)
         current = tuning.current if tuning is not None else None
         # Asked only when the open trial waits for it (once per look): a closed window's read says the rest.
-        if self.prometheus is not None and at.waits_for_prometheus(status) and "ready" not in up:
+        if self.prometheus is not None and lt.waits_for_prometheus(status) and "ready" not in up:
             up["ready"] = self.prometheus.ready()
-        answers = self.prometheus is not None and (not at.waits_for_prometheus(status) or up["ready"])
+        answers = self.prometheus is not None and (not lt.waits_for_prometheus(status) or up["ready"])
         measurement = None
         if read.due is not None and reading is not None:
             measurement = replace(measurement_of(reading), start=read.due.start, end=read.due.end)
         job = self.calls.job_phase(ns, current.job) if current is not None and current.job else None
         limit = None
-        if at.needs_replica_limit(isvc, plan, status):
+        if lt.needs_replica_limit(isvc, plan, status):
             acc = get_accelerator(isvc.spec.accelerator.type)
             per_pod = plan.cardsPerPod if acc.resource_name else float(engine_cpus(isvc, plan))
             limit = self.calls.replica_limit(acc.resource_name, per_pod)
             limit = None if limit is None else limit // max(plan.nodes, 1)
-        return at.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
+        return tt.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
                               prometheus_configured=self.prometheus is not None, job=job, replica_limit=limit)
 
-    def _act(self, read: _Look, written: Status, actions: at.Actions, now: float) -> None:
-        """Carry out what the written status records (`at.recorded_intent`): the applied schedule on every engine
+    def _act(self, read: _Look, written: Status, actions: tt.Actions, now: float) -> None:
+        """Carry out what the written status records (`ts.recorded_intent`): the applied schedule on every engine
         and the open trial's Job, unless this process already did for this intent. A new leader, or a look whose
         acts raised after the write, finds the intent not carried out and carries it out again (an engine already
         at that generation answers 409, an existing Job is kept), so the retry heals itself."""
@@ -287,7 +290,7 @@ class AutotuneLoop:
         ns, name = isvc.metadata.namespace, isvc.metadata.name
         if actions.delete_job:
             self.calls.delete_job(ns, actions.delete_job)
-        intent = at.recorded_intent(isvc, read.plan, written, read.pods, now)
+        intent = ts.recorded_intent(isvc, read.plan, written, read.pods, now)
         with self.lock:
             carried = self.carried.get((ns, name))
         if intent.key != carried:
@@ -300,8 +303,8 @@ class AutotuneLoop:
         if actions.scale is not None:
             self.calls.scale(ns, name, actions.scale)
 
-    def _apply(self, isvc: InferenceService, pods: list[at.PodState], applied: AppliedSchedule,
-               actions: at.Actions) -> None:
+    def _apply(self, isvc: InferenceService, pods: list[tt.PodState], applied: AppliedSchedule,
+               actions: tt.Actions) -> None:
         """The schedule hot on every engine (PUT /admin/schedule, with its generation). The ConfigMap follows
         from the status this look wrote (reconcile's `on_applied_schedule`): a restarted pod keeps the schedule,
         and an engine the PUT missed takes it from its config file."""
@@ -321,7 +324,7 @@ class AutotuneLoop:
     def _stop_tuning(self, obj: Mapping[str, Any], namespace: str, name: str, status: Status) -> None:
         """Autotune turned off: end an open trial's Job and close the trial; the ConfigMap goes back to the plan's
         schedule on the reconcile the spec change started."""
-        tuning = at.tuning_of(status)
+        tuning = ts.tuning_of(status)
         if tuning is None or tuning.current is None:
             self.track(namespace, name, False)
             return
@@ -338,23 +341,23 @@ class AutotuneLoop:
         self.track(namespace, name, False)
 
 
-def measurement_of(reading: WindowReading | Unreachable) -> at.Measurement:
+def measurement_of(reading: WindowReading | Unreachable) -> tt.Measurement:
     """A Prometheus window as a look of the autotune loop reads it."""
     if isinstance(reading, Unreachable):
-        return at.Measurement(inconclusive=f"Prometheus unreachable: {reading.error}", reason="PrometheusUnreachable")
+        return tt.Measurement(inconclusive=f"Prometheus unreachable: {reading.error}", reason="PrometheusUnreachable")
     metrics = reading.trial_metrics(min_requests=1)
     if isinstance(metrics, str):
-        return at.Measurement(inconclusive=metrics, reason="NoRequestFinished")
-    return at.Measurement(metrics=metrics, generations=generations_of(reading))
+        return tt.Measurement(inconclusive=metrics, reason="NoRequestFinished")
+    return tt.Measurement(metrics=metrics, generations=generations_of(reading))
 
 
-def generations_of(reading: WindowReading) -> at.GenerationsRun:
+def generations_of(reading: WindowReading) -> tt.GenerationsRun:
     """The engines' schedule-generation gauge over the window, as facts (the look judges them)."""
 
     def whole(figure: Figure) -> int | None:
         return round(figure) if isinstance(figure, float) else None
 
-    return at.GenerationsRun(lowest=whole(reading.schedule_generation_min),
+    return tt.GenerationsRun(lowest=whole(reading.schedule_generation_min),
                              highest=whole(reading.schedule_generation_max),
                              pods=whole(reading.schedule_generation_pods) or 0)
 

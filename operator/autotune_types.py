@@ -146,7 +146,7 @@ class Actions:
 
 @dataclass(frozen=True)
 class Intent:
-    """What a written status says the engines and the load Job must be (`autotune.recorded_intent`): the driver
+    """What a written status says the engines and the load Job must be (`tuning_schedule.recorded_intent`): the driver
     carries it out after the write, and again when it has not yet (a new leader, an act that raised)."""
 
     apply: AppliedSchedule | None = None  # the tuner's schedule, to PUT on every engine

@@ -53,12 +53,12 @@ from npuserve.planning.planner import PlanError, plan, servability
 
 from . import kube as kube_module
 from . import status as st
-from .autotune import configmap_schedule
 from .autotune_loop import AutotuneLoop, outside_signature
 from .autotune_types import Status
 from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
 from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
 from .render import render, render_admin_secret, render_configmap, selector
+from .tuning_schedule import configmap_schedule
 
 # The keys of kopf's memo the startup handler fills (beside MEMO_PROMETHEUS_URL, which `npuserve operator` gives).
 MEMO_KUBE = "kube"

@@ -144,7 +144,7 @@ def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
 def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | None = None,
                   generation: int | None = None) -> MindIEConfig:
     """MindIE's config.json of the plan; `schedule` (the tuner's, when it has applied one) replaces the plan's;
-    `generation`: its schedule generation (`autotune.configmap_schedule`), which the engines compare.
+    `generation`: its schedule generation (`tuning_schedule.configmap_schedule`), which the engines compare.
     `npuserve.maxBatchSizeLimit` is the plan's, not the schedule's: it sizes the engine at start-up (so it is in
     the config hash), and every maxBatchSize the tuner proposes is within it, applied live."""
     spec = isvc.spec

@@ -21,7 +21,10 @@ from isvc_helpers import REPO, load_yaml
 
 from npuserve.engine_contract import ENGINE_PORT, HOT_SCHEDULE_FIELDS, SCHEDULE_GENERATION_KEY
 from npuserve.operator import autotune as at
+from npuserve.operator import autotune_types as tt
 from npuserve.operator import capacity
+from npuserve.operator import look_timing as lt
+from npuserve.operator import tuning_schedule as ts
 from npuserve.operator.crd import PRINTER_COLUMNS
 from npuserve.planning.api import (
     CapacityStatus,
@@ -38,7 +41,7 @@ from npuserve.planning.planner import plan as plan_spec
 T0 = 1_700_000_000.0  # the virtual clock's start (unix seconds)
 TICK_S = 2.0  # this test's virtual driver steps its clock by this much (the real loop looks when something is due)
 WINDOW_S = 20.0
-SETTLE_S = WINDOW_S * at.SETTLE_FRACTION
+SETTLE_S = WINDOW_S * lt.SETTLE_FRACTION
 GRID_S = 5.0  # window ends fall on multiples of 5 s (unix time)
 
 
@@ -126,19 +129,19 @@ def ready_status(plan: Plan) -> dict[str, Any]:
     return {"phase": "Ready", "plan": plan.model_dump(mode="json"), "conditions": [cond("Ready"), cond("Deployed")]}
 
 
-def engine_pods(n: int) -> list[at.PodState]:
+def engine_pods(n: int) -> list[tt.PodState]:
     # Listed out of name order: the benchmark's target is the first ready pod by name, not by position.
-    return [at.PodState(f"tiny-{chr(ord('a') + i)}", f"uid-{i}", f"10.0.0.{i + 1}", True, 0)
+    return [tt.PodState(f"tiny-{chr(ord('a') + i)}", f"uid-{i}", f"10.0.0.{i + 1}", True, 0)
             for i in reversed(range(n))]
 
 
 @dataclass
 class Tick:
     now: float
-    due: at.WindowRequest | None
+    due: tt.WindowRequest | None
     current: dict[str, Any] | None  # status.tuning.current before the step
-    measurement: at.Measurement | None
-    actions: at.Actions
+    measurement: tt.Measurement | None
+    actions: tt.Actions
 
 
 @dataclass
@@ -147,10 +150,10 @@ class Loop:
     plan: Plan
     engine: FakeEngine
     status: dict[str, Any]
-    pods: list[at.PodState]
+    pods: list[tt.PodState]
     now: float = T0
     prometheus: bool = True
-    job: at.JobPhase = "active"  # the phase of the trial's Job, when it has one
+    job: tt.JobPhase = "active"  # the phase of the trial's Job, when it has one
     replica_limit: int | None = None
     error_rate: float = 0.0
     ticks: list[Tick] = field(default_factory=list)
@@ -164,13 +167,13 @@ class Loop:
 
     # -- one tick --
 
-    def tick(self, measurement: at.Measurement | None = None) -> at.Actions:
+    def tick(self, measurement: tt.Measurement | None = None) -> tt.Actions:
         """One step; `measurement`: this reading of the due window instead of what the driver would read."""
-        due = at.window_due(self.isvc, self.status, self.now)
+        due = lt.window_due(self.isvc, self.status, self.now)
         current = self.current()
         if measurement is None:
             measurement = self.read(due, current)
-        obs = at.Observation(now=self.now, pods=tuple(self.pods), measurement=measurement,
+        obs = tt.Observation(now=self.now, pods=tuple(self.pods), measurement=measurement,
                              prometheus=self.prometheus,
                              job=self.job if current is not None and current.get("job") else None,
                              replica_limit=self.replica_limit)
@@ -182,19 +185,19 @@ class Loop:
         self.now += TICK_S
         return actions
 
-    def read(self, due: at.WindowRequest | None, current: dict[str, Any] | None) -> at.Measurement | None:
+    def read(self, due: tt.WindowRequest | None, current: dict[str, Any] | None) -> tt.Measurement | None:
         """The driver's reading of a due window: Prometheus down, or the fake engine at the schedule measured."""
         if due is None:
             return None
         if not self.prometheus:
-            return at.Measurement(inconclusive="Prometheus unreachable: connection refused",
+            return tt.Measurement(inconclusive="Prometheus unreachable: connection refused",
                                   reason="PrometheusUnreachable")
         if current is not None:
             batch, users = int(current["schedule"]["maxBatchSize"]), current.get("concurrency")
         else:
             batch, users = int(self.status["tuning"]["applied"]["maxBatchSize"]), None
         in_flight = self.engine.in_flight(batch) if self.isvc.spec.autotune.mode == "online" else None
-        return at.Measurement(metrics=self.engine.metrics(batch, users, self.error_rate, in_flight))
+        return tt.Measurement(metrics=self.engine.metrics(batch, users, self.error_rate, in_flight))
 
     def run_until(self, done: Callable[[Loop], bool], limit: int = 1500) -> None:
         for _ in range(limit):
@@ -206,7 +209,7 @@ class Loop:
     def tick_until_due(self, limit: int = 100) -> None:
         """Ticks until a window is due at the clock's time (that tick not taken)."""
         for _ in range(limit):
-            if at.window_due(self.isvc, self.status, self.now) is not None:
+            if lt.window_due(self.isvc, self.status, self.now) is not None:
                 return
             self.tick()
         raise AssertionError(f"no window due in {limit} ticks")
@@ -214,7 +217,7 @@ class Loop:
     # -- reading the state --
 
     def tuning(self) -> TuningStatus:
-        tuning = at.tuning_of(self.status)
+        tuning = ts.tuning_of(self.status)
         assert tuning is not None
         return tuning
 
@@ -314,7 +317,7 @@ def test_decode_latency_converges_to_the_largest_batch_under_the_bound(baseline:
     assert loop.status["schedule"]["maxBatchSize"] == best
     assert loop.status["schedule"] == t.best.schedule.model_dump(exclude_none=True)
     assert t.applied is not None and t.applied.knobs() == t.best.schedule
-    assert at.applied_schedule(loop.isvc, loop.plan, loop.status) == at.with_knobs(loop.plan.schedule, t.best.schedule)
+    assert ts.applied_schedule(loop.isvc, loop.plan, loop.status) == ts.with_knobs(loop.plan.schedule, t.best.schedule)
     assert loop.status["observed"]["samples"] == loop.engine.samples
     for tick in loop.ticks:  # Tuning while a trial is open, Ready after the verdict
         tuning_now = tick.actions.status["tuning"]
@@ -360,7 +363,7 @@ def test_advance_is_deterministic(baseline: Loop) -> None:
     """The same status and observation give the same actions: the whole state is in the status."""
     for tick in baseline.ticks[::7]:
         before = tick.actions.status  # the status after the tick: step once more from a copy, twice
-        obs = at.Observation(now=tick.now + TICK_S, pods=tuple(baseline.pods))
+        obs = tt.Observation(now=tick.now + TICK_S, pods=tuple(baseline.pods))
         first = at.advance(baseline.isvc, baseline.plan, copy.deepcopy(before), obs)
         second = at.advance(baseline.isvc, baseline.plan, copy.deepcopy(before), obs)
         assert first == second
@@ -412,7 +415,7 @@ def test_prometheus_down_mid_trial_is_inconclusive_then_measured_again(baseline:
     assert loop.condition("Tuning")["reason"] == at.REASON_MEASURING
     assert loop.ticks[-1].actions.apply is None  # the engines already run it
     loop.run_until(lambda lp: lp.ticks[-1].due is not None)
-    assert loop.ticks[-1].due == at.WindowRequest(again - 2 * WINDOW_S, again, None)
+    assert loop.ticks[-1].due == tt.WindowRequest(again - 2 * WINDOW_S, again, None)
     assert loop.tuning().history[2].schedule == schedule and loop.tuning().history[2].metrics
     # And the search goes on to the same answer, the inconclusive window left out of the trials.
     loop.run_until(settled)
@@ -431,7 +434,7 @@ def test_a_window_without_requests_is_measured_again_at_once(mode: str) -> None:
     assert first is not None
     for attempt in (1, 2):  # twice in a row: recorded once
         loop.tick_until_due()
-        loop.tick(at.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
+        loop.tick(tt.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
         t = loop.tuning()
         assert [(e.outcome, e.reason, e.verdict) for e in t.history] == [
             ("inconclusive", "NoRequestFinished", "no request finished in the window")]
@@ -555,10 +558,10 @@ def test_a_window_whose_pods_did_not_run_the_trials_generation_throughout_is_dis
     # metadata.generation 1: the plan's own schedule is at generation 0 + 1, the tuner's first at 2.
     assert t.applied.scheduleGeneration == 2 and loop.generations() == [2]
     metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
-    stale = at.GenerationsRun(lowest=1, highest=2, pods=2)  # one pod ran generation 1 during the window
-    for attempt, ran in enumerate((stale, at.GenerationsRun(lowest=None, highest=None, pods=0)), start=1):
+    stale = tt.GenerationsRun(lowest=1, highest=2, pods=2)  # one pod ran generation 1 during the window
+    for attempt, ran in enumerate((stale, tt.GenerationsRun(lowest=None, highest=None, pods=0)), start=1):
         loop.tick_until_due()
-        loop.tick(at.Measurement(metrics=metrics, generations=ran))
+        loop.tick(tt.Measurement(metrics=metrics, generations=ran))
         t = loop.tuning()
         assert [(e.outcome, e.reason) for e in t.history][-1] == ("inconclusive", "ScheduleNotRun")
         assert t.current is not None and t.current.attempts == attempt and t.trial == 0
@@ -572,7 +575,7 @@ def test_a_window_whose_pods_did_not_run_the_trials_generation_throughout_is_dis
     assert t.message == ("trial 1: no engine reported its schedule generation in the window (the trial's is 4); "
                          "measuring again (attempt 3)")
     loop.tick_until_due()
-    loop.tick(at.Measurement(metrics=metrics, generations=at.GenerationsRun(lowest=6, highest=6, pods=2)))
+    loop.tick(tt.Measurement(metrics=metrics, generations=tt.GenerationsRun(lowest=6, highest=6, pods=2)))
     t = loop.tuning()
     assert [(e.outcome, e.reason) for e in t.history][-1] == ("measured", None)
     assert loop.generations() == [2, 4, 6]  # the next trial measures the same knobs again: nothing new applied
@@ -585,7 +588,7 @@ def test_a_newer_generation_than_the_trials_is_not_the_trial_either() -> None:
     assert t.current is not None and t.applied is not None and t.applied.scheduleGeneration == 2
     metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
     loop.tick_until_due()
-    loop.tick(at.Measurement(metrics=metrics, generations=at.GenerationsRun(lowest=2, highest=3, pods=1)))
+    loop.tick(tt.Measurement(metrics=metrics, generations=tt.GenerationsRun(lowest=2, highest=3, pods=1)))
     assert [(e.outcome, e.reason) for e in loop.tuning().history] == [("inconclusive", "ScheduleNotRun")]
 
 
@@ -628,7 +631,7 @@ def test_benchmark_mode_loads_one_pod_with_a_job_per_trial() -> None:
         assert flag(command, "--max-concurrency") == str(batch - 1)
         # the Job runs until the window's end (on the grid) and a little more
         until = at.parse_rfc3339(current["measureUntil"])
-        assert flag(command, "--duration") == f"{until - opened.now + at.JOB_SLACK_S:g}"
+        assert flag(command, "--duration") == f"{until - opened.now + ts.JOB_SLACK_S:g}"
         assert SETTLE_S + WINDOW_S <= until - opened.now < SETTLE_S + WINDOW_S + GRID_S
         assert flag(command, "--base-url") == f"http://{target.ip}:{ENGINE_PORT}"
         assert opened.actions.delete_job == previous  # the last trial's Job goes when the next opens
@@ -933,8 +936,8 @@ def test_a_new_slo_resets_the_tuning_and_the_configmap_schedule(baseline: Loop) 
     isvc = make_isvc({"objective": "decodeLatency", "tpotMs": 30})
     plan = plan_spec(isvc.spec)
     # The ConfigMap: the tuned schedule belongs to the old problem only.
-    assert at.applied_schedule(old.isvc, old.plan, before) == at.with_knobs(old.plan.schedule, tuned.schedule)
-    assert at.applied_schedule(isvc, plan, before) is None
+    assert ts.applied_schedule(old.isvc, old.plan, before) == ts.with_knobs(old.plan.schedule, tuned.schedule)
+    assert ts.applied_schedule(isvc, plan, before) is None
     loop = Loop(isvc, plan, old.engine, before, list(old.pods), now=old.now)
     loop.tick()
     t = loop.tuning()
@@ -945,7 +948,7 @@ def test_a_new_slo_resets_the_tuning_and_the_configmap_schedule(baseline: Loop) 
     apply = loop.ticks[-1].actions.apply
     assert apply is not None and apply.knobs() == t.current.schedule  # the new round's first trial, the plan's batch
     assert loop.condition("Tuning")["reason"] == at.REASON_MEASURING and loop.status["phase"] == "Tuning"
-    assert at.applied_schedule(old.isvc, old.plan, loop.status) is None  # and the old problem's no longer
+    assert ts.applied_schedule(old.isvc, old.plan, loop.status) is None  # and the old problem's no longer
     loop.run_until(settled)
     best = loop.tuning().best
     assert best is not None and best.schedule.maxBatchSize is not None
@@ -964,7 +967,7 @@ def test_a_new_problem_with_the_same_knobs_is_a_new_schedule_generation_past_the
     loop.isvc = make_isvc({"objective": "decodeLatency", "tpotMs": 30})
     loop.isvc.metadata.generation = 2  # the spec change
     assert plan_spec(loop.isvc.spec) == loop.plan  # the same plan: the same first trial
-    held, held_generation = at.configmap_schedule(loop.isvc, loop.plan, loop.status)  # reconcile, before the look
+    held, held_generation = ts.configmap_schedule(loop.isvc, loop.plan, loop.status)  # reconcile, before the look
     assert held is None and held_generation == 2 + 2  # the plan's schedule, past the tuner's generation 2
     loop.tick()
     t = loop.tuning()
@@ -972,12 +975,12 @@ def test_a_new_problem_with_the_same_knobs_is_a_new_schedule_generation_past_the
     apply = loop.ticks[-1].actions.apply
     assert apply is not None and apply.knobs() == first.knobs()
     assert t.applied is not None and apply.scheduleGeneration == t.applied.scheduleGeneration == held_generation + 1
-    assert at.configmap_schedule(loop.isvc, loop.plan, loop.status)[1] == apply.scheduleGeneration
+    assert ts.configmap_schedule(loop.isvc, loop.plan, loop.status)[1] == apply.scheduleGeneration
     # Engines that ran the ConfigMap's generation and then took the PUT measure the trial at its generation.
     loop.tick_until_due()
     metrics = loop.engine.metrics(t.current.schedule.maxBatchSize or 0, None, 0.0, 10.0)
-    ran = at.GenerationsRun(lowest=apply.scheduleGeneration, highest=apply.scheduleGeneration, pods=1)
-    loop.tick(at.Measurement(metrics=metrics, generations=ran))
+    ran = tt.GenerationsRun(lowest=apply.scheduleGeneration, highest=apply.scheduleGeneration, pods=1)
+    loop.tick(tt.Measurement(metrics=metrics, generations=ran))
     assert [(e.outcome, e.reason) for e in loop.tuning().history] == [("measured", None)]
 
 
@@ -996,19 +999,19 @@ def test_a_spec_change_drops_the_capacity_and_the_open_job() -> None:
 
 def test_autotune_off_or_no_tuning_yet_leaves_the_plans_schedule() -> None:
     loop = Loop.start()
-    assert at.window_due(loop.isvc, loop.status, loop.now) is None
-    assert at.applied_schedule(loop.isvc, loop.plan, loop.status) is None
+    assert lt.window_due(loop.isvc, loop.status, loop.now) is None
+    assert ts.applied_schedule(loop.isvc, loop.plan, loop.status) is None
     loop.tick()
     off = loop.isvc.model_copy(update={"spec": loop.isvc.spec.model_copy(
         update={"autotune": loop.isvc.spec.autotune.model_copy(update={"enabled": False})})})
-    assert at.applied_schedule(loop.isvc, loop.plan, loop.status) is not None
-    assert at.applied_schedule(off, loop.plan, loop.status) is None
-    assert at.window_due(off, loop.status, loop.now + 100) is None
+    assert ts.applied_schedule(loop.isvc, loop.plan, loop.status) is not None
+    assert ts.applied_schedule(off, loop.plan, loop.status) is None
+    assert lt.window_due(off, loop.status, loop.now + 100) is None
 
 
 def without_prometheus() -> Loop:
     loop = Loop.start()
-    obs = at.Observation(now=T0, pods=tuple(loop.pods), prometheus=False, prometheus_configured=False)
+    obs = tt.Observation(now=T0, pods=tuple(loop.pods), prometheus=False, prometheus_configured=False)
     actions = at.advance(loop.isvc, loop.plan, loop.status, obs)
     assert actions.apply is None and actions.create_job is None and actions.scale is None
     loop.status = actions.status
@@ -1020,7 +1023,7 @@ def test_without_prometheus_nothing_is_tuned() -> None:
     tuning = loop.condition("Tuning")
     assert (tuning["status"], tuning["reason"]) == ("False", at.REASON_NO_PROMETHEUS)
     assert loop.tuning().current is None and loop.tuning().history == []
-    assert at.window_due(loop.isvc, loop.status, T0 + 3600) is None
+    assert lt.window_due(loop.isvc, loop.status, T0 + 3600) is None
 
 
 def test_without_prometheus_the_phase_stays_ready() -> None:
@@ -1087,13 +1090,13 @@ def test_next_capacity_probe(passes: dict[int, bool], limit: int, expected: int 
     ("1h2m3s4ms", 3723.004),
 ])
 def test_parse_duration(text: str, seconds: float) -> None:
-    assert at.parse_duration(text) == pytest.approx(seconds)
+    assert tt.parse_duration(text) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("text", ["", "20", "s", "2x", "1m 30s", "-1s", " 2m", "2m ", "1d", "2M"])
 def test_parse_duration_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="not a duration"):
-        at.parse_duration(text)
+        tt.parse_duration(text)
 
 
 @pytest.mark.parametrize(("text", "seconds"), [
@@ -1113,10 +1116,10 @@ def test_no_traffic_then_prometheus_down_are_two_inconclusive_entries() -> None:
     loop = Loop.start()
     loop.tick()
     loop.tick_until_due()
-    loop.tick(at.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
+    loop.tick(tt.Measurement(inconclusive="no request finished in the window", reason="NoRequestFinished"))
     loop.tick_until_due()
     loop.prometheus = False
-    loop.tick(at.Measurement(inconclusive="Prometheus unreachable: ConnectError", reason="PrometheusUnreachable"))
+    loop.tick(tt.Measurement(inconclusive="Prometheus unreachable: ConnectError", reason="PrometheusUnreachable"))
     verdicts = [(e.outcome, e.reason, e.verdict) for e in loop.tuning().history]
     assert verdicts == [("inconclusive", "NoRequestFinished", "no request finished in the window"),
                         ("inconclusive", "PrometheusUnreachable", "Prometheus unreachable: ConnectError")]
@@ -1158,9 +1161,9 @@ def test_a_window_settles_until_the_requests_in_flight_at_the_change_have_finish
     loop = Loop.start(engine=slow)
     loop.run_until(trial_open(0))
     loop.tick_until_due()
-    reading = loop.read(at.window_due(loop.isvc, loop.status, loop.now), loop.current())
+    reading = loop.read(lt.window_due(loop.isvc, loop.status, loop.now), loop.current())
     assert reading is not None and reading.metrics is not None
-    loop.tick(at.Measurement(metrics=reading.metrics.model_copy(update={"e2eMeanMs": 8000.0})))
+    loop.tick(tt.Measurement(metrics=reading.metrics.model_copy(update={"e2eMeanMs": 8000.0})))
     current = loop.current()
     assert current is not None and current["trial"] == 1
     opened = loop.ticks[-1].now

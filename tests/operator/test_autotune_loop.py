@@ -15,9 +15,11 @@ import httpx
 from test_autotune import DECODE_SLO, make_isvc, ready_status
 
 from npuserve.operator import autotune as at
+from npuserve.operator import autotune_types as tt
 from npuserve.operator import kube as kube_module
-from npuserve.operator.autotune import GenerationsRun
+from npuserve.operator import look_timing as lt
 from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
+from npuserve.operator.autotune_types import GenerationsRun
 from npuserve.operator.kube import AutotuneKube, Kube, StatusConflict, StatusUpdate
 from npuserve.operator.prometheus import (
     Empty,
@@ -135,10 +137,10 @@ class FakeCluster:
             self.objs[(namespace, name)]["status"] = copy.deepcopy(new)
         return StatusUpdate(old, new, 1)
 
-    def pods(self, namespace: str, selector: str) -> list[at.PodState]:
-        return [at.PodState(f"{selector}-0", "uid-0", "10.0.0.1", True, 0)]
+    def pods(self, namespace: str, selector: str) -> list[tt.PodState]:
+        return [tt.PodState(f"{selector}-0", "uid-0", "10.0.0.1", True, 0)]
 
-    def job_phase(self, namespace: str, name: str) -> at.JobPhase:
+    def job_phase(self, namespace: str, name: str) -> tt.JobPhase:
         return "active"
 
     def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
@@ -242,26 +244,26 @@ def test_next_look() -> None:
     isvc = make_isvc(DECODE_SLO)
     benchmark = make_isvc(DECODE_SLO, mode="benchmark")
     now = T0
-    assert at.next_look(isvc, {}, now) == now + at.RECHECK_S  # no tuning yet: waiting for engines or Prometheus
+    assert lt.next_look(isvc, {}, now) == now + lt.RECHECK_S  # no tuning yet: waiting for engines or Prometheus
     current = {"kind": "trial", "trial": 0, "schedule": {"maxBatchSize": 8}, "appliedAt": at.rfc3339(now),
                "measureFrom": at.rfc3339(now + 20), "measureUntil": at.rfc3339(now + 40), "pods": []}
     trial = {"tuning": {"phase": "Running", "problem": "p", "current": current}}
-    assert at.next_look(isvc, trial, now) == now + 40  # the window's end
+    assert lt.next_look(isvc, trial, now) == now + 40  # the window's end
     with_job = copy.deepcopy(trial)
     with_job["tuning"]["current"]["job"] = "tiny-b1t0-00001"
-    assert at.next_look(benchmark, with_job, now) == now + at.RECHECK_S  # the Job is watched for failure
+    assert lt.next_look(benchmark, with_job, now) == now + lt.RECHECK_S  # the Job is watched for failure
     waiting = copy.deepcopy(trial)
     waiting["tuning"]["current"]["inconclusiveReason"] = "PrometheusUnreachable"
-    assert at.next_look(isvc, waiting, now) == now + at.RECHECK_S
+    assert lt.next_look(isvc, waiting, now) == now + lt.RECHECK_S
     far = copy.deepcopy(trial)
     far["tuning"]["current"]["measureUntil"] = at.rfc3339(now + 3600)
-    assert at.next_look(isvc, far, now) == now + at.IDLE_LOOK_S
+    assert lt.next_look(isvc, far, now) == now + lt.IDLE_LOOK_S
     converged = {"tuning": {"phase": "Converged", "problem": "p", "lastCheckAt": at.rfc3339(1_700_000_010.0)}}
-    assert at.next_look(isvc, converged, 1_700_000_011.0) == 1_700_000_030.0  # last check + 20 s window, on the grid
+    assert lt.next_look(isvc, converged, 1_700_000_011.0) == 1_700_000_030.0  # last check + 20 s window, on the grid
     converged["tuning"]["lastCheckAt"] = at.rfc3339(1_700_000_012.0)
-    assert at.next_look(isvc, converged, 1_700_000_013.0) == 1_700_000_035.0
-    assert at.window_due(isvc, converged, 1_700_000_034.9) is None
-    assert at.window_due(isvc, converged, 1_700_000_035.2) == at.WindowRequest(1_700_000_015.0, 1_700_000_035.0, None)
+    assert lt.next_look(isvc, converged, 1_700_000_013.0) == 1_700_000_035.0
+    assert lt.window_due(isvc, converged, 1_700_000_034.9) is None
+    assert lt.window_due(isvc, converged, 1_700_000_035.2) == tt.WindowRequest(1_700_000_015.0, 1_700_000_035.0, None)
 
 
 # --- record, then act: the status names the trial before the engines and the Job see it ---------------------------
@@ -307,7 +309,7 @@ def acting_driver(obj: dict[str, Any], monkeypatch: Any) -> tuple[AutotuneLoop, 
     cluster = ActingCluster([obj])
     puts: list[int] = []
 
-    def put_schedule(pods: list[at.PodState], token: str, knobs: Mapping[str, Any]) -> dict[str, str]:
+    def put_schedule(pods: list[tt.PodState], token: str, knobs: Mapping[str, Any]) -> dict[str, str]:
         puts.append(knobs["scheduleGeneration"])
         return {}
 
@@ -331,14 +333,14 @@ def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial
     assert loop.look([key], T0) == {}  # the look failed at the write
     assert puts == [] and cluster.created == []  # nothing the status does not name reached the engines or the Jobs
     assert "tuning" not in cluster.objs[key]["status"]
-    assert loop.next_look[key] == T0 + at.RECHECK_S  # looked at again soon
+    assert loop.next_look[key] == T0 + lt.RECHECK_S  # looked at again soon
 
-    taken = loop.look([key], T0 + at.RECHECK_S)
+    taken = loop.look([key], T0 + lt.RECHECK_S)
     assert taken[key].apply is not None and taken[key].create_job is not None
     tuning = cluster.objs[key]["status"]["tuning"]
     assert puts == [tuning["applied"]["scheduleGeneration"]] == [2]  # the generation the status names
     assert cluster.created == [tuning["current"]["job"]]
-    loop.look([key], T0 + 2 * at.RECHECK_S)  # the trial runs on: nothing is applied or created again
+    loop.look([key], T0 + 2 * lt.RECHECK_S)  # the trial runs on: nothing is applied or created again
     assert len(puts) == 1 and len(cluster.created) == 1
 
 
@@ -352,12 +354,12 @@ def test_what_a_written_status_names_and_was_not_carried_out_is_carried_out_by_t
     job, generation = tuning["current"]["job"], tuning["applied"]["scheduleGeneration"]
     assert puts == [] and cluster.created == []
 
-    loop.look([key], T0 + at.RECHECK_S)  # the same trial, now on the engines with its Job
+    loop.look([key], T0 + lt.RECHECK_S)  # the same trial, now on the engines with its Job
     assert cluster.objs[key]["status"]["tuning"]["current"]["job"] == job
     assert puts == [generation] and cluster.created == [job]
     successor = fresh_leader(cluster)  # a new leader carries the recorded intent out once (409s on the engines)
-    successor.look([key], T0 + 2 * at.RECHECK_S)
-    successor.look([key], T0 + 3 * at.RECHECK_S)
+    successor.look([key], T0 + 2 * lt.RECHECK_S)
+    successor.look([key], T0 + 3 * lt.RECHECK_S)
     assert puts == [generation] * 2 and cluster.created == [job] * 2
 
 

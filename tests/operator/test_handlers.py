@@ -135,8 +135,8 @@ def test_the_admin_secret_is_made_once_and_a_tuned_schedule_survives_a_reconcile
     assert fake.created == ["Secret/tiny-admin"]
     token = fake.objects[("Secret", "team-a", "tiny-admin")]["stringData"]["token"]
     assert len(token) >= 32
-    from npuserve.operator.autotune import problem_for, problem_key
     from npuserve.operator.status import plan_of
+    from npuserve.operator.tuning_schedule import problem_for, problem_key
     from npuserve.planning.api import InferenceService
     isvc = InferenceService.model_validate({**TINY, "spec": {**TINY["spec"], "autotune": {"enabled": True}}})
     key = problem_key(problem_for(isvc, plan_of(fake.status)))  # type: ignore[arg-type]
@@ -163,8 +163,8 @@ def test_the_configmap_follows_status_tuning_applied_from_the_status_now(
     status as it is when it runs (a newer applied than the event's wins), at the applied generation."""
     fake = _cluster(monkeypatch, TINY)
     _reconcile(fake, {"autotune": {"enabled": True}})
-    from npuserve.operator.autotune import problem_for, problem_key
     from npuserve.operator.status import plan_of
+    from npuserve.operator.tuning_schedule import problem_for, problem_key
     from npuserve.planning.api import InferenceService
     isvc = InferenceService.model_validate({**TINY, "spec": {**TINY["spec"], "autotune": {"enabled": True}}})
     key = problem_key(problem_for(isvc, plan_of(fake.status)))  # type: ignore[arg-type]
