@@ -72,20 +72,21 @@ class BatchMirror:
             self.rows.pop(seq_id, None)
         fresh = set(delta.fresh)
         rows: list[MirrorRow] = []
+        cached = delta.num_cached_tokens
         t = b = 0
         for i, seq_id in enumerate(delta.seq_ids):
             nt, nb = delta.num_token_ids[i], delta.num_block_ids[i]
-            tokens, blocks = delta.token_ids[t : t + nt], delta.block_ids[b : b + nb]
-            t, b = t + nt, b + nb
             row = self.rows.get(seq_id)
-            if i in fresh or row is None:
-                if i not in fresh:
-                    raise ValueError(f"step delta: sequence {seq_id} is not in this rank's mirror")
-                row = self.rows[seq_id] = MirrorRow(seq_id, tokens, blocks)
+            if i in fresh:
+                row = self.rows[seq_id] = MirrorRow(seq_id, delta.token_ids[t : t + nt], delta.block_ids[b : b + nb])
+            elif row is None:
+                raise ValueError(f"step delta: sequence {seq_id} is not in this rank's mirror")
             else:
-                row.token_ids.extend(tokens)
-                row.block_table.extend(blocks)
-            row.num_cached_tokens = delta.num_cached_tokens[i] if delta.num_cached_tokens else row.num_tokens - 1
+                row.token_ids += delta.token_ids[t : t + nt]
+                if nb:
+                    row.block_table += delta.block_ids[b : b + nb]
+            t, b = t + nt, b + nb
+            row.num_cached_tokens = cached[i] if cached else len(row.token_ids) - 1
             rows.append(row)
         return rows
 
@@ -105,29 +106,33 @@ class DeltaSender:
         self._sources: dict[int, BatchRow] = {}  # what each mirror row was last built from
 
     def delta(self, seqs: Seq[BatchRow], kind: BatchKind, num_new_tokens: Seq[int] | None = None) -> BatchDelta:
-        scheduled = {s.seq_id for s in seqs}
-        # Sequences not running any more: rows without a status (the warm-up's scratch rows) go once unscheduled
-        dropped = [seq_id for seq_id, src in self._sources.items()
-                   if seq_id not in scheduled and getattr(src, "status", None) is not SequenceStatus.RUNNING]
+        seq_ids = [s.seq_id for s in seqs]
+        scheduled = set(seq_ids)
+        if len(scheduled) != len(seq_ids):
+            raise ValueError(f"a step's rows must have distinct sequence ids, got {seq_ids}")
+        # Those no longer running; rows without a status (the warm-up's scratch rows) go once unscheduled
+        dropped = [seq_id for seq_id in self._sources.keys() - scheduled
+                   if getattr(self._sources[seq_id], "status", None) is not SequenceStatus.RUNNING]
         for seq_id in dropped:
             del self._sources[seq_id]
-        d = BatchDelta(kind, [s.seq_id for s in seqs], [], [], [], [], dropped=dropped,
-                       num_new_tokens=list(num_new_tokens or []))
+        d = BatchDelta(kind, seq_ids, [], [], [], [], dropped=dropped, num_new_tokens=list(num_new_tokens or []))
+        mirror, sources = self.mirror.rows, self._sources
         for i, seq in enumerate(seqs):
-            self._sources[seq.seq_id] = seq
-            if kind is not BatchKind.DECODE:
-                d.num_cached_tokens.append(seq.num_cached_tokens)
-            row = self.mirror.rows.get(seq.seq_id)
-            have_t, have_b = (len(row.token_ids), len(row.block_table)) if row is not None else (0, 0)
+            sources[seq.seq_id] = seq
+            row = mirror.get(seq.seq_id)
             table = seq.block_table
-            if row is None or have_t > seq.num_tokens or table[:have_b] != row.block_table:
+            if row is None or len(row.token_ids) > seq.num_tokens or \
+                    table[: len(row.block_table)] != row.block_table:
                 d.fresh.append(i)
-                have_t = have_b = 0
-            new_tokens, new_blocks = seq.token_ids[have_t:], table[have_b:]
+                new_tokens, new_blocks = seq.token_ids, table
+            else:
+                new_tokens, new_blocks = seq.token_ids[len(row.token_ids) :], table[len(row.block_table) :]
             d.num_token_ids.append(len(new_tokens))
             d.num_block_ids.append(len(new_blocks))
             d.token_ids += new_tokens
             d.block_ids += new_blocks
+        if kind is not BatchKind.DECODE:
+            d.num_cached_tokens = [s.num_cached_tokens for s in seqs]
         return d
 
     def build(self, seqs: Seq[BatchRow], kind: BatchKind, block_size: int, device: torch.device,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 import torch.distributed as dist
@@ -38,38 +39,50 @@ class StepMessage:
     pairs_in: list[tuple[int, int]] = field(default_factory=list)  # SWAP: in pairs
 
 
-def _ints(values: Seq[int] | Seq[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).reshape(-1)
+def _flat_pairs(pairs: Seq[tuple[int, int]]) -> list[int]:
+    return [i for pair in pairs for i in pair]
 
 
-def encode(msg: StepMessage) -> list[torch.Tensor]:
+def segments(msg: StepMessage) -> list[list[int]]:
+    """The message's payload, as lists of ints (the header carries their lengths)."""
     if msg.op is Op.FORWARD:
         assert msg.delta is not None
-        d = msg.delta
-        return [_ints([int(d.kind)]), _ints(d.seq_ids), _ints(d.num_token_ids), _ints(d.num_block_ids),
-                _ints(d.token_ids), _ints(d.block_ids), _ints(d.fresh), _ints(d.num_cached_tokens),
-                _ints(d.num_new_tokens), _ints(d.dropped), _ints(msg.logit_rows)]
+        d = msg.delta  # in BatchDelta's field order, which `decode` relies on
+        return [[int(d.kind)], d.seq_ids, d.num_token_ids, d.num_block_ids, d.token_ids, d.block_ids, d.fresh,
+                d.num_cached_tokens, d.num_new_tokens, d.dropped, _flat_pairs(msg.logit_rows)]
     if msg.op is Op.SWAP:
-        return [_ints(msg.pairs), _ints(msg.pairs_in)]
+        return [_flat_pairs(msg.pairs), _flat_pairs(msg.pairs_in)]
     if msg.op is Op.COPY:
-        return [_ints(msg.pairs)]
+        return [_flat_pairs(msg.pairs)]
     return []
 
 
-def _pairs(t: torch.Tensor) -> list[tuple[int, int]]:
-    flat = t.tolist()
+def encode(msg: StepMessage) -> tuple[list[int], torch.Tensor]:
+    """The segments' lengths and the payload, one int64 tensor (one conversion, not one per segment)."""
+    parts = segments(msg)
+    return [len(p) for p in parts], torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int64)
+
+
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
     return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
-def decode(op: Op, segments: list[torch.Tensor]) -> StepMessage:
+def decode(op: Op, lengths: Seq[int], payload: torch.Tensor) -> StepMessage:
+    flat: list[int] = payload.tolist()
+    parts: list[list[int]] = []
+    start = 0
+    for n in lengths:
+        parts.append(flat[start : start + n])
+        start += n
     if op is Op.FORWARD:
-        kind, *lists = (s.tolist() for s in segments[:-1])
-        delta = BatchDelta(BatchKind(kind[0]), *lists)
-        return StepMessage(op, delta=delta, logit_rows=_pairs(segments[-1]))
+        kind, seq_ids, num_token_ids, num_block_ids, token_ids, block_ids, fresh, cached, chunks, dropped, rows = parts
+        delta = BatchDelta(BatchKind(kind[0]), seq_ids, num_token_ids, num_block_ids, token_ids, block_ids, fresh,
+                           cached, chunks, dropped)
+        return StepMessage(op, delta=delta, logit_rows=_pairs(rows))
     if op is Op.SWAP:
-        return StepMessage(op, pairs=_pairs(segments[0]), pairs_in=_pairs(segments[1]))
+        return StepMessage(op, pairs=_pairs(parts[0]), pairs_in=_pairs(parts[1]))
     if op is Op.COPY:
-        return StepMessage(op, pairs=_pairs(segments[0]))
+        return StepMessage(op, pairs=_pairs(parts[0]))
     return StepMessage(op)
 
 
@@ -80,15 +93,14 @@ class StepChannel:
         self.control = control
 
     def send(self, msg: StepMessage) -> None:
-        segments = encode(msg)
-        if len(segments) + 2 > HEADER_SIZE:
-            raise ValueError(f"a step message of {len(segments)} segments does not fit the header")
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        header[0], header[1] = int(msg.op), len(segments)
-        header[2 : 2 + len(segments)] = torch.tensor([s.numel() for s in segments], dtype=torch.int64)
+        lengths, payload = encode(msg)
+        if len(lengths) + 2 > HEADER_SIZE:
+            raise ValueError(f"a step message of {len(lengths)} segments does not fit the header")
+        header = torch.tensor([int(msg.op), len(lengths), *lengths, *[0] * (HEADER_SIZE - 2 - len(lengths))],
+                              dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.control)
-        if segments and header[2 : 2 + len(segments)].sum() > 0:
-            dist.broadcast(torch.cat(segments), src=0, group=self.control)
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=self.control)
 
     def receive(self) -> StepMessage:
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
@@ -96,6 +108,6 @@ class StepChannel:
         op, count = Op(int(header[0])), int(header[1])
         lengths = header[2 : 2 + count].tolist()
         payload = torch.empty(sum(lengths), dtype=torch.int64)
-        if sum(lengths) > 0:
+        if payload.numel():
             dist.broadcast(payload, src=0, group=self.control)
-        return decode(op, list(torch.split(payload, lengths)))
+        return decode(op, lengths, payload)

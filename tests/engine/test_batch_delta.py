@@ -69,7 +69,7 @@ def _run(chunked: bool, host_blocks: int, threshold: float, seed: int) -> dict[s
         else:
             want = build_prefill(out.seqs, BLOCK, CPU, chunks)
         delta, mine = sender.build(out.seqs, kind, BLOCK, CPU, chunks)
-        wire = decode(Op.FORWARD, encode(StepMessage(Op.FORWARD, delta=delta, logit_rows=[(0, 1)])))
+        wire = decode(Op.FORWARD, *encode(StepMessage(Op.FORWARD, delta=delta, logit_rows=[(0, 1)])))
         assert wire.delta == delta and wire.logit_rows == [(0, 1)]
         assert wire.delta is not None
         theirs = peer.build(wire.delta, BLOCK, CPU)
@@ -107,7 +107,7 @@ def _decode_message_ints(context: int) -> int:
     row.token_ids.append(7)
     delta, _ = sender.build([row], BatchKind.DECODE, BLOCK, CPU)
     assert not delta.fresh
-    return sum(s.numel() for s in encode(StepMessage(Op.FORWARD, delta=delta)))
+    return encode(StepMessage(Op.FORWARD, delta=delta))[1].numel()
 
 
 def test_a_running_sequences_step_message_does_not_grow_with_its_context() -> None:

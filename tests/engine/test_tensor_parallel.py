@@ -139,11 +139,11 @@ def test_a_mixed_step_travels_as_tensors_and_comes_back_whole() -> None:
     chunked.block_table = [0, 2, 4]
     delta, batch = DeltaSender().build([decoding, chunked], BatchKind.MIXED, 4, CPU, num_new_tokens=[1, 6])
     assert batch.meta.decode_part is not None  # a mixed step: the decode has its own layout
-    msg = decode(Op.FORWARD, encode(StepMessage(Op.FORWARD, delta=delta, logit_rows=[(1, 4)])))
+    msg = decode(Op.FORWARD, *encode(StepMessage(Op.FORWARD, delta=delta, logit_rows=[(1, 4)])))
     assert msg.delta == delta and msg.logit_rows == [(1, 4)]
     assert_same_batch(BatchMirror().build(msg.delta, 4, CPU), batch)
     assert_same_batch(batch, build_prefill([decoding, chunked], 4, CPU, num_new_tokens=[1, 6]))
-    swap = decode(Op.SWAP, encode(StepMessage(Op.SWAP, pairs=[(1, 2), (3, 4)], pairs_in=[(5, 6)])))
+    swap = decode(Op.SWAP, *encode(StepMessage(Op.SWAP, pairs=[(1, 2), (3, 4)], pairs_in=[(5, 6)])))
     assert (swap.pairs, swap.pairs_in) == ([(1, 2), (3, 4)], [(5, 6)])
 
 
