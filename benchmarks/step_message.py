@@ -59,9 +59,12 @@ def _sync(device: torch.device) -> None:
 
 # --- one step each way ------------------------------------------------------------------------------------------
 
-def _wire(lengths: list[int]) -> int:
+FULL_BATCH_HEADER_SIZE = 64  # the full batch's header: up to 22 segments (a mixed step)
+
+
+def _wire(lengths: list[int], header: int = HEADER_SIZE) -> int:
     """The message's bytes: the int64 header and payload."""
-    return (HEADER_SIZE + sum(lengths)) * 8
+    return (header + sum(lengths)) * 8
 
 
 def _before(rows: list[ScratchRow], block_size: int, device: torch.device) -> tuple[int, float, float]:
@@ -73,7 +76,7 @@ def _before(rows: list[ScratchRow], block_size: int, device: torch.device) -> tu
     t1 = time.perf_counter()
     _full_batch_decode(list(torch.split(payload, lengths)), device)  # as the other ranks received it
     _sync(device)
-    return _wire(lengths), t1 - t0, time.perf_counter() - t1
+    return _wire(lengths, FULL_BATCH_HEADER_SIZE), t1 - t0, time.perf_counter() - t1
 
 
 def _after(rows: list[ScratchRow], block_size: int, device: torch.device, sender: DeltaSender,

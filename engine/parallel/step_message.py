@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from npuserve.engine.parallel.batch_delta import BatchDelta, BatchKind
 
-HEADER_SIZE = 64  # ints: op, segment count, then each segment's length
+HEADER_SIZE = 16  # ints: op, segment count, then each segment's length (a forward has 11 segments)
 
 
 class Op(enum.IntEnum):
