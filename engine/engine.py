@@ -160,7 +160,8 @@ class LLMEngine:
         self.kv_plan: KVPlan = built.kv_plan
         self.runner = built.runner
         self.tp = built.tp
-        self.step_builder = StepBuilder(self.kv_plan.block_size, self.backend.device, self.spec.vocab_size)
+        self.step_builder = StepBuilder(self.kv_plan.block_size, self.backend.device, self.spec.vocab_size,
+                                        self.runner.delta_sender)
         deploy = config.BackendConfig.ModelDeployConfig
         schedule = config.schedule
         log.info("KV cache: %d device blocks, %d host blocks of %d tokens per rank (%s)", self.kv_plan.num_blocks,

@@ -103,7 +103,7 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
         if init_method is None:
             raise ValueError(f"worldSize {world_size} needs the ranks' rendezvous address")
         tp = connect(rank, world_size, init_method, backend.dist_backend)
-        channel = StepChannel(tp.control, backend.device)
+        channel = StepChannel(tp.control)
     dtype = TORCH_DTYPES[spec.dtype if ext.dtype == "auto" else ext.dtype]
     torch.manual_seed(seed)
     t0 = time.perf_counter()

@@ -15,7 +15,9 @@ only the prompt tokens' logprobs and ranks, and the top k, leave it.
 Tensor parallel: rank 0's runner holds a `StepChannel` and sends each operation (forward, swap, block copy) to the
 other ranks before doing it; their runners `follow` it: the same forward over their slice of the model and of the
 KV heads, the same logits rows (gathered to rank 0), the same block copies on their own caches. Only rank 0
-samples.
+samples. A forward travels as a delta against every rank's mirror of the batch's rows (`parallel/batch_delta.py`):
+rank 0's step builder makes it with the runner's `delta_sender`, and every rank builds its flat batch from its
+mirror the same way.
 
 Each runner records the operation it last started (`progress`): the step watchdog and a fatal error name it.
 """
@@ -35,6 +37,7 @@ from npuserve.engine.batch import FlatBatch, ScratchRow, build_decode, build_pre
 from npuserve.engine.decode_graphs import DecodeGraphs
 from npuserve.engine.guided_mask import apply_bitmask
 from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.parallel.batch_delta import BatchKind, BatchMirror, DeltaSender
 from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
 from npuserve.engine.sampler import Sampler, SamplerOutput
 from npuserve.engine.sequence import PromptLogprob, SamplingParams
@@ -150,6 +153,9 @@ class ModelRunner:
         self.num_host_blocks = plan.num_host_blocks
         self.num_kv_heads = model.layout.kv_heads  # this rank's
         self.channel = channel  # rank 0 of several: where each operation goes to the other ranks first
+        # rank 0 of several: the forward's delta and batch (the step builder's too); the other ranks: their mirror
+        self.delta_sender = DeltaSender() if channel is not None else None
+        self.mirror = BatchMirror()
         graphs = graph_batch_size > 0 and backend.new_decode_graph() is not None
         backend.configure(block_size=plan.block_size, head_dim=self.spec.head_dim,
                           max_seq_len=max_seq_len or self.spec.max_position_embeddings)
@@ -217,9 +223,10 @@ class ModelRunner:
         """A rank other than 0: rank 0's operation on this rank's slice (the logits gathered to rank 0)."""
         self.progress.start(msg.op.name, "", "running")
         if msg.op is Op.FORWARD:
-            assert msg.batch is not None
-            hidden = self._forward(msg.batch)
-            self.model.compute_logits(hidden.index_select(0, msg.batch.logits_indices))
+            assert msg.delta is not None
+            batch = self.mirror.build(msg.delta, self.block_size, self.backend.device)
+            hidden = self._forward(batch)
+            self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
             for lo, hi in msg.logit_rows:
                 self.model.compute_logits(hidden[lo:hi])
         elif msg.op is Op.SWAP:
@@ -252,7 +259,9 @@ class ModelRunner:
         batch = step.batch
         chunks = step.prompt_logprob_chunks
         seqs, kind = len(batch.meta.query_start) - 1, "prefill" if batch.meta.is_prefill else "decode"
-        self._begin(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]),
+        if self.channel is not None and step.delta is None:
+            raise RuntimeError("a tensor-parallel step needs its batch as a delta (StepBuilder with delta_sender)")
+        self._begin(StepMessage(Op.FORWARD, delta=step.delta, logit_rows=[(c.row_lo, c.row_hi) for c in chunks]),
                     f"{kind}: {seqs} sequence{'s' * (seqs != 1)}, {batch.input_ids.numel()} tokens")
         hidden = self._forward(batch)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
@@ -287,6 +296,15 @@ class ModelRunner:
         return [PromptLogprob(lp_, rank, top)
                 for lp_, rank, top in zip(token_lp.squeeze(1).tolist(), ranks.tolist(), tops, strict=True)]
 
+    def _scratch_step(self, row: ScratchRow, kind: BatchKind, position: int) -> StepInput:
+        greedy, device = [SamplingParams(temperature=0.0)], self.backend.device
+        if self.delta_sender is not None:
+            delta, batch = self.delta_sender.build([row], kind, self.block_size, device)
+            return StepInput(batch, greedy, [position], [None], delta=delta)
+        batch = build_decode([row], self.block_size, device) if kind is BatchKind.DECODE else \
+            build_prefill([row], self.block_size, device)
+        return StepInput(batch, greedy, [position], [None])
+
     # --- warm-up ------------------------------------------------------------------------------------------------
 
     def warmup(self, num_tokens: int = 16) -> None:
@@ -294,10 +312,9 @@ class ModelRunner:
         graphs' capture."""
         num_tokens = max(1, min(num_tokens, self.num_blocks * self.block_size - 1))
         blocks = list(range(math.ceil((num_tokens + 1) / self.block_size)))
-        device, greedy = self.backend.device, [SamplingParams(temperature=0.0)]
         row = ScratchRow([1] * num_tokens, blocks)
-        self.execute(StepInput(build_prefill([row], self.block_size, device), greedy, [num_tokens], [None]))
+        self.execute(self._scratch_step(row, BatchKind.PREFILL, num_tokens))
         row = ScratchRow([1] * (num_tokens + 1), blocks, num_cached_tokens=num_tokens)
-        self.execute(StepInput(build_decode([row], self.block_size, device), greedy, [num_tokens + 1], [None]))
+        self.execute(self._scratch_step(row, BatchKind.DECODE, num_tokens + 1))
         self.capture_graphs()  # every bucket runs once before it is captured
         self.backend.synchronize()

@@ -16,6 +16,7 @@ from npuserve.engine.batch import FlatBatch, build_decode, build_prefill
 from npuserve.engine.guided import Guide
 from npuserve.engine.guided_mask import GuidedMasker
 from npuserve.engine.logits_processors import needs_history
+from npuserve.engine.parallel.batch_delta import BatchDelta, BatchKind, DeltaSender
 from npuserve.engine.sequence import SamplingParams, Sequence
 from npuserve.engine.step_input import PromptLogprobChunk, StepInput
 
@@ -23,9 +24,12 @@ PROMPT_LOGITS_CHUNK = 512  # prompt positions whose logits are materialised at o
 
 
 class StepBuilder:
-    def __init__(self, block_size: int, device: torch.device, vocab_size: int) -> None:
+    def __init__(self, block_size: int, device: torch.device, vocab_size: int,
+                 delta_sender: DeltaSender | None = None) -> None:
+        """`delta_sender` (tensor parallel's rank 0): the batch is built from the ranks' mirror, with its delta."""
         self.block_size = block_size
         self.device = device
+        self.delta_sender = delta_sender
         self.vocab_size = vocab_size
         self.guided_masker = GuidedMasker()
 
@@ -35,7 +39,12 @@ class StepBuilder:
         """`is_prefill`: the sequences compute their prompts (whole); `num_new_tokens`: a chunked step's tokens per
         sequence (decodes and prompt chunks); neither: a decode step. `block_copies`, `swap_out`, `swap_in`: the
         block moves the runner makes first, in that order (the scheduler's output)."""
-        if num_new_tokens is not None:
+        delta: BatchDelta | None = None
+        if self.delta_sender is not None:
+            kind = BatchKind.MIXED if num_new_tokens is not None else BatchKind.PREFILL if is_prefill else \
+                BatchKind.DECODE
+            delta, batch = self.delta_sender.build(seqs, kind, self.block_size, self.device, num_new_tokens)
+        elif num_new_tokens is not None:
             batch = build_prefill(seqs, self.block_size, self.device, num_new_tokens)
         elif is_prefill:
             batch = build_prefill(seqs, self.block_size, self.device)
@@ -51,7 +60,7 @@ class StepBuilder:
                 positions.append(s.num_tokens)
                 seeds.append(s.sample_seed(s.index + j))
         step = StepInput(batch, params, positions, seeds, sample_rows=rows if len(rows) != len(seqs) else None,
-                         block_copies=list(block_copies), swap_out=list(swap_out), swap_in=list(swap_in))
+                         block_copies=list(block_copies), swap_out=list(swap_out), swap_in=list(swap_in), delta=delta)
         if needs_history(params):  # penalties, min_tokens, logit_bias read each row's tokens
             step.history = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rows]
         guided: list[tuple[int, Guide]] = [

@@ -14,6 +14,7 @@ import torch
 
 from npuserve.engine.batch import FlatBatch
 from npuserve.engine.logits_processors import History
+from npuserve.engine.parallel.batch_delta import BatchDelta
 from npuserve.engine.sequence import SamplingParams
 
 
@@ -45,6 +46,7 @@ class StepInput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # device block -> host block
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # host block -> device block
+    delta: BatchDelta | None = None  # tensor parallel: `batch` as the other ranks rebuild it (parallel/batch_delta.py)
 
     @property
     def computes_prompt(self) -> bool:

@@ -1,9 +1,10 @@
 """What rank 0 tells the other ranks before each runner operation, as two int64 tensors broadcast on the host's
 gloo group: a fixed-size header (the operation and the length of each segment) and one payload (the segments
-end to end). No Python object is pickled per step: the flat batch is tensors already, and it travels as them.
+end to end). No Python object is pickled per step: the segments are lists of ints.
 
-Operations: FORWARD (a flat batch, plus the hidden-state rows whose logits the prompt-logprob pass computes),
-SWAP (device<->host block pairs), COPY (device block pairs), CAPTURE (decode graphs at warm-up), STOP.
+Operations: FORWARD (the batch as a delta against every rank's mirror of the rows, `batch_delta.py`, plus the
+hidden-state rows whose logits the prompt-logprob pass computes), SWAP (device<->host block pairs), COPY (device
+block pairs), CAPTURE (decode graphs at warm-up), STOP.
 """
 
 from __future__ import annotations
@@ -11,15 +12,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 import torch.distributed as dist
 
-from npuserve.engine.backends.base import AttentionMetadata
-from npuserve.engine.batch import FlatBatch
+from npuserve.engine.parallel.batch_delta import BatchDelta, BatchKind
 
-HEADER_SIZE = 64  # ints: op, segment count, then each segment's length
-_META_SEGMENTS = 6
+HEADER_SIZE = 16  # ints: op, segment count, then each segment's length (a forward has 11 segments)
 
 
 class Op(enum.IntEnum):
@@ -33,95 +33,74 @@ class Op(enum.IntEnum):
 @dataclass(slots=True)
 class StepMessage:
     op: Op
-    batch: FlatBatch | None = None
+    delta: BatchDelta | None = None  # FORWARD
     logit_rows: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [lo, hi) for prompt logprobs
     pairs: list[tuple[int, int]] = field(default_factory=list)  # SWAP: out pairs; COPY: the pairs
     pairs_in: list[tuple[int, int]] = field(default_factory=list)  # SWAP: in pairs
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).to("cpu", torch.int64)
+def _flat_pairs(pairs: Seq[tuple[int, int]]) -> list[int]:
+    return [i for pair in pairs for i in pair]
 
 
-def _ints(values: Seq[int] | Seq[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64).reshape(-1)
-
-
-def _meta_segments(meta: AttentionMetadata) -> list[torch.Tensor]:
-    scalars = [int(meta.is_prefill), meta.max_query_len, meta.max_context_len, meta.block_tables.shape[1]]
-    return [_ints(scalars), _host(meta.slot_mapping), _host(meta.block_tables), _host(meta.context_lens),
-            _host(meta.query_lens), _ints(meta.query_start)]
-
-
-def encode(msg: StepMessage) -> list[torch.Tensor]:
+def segments(msg: StepMessage) -> list[list[int]]:
+    """The message's payload, as lists of ints (the header carries their lengths)."""
     if msg.op is Op.FORWARD:
-        assert msg.batch is not None
-        b = msg.batch
-        segments = [_host(b.input_ids), _host(b.positions), _host(b.logits_indices), _ints(msg.logit_rows)]
-        segments += _meta_segments(b.meta)
-        if b.meta.decode_part is not None and b.meta.prefill_part is not None:
-            segments += _meta_segments(b.meta.decode_part) + _meta_segments(b.meta.prefill_part)
-        return segments
+        assert msg.delta is not None
+        d = msg.delta  # in BatchDelta's field order, which `decode` relies on
+        return [[int(d.kind)], d.seq_ids, d.num_token_ids, d.num_block_ids, d.token_ids, d.block_ids, d.fresh,
+                d.num_cached_tokens, d.num_new_tokens, d.dropped, _flat_pairs(msg.logit_rows)]
     if msg.op is Op.SWAP:
-        return [_ints(msg.pairs), _ints(msg.pairs_in)]
+        return [_flat_pairs(msg.pairs), _flat_pairs(msg.pairs_in)]
     if msg.op is Op.COPY:
-        return [_ints(msg.pairs)]
+        return [_flat_pairs(msg.pairs)]
     return []
 
 
-def _meta_from(segments: list[torch.Tensor], device: torch.device) -> AttentionMetadata:
-    is_prefill, max_query_len, max_context_len, width = segments[0].tolist()
-    return AttentionMetadata(
-        is_prefill=bool(is_prefill),
-        slot_mapping=segments[1].to(device),
-        block_tables=segments[2].view(-1, width).to(device),
-        context_lens=segments[3].to(device),
-        query_lens=segments[4].to(device),
-        query_start=segments[5].tolist(),
-        max_query_len=max_query_len,
-        max_context_len=max_context_len,
-        cache={},
-    )
+def encode(msg: StepMessage) -> tuple[list[int], torch.Tensor]:
+    """The segments' lengths and the payload, one int64 tensor (one conversion, not one per segment)."""
+    parts = segments(msg)
+    return [len(p) for p in parts], torch.tensor(list(chain.from_iterable(parts)), dtype=torch.int64)
 
 
-def _pairs(t: torch.Tensor) -> list[tuple[int, int]]:
-    flat = t.tolist()
+def _pairs(flat: list[int]) -> list[tuple[int, int]]:
     return list(zip(flat[0::2], flat[1::2], strict=True))
 
 
-def decode(op: Op, segments: list[torch.Tensor], device: torch.device) -> StepMessage:
+def decode(op: Op, lengths: Seq[int], payload: torch.Tensor) -> StepMessage:
+    flat: list[int] = payload.tolist()
+    parts: list[list[int]] = []
+    start = 0
+    for n in lengths:
+        parts.append(flat[start : start + n])
+        start += n
     if op is Op.FORWARD:
-        meta = _meta_from(segments[4 : 4 + _META_SEGMENTS], device)
-        if len(segments) > 4 + _META_SEGMENTS:
-            meta.decode_part = _meta_from(segments[4 + _META_SEGMENTS : 4 + 2 * _META_SEGMENTS], device)
-            meta.prefill_part = _meta_from(segments[4 + 2 * _META_SEGMENTS :], device)
-        batch = FlatBatch(input_ids=segments[0].to(device), positions=segments[1].to(device), meta=meta,
-                          logits_indices=segments[2].to(device))
-        return StepMessage(op, batch=batch, logit_rows=_pairs(segments[3]))
+        kind, seq_ids, num_token_ids, num_block_ids, token_ids, block_ids, fresh, cached, chunks, dropped, rows = parts
+        delta = BatchDelta(BatchKind(kind[0]), seq_ids, num_token_ids, num_block_ids, token_ids, block_ids, fresh,
+                           cached, chunks, dropped)
+        return StepMessage(op, delta=delta, logit_rows=_pairs(rows))
     if op is Op.SWAP:
-        return StepMessage(op, pairs=_pairs(segments[0]), pairs_in=_pairs(segments[1]))
+        return StepMessage(op, pairs=_pairs(parts[0]), pairs_in=_pairs(parts[1]))
     if op is Op.COPY:
-        return StepMessage(op, pairs=_pairs(segments[0]))
+        return StepMessage(op, pairs=_pairs(parts[0]))
     return StepMessage(op)
 
 
 class StepChannel:
     """Rank 0's `send` and the other ranks' `receive` of step messages over the host group `control`."""
 
-    def __init__(self, control: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(self, control: dist.ProcessGroup | None) -> None:
         self.control = control
-        self.device = device
 
     def send(self, msg: StepMessage) -> None:
-        segments = encode(msg)
-        if len(segments) + 2 > HEADER_SIZE:
-            raise ValueError(f"a step message of {len(segments)} segments does not fit the header")
-        header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
-        header[0], header[1] = int(msg.op), len(segments)
-        header[2 : 2 + len(segments)] = torch.tensor([s.numel() for s in segments], dtype=torch.int64)
+        lengths, payload = encode(msg)
+        if len(lengths) + 2 > HEADER_SIZE:
+            raise ValueError(f"a step message of {len(lengths)} segments does not fit the header")
+        header = torch.tensor([int(msg.op), len(lengths), *lengths, *[0] * (HEADER_SIZE - 2 - len(lengths))],
+                              dtype=torch.int64)
         dist.broadcast(header, src=0, group=self.control)
-        if segments and header[2 : 2 + len(segments)].sum() > 0:
-            dist.broadcast(torch.cat(segments), src=0, group=self.control)
+        if payload.numel():
+            dist.broadcast(payload, src=0, group=self.control)
 
     def receive(self) -> StepMessage:
         header = torch.zeros(HEADER_SIZE, dtype=torch.int64)
@@ -129,6 +108,6 @@ class StepChannel:
         op, count = Op(int(header[0])), int(header[1])
         lengths = header[2 : 2 + count].tolist()
         payload = torch.empty(sum(lengths), dtype=torch.int64)
-        if sum(lengths) > 0:
+        if payload.numel():
             dist.broadcast(payload, src=0, group=self.control)
-        return decode(op, list(torch.split(payload, lengths)), self.device)
+        return decode(op, lengths, payload)

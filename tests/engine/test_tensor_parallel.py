@@ -25,6 +25,7 @@ from npuserve.engine.batch import build_prefill  # noqa: E402
 from npuserve.engine.engine import LLMEngine, make_config  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import build_model, init_dummy_weights, load_hf_weights  # noqa: E402
+from npuserve.engine.parallel.batch_delta import BatchKind, BatchMirror, DeltaSender  # noqa: E402
 from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout  # noqa: E402
 from npuserve.engine.parallel.step_message import Op, StepMessage, decode, encode  # noqa: E402
 from npuserve.engine.sequence import SamplingParams, Sequence  # noqa: E402
@@ -32,6 +33,7 @@ from npuserve.mindie_config import EngineEnvironment  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_batch_delta import assert_same_batch  # noqa: E402
 from test_correctness import ARCHS, prompts, small_spec  # noqa: E402
 
 from tests.serve_process import wait_ready  # noqa: E402
@@ -135,21 +137,13 @@ def test_a_mixed_step_travels_as_tensors_and_comes_back_whole() -> None:
     decoding.block_table, decoding.num_cached_tokens = [3, 1], 4
     chunked = Sequence(list(range(10, 21)), SamplingParams(), arrival_time=0.0)
     chunked.block_table = [0, 2, 4]
-    batch = build_prefill([decoding, chunked], 4, CPU, num_new_tokens=[1, 6])
+    delta, batch = DeltaSender().build([decoding, chunked], BatchKind.MIXED, 4, CPU, num_new_tokens=[1, 6])
     assert batch.meta.decode_part is not None  # a mixed step: the decode has its own layout
-    msg = decode(Op.FORWARD, encode(StepMessage(Op.FORWARD, batch=batch, logit_rows=[(1, 4)])), CPU)
-    got = msg.batch
-    assert got is not None and msg.logit_rows == [(1, 4)]
-    for name in ("input_ids", "positions", "logits_indices"):
-        assert torch.equal(getattr(got, name), getattr(batch, name))
-    for mine, sent in ((got.meta, batch.meta), (got.meta.decode_part, batch.meta.decode_part),
-                       (got.meta.prefill_part, batch.meta.prefill_part)):
-        assert mine is not None and sent is not None
-        for field in ("slot_mapping", "block_tables", "context_lens", "query_lens"):
-            assert torch.equal(getattr(mine, field), getattr(sent, field)), field
-        assert (mine.is_prefill, mine.query_start, mine.max_query_len, mine.max_context_len) == \
-            (sent.is_prefill, sent.query_start, sent.max_query_len, sent.max_context_len)
-    swap = decode(Op.SWAP, encode(StepMessage(Op.SWAP, pairs=[(1, 2), (3, 4)], pairs_in=[(5, 6)])), CPU)
+    msg = decode(Op.FORWARD, *encode(StepMessage(Op.FORWARD, delta=delta, logit_rows=[(1, 4)])))
+    assert msg.delta == delta and msg.logit_rows == [(1, 4)]
+    assert_same_batch(BatchMirror().build(msg.delta, 4, CPU), batch)
+    assert_same_batch(batch, build_prefill([decoding, chunked], 4, CPU, num_new_tokens=[1, 6]))
+    swap = decode(Op.SWAP, *encode(StepMessage(Op.SWAP, pairs=[(1, 2), (3, 4)], pairs_in=[(5, 6)])))
     assert (swap.pairs, swap.pairs_in) == ([(1, 2), (3, 4)], [(5, 6)])
 
 

@@ -38,7 +38,7 @@ def _failing_forward(self: ModelRunner, batch: Any) -> Any:
 
 
 def _failing_follow(self: ModelRunner, msg: StepMessage) -> None:
-    if msg.op is Op.FORWARD and msg.batch is not None and msg.batch.input_ids.tolist() == FAULT_PROMPT:
+    if msg.op is Op.FORWARD and msg.delta is not None and msg.delta.token_ids == FAULT_PROMPT:  # its prompt, whole
         raise RuntimeError(f"{FAULT} on rank 1 inside the forward")
     _follow(self, msg)
 
