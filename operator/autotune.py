@@ -60,10 +60,10 @@ from .autotune_types import (
     rfc3339,
 )
 from .look_timing import grid_after, settle_s, window_s
-from .render import bench_job_name, render_bench_job
+from .render import bench_job_name
 from .status import condition as condition_of
 from .status import serving_phase, set_condition
-from .tuning_schedule import JOB_SLACK_S, best_known, next_generation, problem_for, problem_key, tuning_of
+from .tuning_schedule import best_known, next_generation, problem_for, problem_key, trial_job, tuning_of
 
 # Settling also lasts this many times the last window's mean request latency: requests admitted under the schedule
 # before keep running under it after a live change (online traffic waits for its answers), and a window that counts
@@ -219,14 +219,14 @@ class _Look:
             users = concurrency or max(1, knobs.maxBatchSize - 1 if knobs.maxBatchSize else 1)
             concurrency = users
             job = bench_job_name(self.isvc, kind, self.tuning.round, number, now)
-            self.actions.create_job = render_bench_job(self.isvc, name=job, target_ip=target.ip, concurrency=users,
-                                                       duration_s=until - now + JOB_SLACK_S)
         self.apply(knobs)
         self.tuning.current = TrialInProgress(
             kind=kind, trial=number, schedule=knobs, concurrency=concurrency, appliedAt=rfc3339(now),
             measureFrom=rfc3339(start), measureUntil=rfc3339(until),
             pods=sorted(p.signature for p in self.obs.pods), target=target.name if target else None, job=job,
             attempts=attempts)
+        if target is not None and target.ip is not None:
+            self.actions.create_job = trial_job(self.isvc, self.tuning.current, target.ip, now)
         what = (f"trial {number}: maxBatchSize {knobs.maxBatchSize}" if kind == "trial"
                 else f"capacity probe {number}: {concurrency} users at maxBatchSize {knobs.maxBatchSize}")
         load = f"; load: Job {job}, {concurrency} users on {target.name}" if target else "; load: live traffic"

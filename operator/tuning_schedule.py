@@ -19,6 +19,7 @@ from npuserve.planning.api import (
     Plan,
     PlanSchedule,
     ScheduleKnobs,
+    TrialInProgress,
     TuningStatus,
     TuningTrial,
 )
@@ -97,7 +98,7 @@ def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any
                     now: float) -> Intent:
     """What `status` records the engines and the load Job must be now: the tuner's applied schedule (when the
     ConfigMap holds it, `applied_schedule`), and the open trial's Job while its window runs and its target pod has an
-    address (rendered as `open_window` rendered it, so a Job recreated at the window's opening is the same Job)."""
+    address (`trial_job`, as the trial machine renders it when it opens the window: a Job recreated is the same Job)."""
     tuning = tuning_of(status)
     if tuning is None:
         return Intent()
@@ -106,9 +107,16 @@ def recorded_intent(isvc: InferenceService, plan: Plan, status: Mapping[str, Any
     target = next((p for p in pods if current is not None and p.name == current.target and p.ip), None)
     if current is not None and current.job and target is not None and target.ip is not None \
             and now < parse_rfc3339(current.measureUntil):
-        job = render_bench_job(isvc, name=current.job, target_ip=target.ip, concurrency=current.concurrency or 1,
-                               duration_s=parse_rfc3339(current.measureUntil) - now + JOB_SLACK_S)
+        job = trial_job(isvc, current, target.ip, now)
     return Intent(apply=apply, job=job)
+
+
+def trial_job(isvc: InferenceService, current: TrialInProgress, target_ip: str, now: float) -> dict[str, Any]:
+    """The benchmark Job of the open window `current` (it names the Job), started at `now`: its users on the target
+    pod until the window's end and JOB_SLACK_S past it."""
+    assert current.job is not None
+    return render_bench_job(isvc, name=current.job, target_ip=target_ip, concurrency=current.concurrency or 1,
+                            duration_s=parse_rfc3339(current.measureUntil) - now + JOB_SLACK_S)
 
 
 def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
