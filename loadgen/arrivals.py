@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from itertools import islice
 
 
 def iter_send_offsets(request_rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
@@ -36,13 +35,6 @@ def _offsets(request_rate: float, burstiness: float, rng: random.Random) -> Iter
     while True:
         offset += rng.gammavariate(burstiness, scale)
         yield offset
-
-
-def send_offsets(n: int, request_rate: float, burstiness: float, rng: random.Random) -> list[float]:
-    """The send offsets of `n` requests (non-decreasing, the first 0)."""
-    if n < 0:
-        raise ValueError(f"{n} requests: want >= 0")
-    return list(islice(iter_send_offsets(request_rate, burstiness, rng), n))
 
 
 def think_time(rng: random.Random, bounds: tuple[float, float] | None) -> float:

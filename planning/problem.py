@@ -133,7 +133,6 @@ class Claim:
     judgement: Judgement  # of the pooled figures
     windows: int
     upper: Mapping[LatencyName, float]  # each ratio's upper confidence bound, given the noise
-    lower: Mapping[LatencyName, float]  # and its lower one
     tolerance: float
 
     @property
@@ -308,13 +307,12 @@ class TuningProblem(_Model):
 
     def claim(self, windows: Sequence[TrialMetrics], noise: Noise) -> Claim:
         """The windows measured at one schedule, judged together: their pooled figures, and how far the noise lets
-        each true ratio lie from the measured one (a t interval on the mean of `len(windows)` windows)."""
+        each true ratio lie above the measured one (a t interval on the mean of `len(windows)` windows)."""
         judgement = self.judge(pooled(windows))
         n = len(windows)
         spread = 0.0 if noise.exact else t_quantile(noise.df) / math.sqrt(n)
         upper = {k: r * math.exp(spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
-        lower = {k: r * math.exp(-spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
-        return Claim(judgement, n, upper, lower, self.tolerance)
+        return Claim(judgement, n, upper, self.tolerance)
 
     # -- schedules --
 

@@ -10,7 +10,12 @@ import statistics
 
 import pytest
 
-from npuserve.loadgen.arrivals import RequestQueue, iter_send_offsets, send_offsets, think_time
+from npuserve.loadgen.arrivals import RequestQueue, iter_send_offsets, think_time
+
+
+def send_offsets(n: int, request_rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """The first `n` send offsets the runner would use."""
+    return list(itertools.islice(iter_send_offsets(request_rate, burstiness, rng), n))
 
 
 def _gaps(offsets: list[float]) -> list[float]:

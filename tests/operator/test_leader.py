@@ -166,8 +166,8 @@ def test_a_leader_that_cannot_renew_within_the_deadline_is_told_it_lost(leases: 
     started = time.monotonic()
     while not lost and time.monotonic() - started < 10:
         time.sleep(0.05)
+    # When, against the Lease's expiry, is the stepped-clock test below (no wall time asserted on a shared machine).
     assert lost and "renew" in lost[0], lost
-    assert time.monotonic() - started < 4  # before the Lease (4 s) can expire for the others
     a.stop_renewing()
 
 
