@@ -38,6 +38,7 @@ from npuserve.planning.api import AppliedSchedule, InferenceService, Plan
 
 from . import autotune as at
 from . import autotune_types as tt
+from . import engine_http
 from . import kube as kube_module
 from . import look_timing as lt
 from . import tuning_schedule as ts
@@ -315,7 +316,7 @@ class AutotuneLoop:
                                    f"the admin Secret {admin_secret_name(isvc)} is missing: the engines take the "
                                    "schedule from the ConfigMap only, when the kubelet refreshes it"))
             return
-        errors = kube_module.put_schedule([p for p in pods if p.ready], token, applied.model_dump(exclude_none=True))
+        errors = engine_http.put_schedule([p for p in pods if p.ready], token, applied.model_dump(exclude_none=True))
         if errors:
             said = "; ".join(f"{pod}: {error}" for pod, error in sorted(errors.items()))
             log.warning("%s/%s: schedule not applied everywhere: %s", ns, isvc.metadata.name, said)

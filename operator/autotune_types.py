@@ -32,8 +32,8 @@ class Termination:
 
 @dataclass(frozen=True)
 class EngineReport:
-    """One engine pod as the operator sees it (its readiness and `/info`, read by `kube.read_engines`), and how its
-    engine container last ended and how often it restarted (from the pod's status)."""
+    """One engine pod as the operator sees it (its readiness and `/info`, read by `engine_http.read_engines`), and
+    how its engine container last ended and how often it restarted (from the pod's status)."""
 
     pod: str
     ready: bool

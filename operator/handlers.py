@@ -1,9 +1,9 @@
 """The kopf handlers: thin wrappers that feed the pure planner, renderer and status logic and write results.
 
-Every status change goes through `kube.update_status`, the one writer (read, apply a pure `status -> new status`
-function from `status.py`, merge-patch with the read's resourceVersion, retry on 409): the InferenceService
-handlers and the readiness handler never overwrite each other's conditions. kopf's own `patch` carries only kopf's
-annotations.
+Every status change goes through `status_writer.update_status`, the one writer (read, apply a pure
+`status -> new status` function from `status.py`, merge-patch with the read's resourceVersion, retry on 409): the
+InferenceService handlers and the readiness handler never overwrite each other's conditions. kopf's own `patch`
+carries only kopf's annotations.
 
 - create, update of `spec`, resume: plan; write the plan to the status first; where the engine cannot serve the plan
   yet (`engine_contract.unservable`), deploy nothing (and delete what an earlier spec deployed), phase Planned,
@@ -48,14 +48,15 @@ import kopf
 from kubernetes import client as k8s_client
 from pydantic import ValidationError
 
-from npuserve.planning.api import InferenceService, Plan, PlanSchedule
+from npuserve.planning.api import GROUP, PLURAL, VERSION, InferenceService, Plan, PlanSchedule
 from npuserve.planning.planner import PlanError, plan, servability
 
+from . import engine_http
 from . import kube as kube_module
 from . import status as st
 from .autotune_loop import AutotuneLoop, outside_signature
 from .autotune_types import Status
-from .kube import GROUP, INSTALL_HINTS, OPTIONAL_KINDS, PLURAL, VERSION
+from .kube import INSTALL_HINTS, OPTIONAL_KINDS
 from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
 from .render import render, render_admin_secret, render_configmap, selector
 from .tuning_schedule import configmap_schedule
@@ -292,7 +293,7 @@ def update_readiness(name: str, namespace: str, logger: kopf.Logger, client: kub
         return  # no plan yet, a failed plan, or nothing deployed: nothing to judge
     pods = client.engine_pods(namespace, sel)
     ready = sum(1 for p in pods if p.ready)
-    engines = kube_module.read_engines(pods)
+    engines = engine_http.read_engines(pods)
     update = client.update_status(namespace, name, lambda o: st.readiness(
         o.get("status") or {}, ready, engines, o["metadata"].get("generation"), st.now_rfc3339()))
     if update is None:

@@ -1,50 +1,40 @@
-"""The operator's only contact with the API server and the engines: server-side apply, pruning, the one status
-writer, and reading the engine pods and their `/info`.
+"""The operator's contact with the API server: server-side apply, pruning, reading the engine pods, and the autotune
+loop's Secrets, Jobs, scale and events. The status writer is `status_writer.py`; the engines' HTTP (`/info`, `PUT
+/admin/schedule`) is `engine_http.py`.
 
 Server-side apply under one field manager makes every reconcile idempotent (a restarted operator re-applies the
 same objects: no duplicates) and leaves fields owned by other managers (a user's annotations and labels) alone.
 Nothing in npuserve makes a HorizontalPodAutoscaler: the operator owns the workload's replicas (the plan's), and a
 `kubectl scale` of the InferenceService changes `spec.replicas`, which re-plans.
-
-Status has one writer, `update_status`: it reads the InferenceService, applies a pure `status -> new status`
-function (`status.py`) and sends the difference as a merge patch carrying the object's `metadata.resourceVersion`,
-so the API server refuses (409) a write computed from a stale read; it then reads again and re-applies the function.
-The reconcile handlers and the readiness handler both write through it, so neither loses the other's update.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import copy
-import functools
 import logging
 import os
-import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol, cast
+from typing import Any
 
-import httpx
 from kubernetes import client, config
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 from kubernetes.utils import parse_quantity
-from pydantic import ValidationError
 
-from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, ENGINE_PORT, INFO_PATH, EngineInfo
+from npuserve.planning.api import GROUP, PLURAL, VERSION
 
-from .autotune_types import EngineReport, JobPhase, PodState, Status, Termination
+from .autotune_types import JobPhase, PodState, Status, Termination
+from .engine_http import EnginePod
 from .names import ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .status_writer import StatusUpdate, get_inference_service, update_status
 
 log = logging.getLogger(__name__)
 
 FIELD_MANAGER = "npuserve-operator"
 MISSING_KIND_TTL = 60.0
-GROUP, VERSION, PLURAL = "npuserve.io", "v1alpha1", "inferenceservices"
 # Every kind the renderer can produce: what prune looks at. Kinds whose API is not installed are skipped.
 MANAGED_KINDS: tuple[tuple[str, str], ...] = (
     ("v1", "ConfigMap"),
@@ -60,109 +50,6 @@ INSTALL_HINTS: dict[str, str] = {
 }
 # Kinds an InferenceService runs without: skipped with a warning event when their API is not served.
 OPTIONAL_KINDS = frozenset({"PodMonitor"})
-STATUS_WRITE_ATTEMPTS = 5
-INFO_TIMEOUT_S = 2.0  # one engine's /info, connect to last byte
-MAX_CONCURRENT_INFO = 16  # /info reads in flight at once, per readiness update
-ADMIN_TIMEOUT_S = 35.0  # one PUT /admin/schedule (the engine waits up to 30 s for its step loop to take it)
-
-
-@functools.cache
-def tls_context() -> ssl.SSLContext:
-    """One TLS context for the engine clients: httpx builds a new one (loading the CA bundle) for each client
-    otherwise, and the profile of 300 InferenceServices had that as its top frame; the engines answer plain HTTP."""
-    return ssl.create_default_context()
-
-
-class StatusConflict(RuntimeError):
-    """The status write conflicted `STATUS_WRITE_ATTEMPTS` times in a row (kopf retries the handler)."""
-
-
-class StatusApi(Protocol):
-    """The two calls of `kubernetes.client.CustomObjectsApi` the status writer makes."""
-
-    def get_namespaced_custom_object(self, group: str, version: str, namespace: str, plural: str,
-                                     name: str) -> object: ...
-
-    def patch_namespaced_custom_object_status(self, group: str, version: str, namespace: str, plural: str,
-                                              name: str, body: dict[str, Any]) -> object: ...
-
-
-@dataclass(frozen=True)
-class StatusUpdate:
-    """What one status write saw and wrote (`old` == `new` when nothing changed)."""
-
-    old: Status
-    new: Status
-    attempts: int
-
-
-def get_inference_service(api: StatusApi, namespace: str, name: str) -> dict[str, Any] | None:
-    try:
-        return cast(dict[str, Any], api.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name))
-    except client.ApiException as e:
-        if e.status == 404:
-            return None
-        raise
-
-
-def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON merge patch (RFC 7386) that turns `old` into `new`: changed keys, removed keys as null, maps
-    recursively, lists whole (a merge patch replaces a list)."""
-    patch: dict[str, Any] = {}
-    for key, value in new.items():
-        before = old.get(key)
-        if isinstance(value, Mapping) and isinstance(before, Mapping):
-            sub = merge_patch(before, value)
-            if sub:
-                patch[key] = sub
-        elif key not in old or before != value:
-            patch[key] = copy.deepcopy(value)
-    for key in old:
-        if key not in new:
-            patch[key] = None
-    return patch
-
-
-def update_status(api: StatusApi, namespace: str, name: str,
-                  change: Callable[[Mapping[str, Any]], Status | None],
-                  attempts: int = STATUS_WRITE_ATTEMPTS, read: Mapping[str, Any] | None = None,
-                  ) -> StatusUpdate | None:
-    """Read the InferenceService, `change` its status (the whole object is passed; it returns the new status, or
-    None to leave it), and write the difference with the read's resourceVersion; on 409 Conflict read and apply
-    again, at most `attempts` times. None when the object is gone. `read`: the object as the caller just read it,
-    used for the first attempt instead of reading it again (a conflict reads it anew)."""
-    for attempt in range(1, attempts + 1):
-        obj = read if attempt == 1 and read is not None else get_inference_service(api, namespace, name)
-        if obj is None:
-            return None
-        old: Status = obj.get("status") or {}
-        new = change(obj)
-        patch = merge_patch(old, new) if new is not None else {}
-        if not patch:
-            return StatusUpdate(old, old if new is None else new, attempt)
-        body = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": patch}
-        try:
-            api.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
-        except client.ApiException as e:
-            if e.status == 409:
-                log.debug("%s/%s: status write conflicted (attempt %d); reading again", namespace, name, attempt)
-                continue
-            if e.status == 404:
-                return None
-            raise
-        return StatusUpdate(old, cast(Status, new), attempt)
-    raise StatusConflict(f"{namespace}/{name}: the status write conflicted {attempts} times in a row")
-
-
-@dataclass(frozen=True)
-class EnginePod:
-    name: str
-    ip: str | None
-    ready: bool
-    serves_http: bool = True  # a LeaderWorkerSet's worker pods run no HTTP server; their leader answers /info
-    restarts: int = 0  # of its engine container
-    terminated: Termination | None = None  # how the engine container last ended, if it did
-
 
 
 def engine_termination(status: client.V1PodStatus) -> tuple[int, Termination | None]:
@@ -295,40 +182,6 @@ def live_pods(pods: Iterable[client.V1Pod]) -> Iterator[tuple[client.V1ObjectMet
         yield meta, status, any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
 
 
-def read_engines(pods: Sequence[EnginePod], *, port: int = ENGINE_PORT, timeout: float = INFO_TIMEOUT_S,
-                 limit: int = MAX_CONCURRENT_INFO, transport: httpx.AsyncBaseTransport | None = None,
-                 ) -> list[EngineReport]:
-    """Each ready engine's /info (the KV blocks it actually allocated), at most `limit` reads at once, each bounded
-    by `timeout`. Runs its own event loop: call it from a worker thread (kopf runs sync handlers in one)."""
-    return asyncio.run(_read_engines(pods, port, timeout, limit, transport))
-
-
-async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, limit: int,
-                        transport: httpx.AsyncBaseTransport | None) -> list[EngineReport]:
-    gate = asyncio.Semaphore(limit)
-    async with httpx.AsyncClient(transport=transport, timeout=timeout, verify=tls_context()) as http:
-
-        async def one(pod: EnginePod) -> EngineReport:
-            def report(ready: bool, kv_blocks: int | None = None, error: str | None = None) -> EngineReport:
-                return EngineReport(pod.name, ready, kv_blocks, error, pod.restarts, pod.terminated)
-
-            if not pod.ready:
-                return report(False, error="not ready" if pod.ip else "no pod IP yet")
-            if not pod.serves_http or not pod.ip:
-                return report(True)
-            async with gate:
-                try:
-                    async with asyncio.timeout(timeout):
-                        response = await http.get(f"http://{pod.ip}:{port}{INFO_PATH}")
-                    response.raise_for_status()
-                    info = EngineInfo.model_validate(response.json())
-                except (httpx.HTTPError, TimeoutError, ValueError, ValidationError) as e:
-                    return report(True, error=f"{INFO_PATH} unreadable: {e!r}")
-            return report(True, kv_blocks=info.kv_blocks)
-
-        return list(await asyncio.gather(*(one(p) for p in pods)))
-
-
 # --- autotune: the engines' admin API, Secrets, Jobs, scale, events -------------------------------------------------
 
 
@@ -339,34 +192,6 @@ def pod_states(pods: Iterable[client.V1Pod]) -> list[PodState]:
         restarts = sum(int(c.restart_count or 0) for c in (status.container_statuses or []))
         out.append(PodState(str(meta.name), str(meta.uid), status.pod_ip, ready, restarts))
     return sorted(out, key=lambda p: p.name)
-
-
-def put_schedule(pods: Sequence[PodState], token: str, knobs: Mapping[str, Any], *, port: int = ENGINE_PORT,
-                 timeout: float = ADMIN_TIMEOUT_S, transport: httpx.AsyncBaseTransport | None = None,
-                 ) -> dict[str, str]:
-    """PUT /admin/schedule on every engine pod with an IP, at once; pod name -> error, for those that refused or did
-    not answer (empty: all applied). An engine that answers 409 already runs this schedule generation or a newer
-    one (its config file was quicker): not an error. Runs its own event loop (call it from a worker thread)."""
-    return asyncio.run(_put_schedule(pods, token, dict(knobs), port, timeout, transport))
-
-
-async def _put_schedule(pods: Sequence[PodState], token: str, body: dict[str, Any], port: int, timeout: float,
-                        transport: httpx.AsyncBaseTransport | None) -> dict[str, str]:
-    headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(transport=transport, timeout=timeout, verify=tls_context()) as http:
-
-        async def one(pod: PodState) -> tuple[str, str | None]:
-            try:
-                response = await http.put(f"http://{pod.ip}:{port}{ADMIN_SCHEDULE_PATH}", json=body,
-                                          headers=headers)
-            except httpx.HTTPError as e:
-                return pod.name, f"{ADMIN_SCHEDULE_PATH} unreachable: {e!r}"
-            if response.status_code not in (200, 409):
-                return pod.name, f"{ADMIN_SCHEDULE_PATH} answered {response.status_code}: {response.text[:300]}"
-            return pod.name, None
-
-        results = await asyncio.gather(*(one(p) for p in pods if p.ip))
-    return {name: error for name, error in results if error is not None}
 
 
 def job_phase(job: client.V1Job | None) -> JobPhase:

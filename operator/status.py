@@ -2,8 +2,8 @@
 reports.
 
 Every function here takes the status as it is now and returns the whole new status (`status -> new status`); the
-one status writer (`kube.update_status`) reads the object, applies one of them and writes the difference with the
-object's resourceVersion, retrying on a conflict. The kopf handlers only gather inputs; everything here is testable
+one status writer (`status_writer.update_status`) reads the object, applies one of them and writes the difference with
+the object's resourceVersion, retrying on a conflict. The kopf handlers only gather inputs; everything here is testable
 without a cluster.
 """
 

@@ -24,10 +24,10 @@ from kubernetes.client.rest import ApiException
 from operator_harness import helm_install, running_operator, scratch_namespace, wait_for
 
 from npuserve.operator.handlers import _parse
-from npuserve.operator.kube import GROUP, PLURAL, VERSION
 from npuserve.operator.names import INSTANCE_LABEL
 from npuserve.operator.render import render
 from npuserve.operator.status import ENGINE_CANNOT_SERVE
+from npuserve.planning.api import GROUP, PLURAL, VERSION
 from npuserve.planning.planner import PlanError, plan, servability
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]

@@ -563,8 +563,9 @@ def test_a_status_write_from_a_stale_read_is_refused_and_retried(
 ) -> None:
     """Against the real API server: another writer lands between the writer's read and its write; the API server
     answers 409 to the stale resourceVersion, the writer reads again, and neither write is lost."""
-    from npuserve.operator import kube as kube_module
+    from npuserve.operator import status_writer
     from npuserve.operator.status import set_condition
+    from npuserve.planning.api import GROUP, PLURAL, VERSION
 
     wait_for("big planned", lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))
     api = kubernetes.client.CustomObjectsApi(
@@ -578,12 +579,12 @@ def test_a_status_write_from_a_stale_read_is_refused_and_retried(
         reads.append([c["type"] for c in conditions])
         if len(reads) == 1:  # the other write, after this read: its conditions list is now stale
             api.patch_namespaced_custom_object_status(
-                kube_module.GROUP, kube_module.VERSION, quiet_namespace, kube_module.PLURAL, "big",
+                GROUP, VERSION, quiet_namespace, PLURAL, "big",
                 {"status": {"conditions": [*conditions, other]}})
         return {**obj["status"], "conditions": set_condition(conditions, "Tuning", False, "TestWriter", "ours",
                                                              "2026-01-01T00:00:01Z", None)}
 
-    update = kube_module.update_status(api, quiet_namespace, "big", change)
+    update = status_writer.update_status(api, quiet_namespace, "big", change)
     assert update is not None and update.attempts == 2, reads
     assert "SLOMet" not in reads[0] and "SLOMet" in reads[1]
     final = _get(k8s_cluster, quiet_namespace, "big")

@@ -16,11 +16,11 @@ from test_autotune import DECODE_SLO, make_isvc, ready_status
 
 from npuserve.operator import autotune as at
 from npuserve.operator import autotune_types as tt
-from npuserve.operator import kube as kube_module
+from npuserve.operator import engine_http
 from npuserve.operator import look_timing as lt
 from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
 from npuserve.operator.autotune_types import GenerationsRun
-from npuserve.operator.kube import AutotuneKube, Kube, StatusConflict, StatusUpdate
+from npuserve.operator.kube import AutotuneKube, Kube
 from npuserve.operator.prometheus import (
     Empty,
     LatencyReading,
@@ -31,6 +31,7 @@ from npuserve.operator.prometheus import (
     WindowReading,
     grouped_window_queries,
 )
+from npuserve.operator.status_writer import StatusConflict, StatusUpdate
 from npuserve.planning.planner import plan as plan_spec
 
 
@@ -270,7 +271,7 @@ def test_next_look() -> None:
 
 
 class ActingCluster(FakeCluster):
-    """FakeCluster with the acts counted: the schedule PUTs (through `kube.put_schedule`), the Jobs created, and
+    """FakeCluster with the acts counted: the schedule PUTs (through `engine_http.put_schedule`), the Jobs created, and
     status writes that can be made to fail (`failing_writes` conflicts exhausted) or an admin-token read that raises."""
 
     def __init__(self, objs: list[dict[str, Any]]) -> None:
@@ -313,7 +314,7 @@ def acting_driver(obj: dict[str, Any], monkeypatch: Any) -> tuple[AutotuneLoop, 
         puts.append(knobs["scheduleGeneration"])
         return {}
 
-    monkeypatch.setattr(kube_module, "put_schedule", put_schedule)
+    monkeypatch.setattr(engine_http, "put_schedule", put_schedule)
     return fresh_leader(cluster), cluster, puts
 
 

@@ -14,7 +14,7 @@ import kopf
 import pytest
 from fake_kube import TINY, FakeKube
 
-from npuserve.operator import handlers, kube
+from npuserve.operator import engine_http, handlers, kube
 from npuserve.operator.autotune_types import EngineReport, Termination
 
 LOG = logging.getLogger("test")
@@ -187,8 +187,8 @@ def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatc
     _reconcile(fake)
     # The spec changes behind the operator's back (no reconcile yet): readiness judges against status.plan.
     fake.custom.obj["spec"]["replicas"] = 3  # type: ignore[attr-defined]
-    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", True)])
-    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", True, kv_blocks=8192)])
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [engine_http.EnginePod("tiny-a", "127.1.0.1", True)])
+    monkeypatch.setattr(engine_http, "read_engines", lambda pods: [EngineReport("tiny-a", True, kv_blocks=8192)])
     handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     assert fake.status["phase"] == "Ready" and fake.status["observed"] == {"kvBlocksAllocated": 8192}
     assert _conditions(fake)["Ready"]["message"] == "1/1 engine pods ready"
@@ -200,8 +200,8 @@ def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monke
     fake = _cluster(monkeypatch, TINY)
     _reconcile(fake)
     fatal = Termination(1, "Error", "no engine step has completed for 301.0 s (npuserve.stepTimeoutSeconds 300): ...")
-    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [kube.EnginePod("tiny-a", "127.1.0.1", False)])
-    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=1,
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [engine_http.EnginePod("tiny-a", "127.1.0.1", False)])
+    monkeypatch.setattr(engine_http, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=1,
                                                                          terminated=fatal)])
     handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     ready = _conditions(fake)["Ready"]
@@ -212,7 +212,7 @@ def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monke
     assert "no engine step has completed" in events[-1][2]
     handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]  # the next workload event
     assert [e[1] for e in events].count("EngineCrashed") == 1  # one event per change, not one per workload event
-    monkeypatch.setattr(kube, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=4,
+    monkeypatch.setattr(engine_http, "read_engines", lambda pods: [EngineReport("tiny-a", False, restarts=4,
                                                                          terminated=fatal)])
     handlers.update_readiness("tiny", "team-a", LOG, fake)  # type: ignore[arg-type]
     assert _conditions(fake)["Ready"]["reason"] == "EngineCrashLooping"
@@ -284,7 +284,7 @@ def test_the_handlers_tell_the_autotune_loop_from_the_memo(monkeypatch: pytest.M
     workload = kopf.Body({"metadata": {"namespace": "team-a", "name": "tiny",
                                        "labels": {"npuserve.io/inferenceservice": "tiny"}}})
     monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: [])
-    monkeypatch.setattr(kube, "read_engines", lambda pods: [])
+    monkeypatch.setattr(engine_http, "read_engines", lambda pods: [])
     for memo in (_memo(fake), kopf.Memo({**_memo(fake), handlers.MEMO_AUTOTUNE_LOOP: Loop()})):
         handlers.track_autotune(body=isvc, type="ADDED", memo=memo)
         handlers.on_engine_deployment(body=workload, type="MODIFIED", logger=LOG, memo=memo)  # type: ignore[arg-type]

@@ -15,18 +15,10 @@ from kubernetes import client
 
 from npuserve.operator import status as st
 from npuserve.operator.autotune_types import EngineReport, Termination
-from npuserve.operator.kube import (
-    STATUS_WRITE_ATTEMPTS,
-    AutotuneKube,
-    EnginePod,
-    Kube,
-    StatusConflict,
-    engine_pods,
-    merge_patch,
-    read_engines,
-    update_status,
-)
+from npuserve.operator.engine_http import EnginePod, read_engines
+from npuserve.operator.kube import AutotuneKube, Kube, engine_pods
 from npuserve.operator.render import render
+from npuserve.operator.status_writer import STATUS_WRITE_ATTEMPTS, StatusConflict, merge_patch, update_status
 from npuserve.planning.api import InferenceService
 from npuserve.planning.planner import plan
 
