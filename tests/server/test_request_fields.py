@@ -211,7 +211,7 @@ def test_choices_echo_and_top_logprobs_are_honoured(server: RunningServer) -> No
 
 
 def test_user_is_written_to_the_request_log(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="npuserve.engine.server.openai_api"):
+    with caplog.at_level(logging.INFO, logger="npuserve.engine.server.openai_shared"):
         _complete(server, user="alice")
         _chat(server, user="bob")
     assert "'alice'" in caplog.text and "'bob'" in caplog.text
