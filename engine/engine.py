@@ -43,7 +43,13 @@ from npuserve.engine.servable import check_servable
 from npuserve.engine.step_builder import StepBuilder
 from npuserve.engine.step_output import SeqTracker, SeqUpdate
 from npuserve.engine_contract import EngineInfo
-from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
+from npuserve.mindie_config import (
+    EngineEnvironment,
+    MindIEConfig,
+    NpuserveExtensions,
+    ScheduleSection,
+    minimal_config,
+)
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -229,10 +235,7 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **schedule: Any) -> LLMEngine:
         """An engine with MindIE's defaults for the model in `model_dir`; `schedule` overrides ScheduleConfig."""
-        from npuserve.mindie_config import minimal_config
-
-        config = minimal_config(Path(model_dir).name, str(model_dir), **schedule)
-        return cls(config)
+        return cls(minimal_config(model_dir, **schedule))
 
     def _eos_ids(self, folder: Path) -> list[int]:
         ids = set(self.spec.eos_token_ids)
@@ -466,35 +469,3 @@ class LLMEngine:
             graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
             scheduleGeneration=self.config.extensions.scheduleGeneration, **server,
         )
-
-
-def make_config(
-    model_dir: str | Path,
-    *,
-    max_seq_len: int | None = None,
-    max_input_len: int | None = None,
-    extensions: dict[str, Any] | None = None,
-    model: dict[str, Any] | None = None,
-    **schedule: Any,
-) -> MindIEConfig:
-    """A MindIE config for one model with MindIE's defaults; the keywords override its fields (validated)."""
-    deploy: dict[str, Any] = {
-        "ModelConfig": [{"modelName": Path(model_dir).name, "modelWeightPath": str(model_dir), **(model or {})}]
-    }
-    if max_seq_len is not None:
-        deploy["maxSeqLen"] = max_seq_len
-        max_input_len = max_input_len or min(max_seq_len, 2048)
-        schedule.setdefault("maxIterTimes", min(512, max_seq_len))
-    if max_input_len is not None:
-        deploy["maxInputTokenLen"] = max_input_len
-    if "maxPrefillTokens" not in schedule and max_input_len is not None:
-        schedule["maxPrefillTokens"] = max(8192, max_input_len)
-    mbs = schedule.get("maxBatchSize")
-    if mbs is not None and "maxPrefillBatchSize" not in schedule:
-        schedule["maxPrefillBatchSize"] = min(50, int(mbs))
-    data: dict[str, Any] = {"BackendConfig": {"ModelDeployConfig": deploy, "ScheduleConfig": schedule}}
-    if extensions:
-        data["npuserve"] = extensions
-    return MindIEConfig.from_dict(data)
-
-
