@@ -35,8 +35,8 @@ from npuserve.engine.output_processor import OutputProcessor, RequestOutput
 from npuserve.engine.parallel.ranks import WorkerArgs, WorkerRanks
 from npuserve.engine.parallel.step_message import Op, StepMessage
 from npuserve.engine.rank_runner import build_rank_runner
+from npuserve.engine.request_checks import RequestError, RequestLimits
 from npuserve.engine.runner import KVPlan
-from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from npuserve.engine.servable import check_servable
@@ -53,10 +53,6 @@ from npuserve.mindie_config import (
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (empty or too long a prompt, a duplicate id); the server answers 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +178,7 @@ class LLMEngine:
         if ext.chunkedPrefill and schedule.supportSelectBatch:
             log.warning("npuserve.chunkedPrefill turns supportSelectBatch off, as MindIE's SplitFuse does: every "
                         "step mixes decodes and prompt chunks, so there is no prefill-or-decode choice to weigh")
-        self.max_input_len = deploy.maxInputTokenLen
-        self.truncation = deploy.truncation
+        self.request_limits = RequestLimits(self.spec.vocab_size, deploy.maxInputTokenLen, deploy.truncation)
         self.tokenizer: TokenizerLike | None = None
         if (folder / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(folder)
@@ -273,24 +268,7 @@ class LLMEngine:
         """Queue a request; it enters the scheduler at the next `step()`. Raises RequestError if refused."""
         params = params or SamplingParams()
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt or "")
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) > self.max_input_len:
-            if not self.truncation:
-                raise RequestError(f"the prompt has {len(ids)} tokens; maxInputTokenLen is {self.max_input_len}")
-            ids = ids[-self.max_input_len :]
-        if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
-            raise RequestError("max_tokens must be at least 1 (0 only with prompt logprobs)")
-        if params.n < 1 or (params.n > 1 and params.max_tokens == 0):
-            raise RequestError("n must be at least 1 (and 1 when max_tokens is 0)")
-        if not 0 <= params.top_logprobs <= MAX_LOGPROBS or not 0 <= (params.prompt_logprobs or 0) <= MAX_LOGPROBS:
-            raise RequestError(f"at most {MAX_LOGPROBS} logprobs per position")
-        if any(t < 0 or t >= self.spec.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        if any(not 0 <= t < self.spec.vocab_size for t, _ in params.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
-        if params.min_tokens > params.max_tokens:
-            raise RequestError(f"min_tokens ({params.min_tokens}) is above max_tokens ({params.max_tokens})")
+        ids = self.request_limits.prompt_ids(ids, params)
         if params.min_tokens:
             params.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from npuserve.engine.backends import BackendUnavailableError
-    from npuserve.engine.engine import LLMEngine, RequestError
+    from npuserve.engine.engine import LLMEngine
+    from npuserve.engine.request_checks import RequestError
     from npuserve.engine.sequence import SamplingParams
     from npuserve.mindie_config import MindIEConfigError
 

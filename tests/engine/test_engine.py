@@ -11,8 +11,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from npuserve.cli import main as cli_main  # noqa: E402
-from npuserve.engine.engine import LLMEngine, RequestError  # noqa: E402
+from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.output_processor import RequestOutput  # noqa: E402
+from npuserve.engine.request_checks import RequestError  # noqa: E402
 from npuserve.engine.sequence import FinishReason, SamplingParams  # noqa: E402
 from npuserve.engine.step_output import SeqUpdate  # noqa: E402
 from npuserve.mindie_config import minimal_config  # noqa: E402
