@@ -63,13 +63,15 @@ class Result:
 
 
 def run(model: Path, args: argparse.Namespace, chunked: bool) -> Result:
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
     from npuserve.engine.sequence import SamplingParams
+    from npuserve.mindie_config import minimal_config
 
-    config = make_config(model, max_seq_len=args.long_len + 256, max_input_len=args.long_len,
-                         cacheBlockSize=16, maxBatchSize=args.decoders + args.long_prompts,
-                         maxPrefillBatchSize=args.decoders, maxPrefillTokens=args.chunk if chunked else args.long_len,
-                         maxQueueDelayMicroseconds=500, extensions={"chunkedPrefill": chunked})
+    config = minimal_config(model, max_seq_len=args.long_len + 256, max_input_len=args.long_len,
+                            cacheBlockSize=16, maxBatchSize=args.decoders + args.long_prompts,
+                            maxPrefillBatchSize=args.decoders,
+                            maxPrefillTokens=args.chunk if chunked else args.long_len,
+                            maxQueueDelayMicroseconds=500, extensions={"chunkedPrefill": chunked})
     engine = LLMEngine(config)
     decode = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.decoders):

@@ -92,13 +92,14 @@ def main() -> int:
     args = parser.parse_args()
 
     from npuserve.catalog import get_model_preset
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
     from npuserve.engine.model.dummy import write_dummy_model
+    from npuserve.mindie_config import minimal_config
 
     with tempfile.TemporaryDirectory() as tmp:
         model = write_dummy_model(get_model_preset("tiny"), Path(tmp) / "tiny", seed=0)
-        config = make_config(model, max_seq_len=512, maxBatchSize=args.batch, maxPrefillBatchSize=args.batch,
-                             maxPrefillTokens=16384, extensions={"device": "cpu"})
+        config = minimal_config(model, max_seq_len=512, maxBatchSize=args.batch, maxPrefillBatchSize=args.batch,
+                                maxPrefillTokens=16384, extensions={"device": "cpu"})
         engine = LLMEngine(config)
         run_batch(engine, 8, 8, STOP_STRINGS)  # warm caches
         runs: dict[str, list[tuple[float, float, float, float]]] = {"stop strings": [], "no stop strings": []}

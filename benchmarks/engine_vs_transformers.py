@@ -79,12 +79,13 @@ def load_workload(args: argparse.Namespace, model_dir: Path) -> tuple[list[list[
 
 
 def run_npuserve(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], lengths: list[int]) -> float:
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
     from npuserve.engine.sequence import SamplingParams
+    from npuserve.mindie_config import minimal_config
 
     max_seq = max(len(p) for p in prompts) + args.max_tokens + 1
-    config = make_config(model_dir, max_seq_len=max_seq, max_input_len=max_seq - 1, cacheBlockSize=args.block_size,
-                         maxBatchSize=args.max_batch_size, maxPrefillBatchSize=min(args.max_batch_size, 64))
+    config = minimal_config(model_dir, max_seq_len=max_seq, max_input_len=max_seq - 1, cacheBlockSize=args.block_size,
+                            maxBatchSize=args.max_batch_size, maxPrefillBatchSize=min(args.max_batch_size, 64))
     engine = LLMEngine(config)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     t0 = time.perf_counter()

@@ -160,11 +160,12 @@ def copy_bandwidth(nbytes: int = 2 * 1024**3, iters: int = 20) -> float:
 
 
 def build_engine(model_dir: Path, args: argparse.Namespace, num_seqs: int) -> Any:
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
+    from npuserve.mindie_config import minimal_config
 
     max_seq = args.input_len + args.output_len + 1
     max_batch = max(num_seqs, 1)
-    config = make_config(
+    config = minimal_config(
         model_dir, max_seq_len=max_seq, max_input_len=args.input_len, cacheBlockSize=BLOCK_SIZE,
         maxBatchSize=max_batch, maxPrefillBatchSize=min(max_batch, 64),
         maxPrefillTokens=max(8192, args.input_len), extensions={"device": "cuda", "dtype": "bfloat16"},

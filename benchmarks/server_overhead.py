@@ -42,10 +42,10 @@ def make_model(folder: Path) -> Path:
 
 
 def config_file(model: Path, folder: Path, batch: int) -> Path:
-    from npuserve.engine.engine import make_config
+    from npuserve.mindie_config import minimal_config
 
-    config = make_config(model, max_seq_len=1024, maxBatchSize=batch, maxPrefillBatchSize=batch,
-                         extensions={"device": "cpu"})
+    config = minimal_config(model, max_seq_len=1024, maxBatchSize=batch, maxPrefillBatchSize=batch,
+                            extensions={"device": "cpu"})
     path = folder / "config.json"
     config.save(path)
     return path

@@ -60,12 +60,13 @@ class Run:
 def run(args: argparse.Namespace, model_dir: Path, world_size: int) -> Run:
     import torch
 
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
     from npuserve.engine.sequence import SamplingParams
+    from npuserve.mindie_config import minimal_config
 
-    config = make_config(model_dir, max_seq_len=args.input_len + args.output_len + 8, maxBatchSize=args.batch,
-                         maxPrefillBatchSize=args.batch, extensions={"device": args.device},
-                         model={"worldSize": world_size})
+    config = minimal_config(model_dir, max_seq_len=args.input_len + args.output_len + 8, maxBatchSize=args.batch,
+                            maxPrefillBatchSize=args.batch, extensions={"device": args.device},
+                            model={"worldSize": world_size})
     engine = LLMEngine(config)
     try:
         gen = torch.Generator().manual_seed(1)

@@ -35,22 +35,24 @@ from npuserve.engine.output_processor import OutputProcessor, RequestOutput
 from npuserve.engine.parallel.ranks import WorkerArgs, WorkerRanks
 from npuserve.engine.parallel.step_message import Op, StepMessage
 from npuserve.engine.rank_runner import build_rank_runner
+from npuserve.engine.request_checks import RequestError, RequestLimits
 from npuserve.engine.runner import KVPlan
-from npuserve.engine.sampler import MAX_LOGPROBS
 from npuserve.engine.scheduler import Scheduler, StepKind
 from npuserve.engine.sequence import FinishReason, SamplingParams, Sequence
 from npuserve.engine.servable import check_servable
 from npuserve.engine.step_builder import StepBuilder
 from npuserve.engine.step_output import SeqTracker, SeqUpdate
 from npuserve.engine_contract import EngineInfo
-from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions, ScheduleSection
+from npuserve.mindie_config import (
+    EngineEnvironment,
+    MindIEConfig,
+    NpuserveExtensions,
+    ScheduleSection,
+    minimal_config,
+)
 from npuserve.modelspec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine refuses (empty or too long a prompt, a duplicate id); the server answers 400."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +179,7 @@ class LLMEngine:
         if ext.chunkedPrefill and schedule.supportSelectBatch:
             log.warning("npuserve.chunkedPrefill turns supportSelectBatch off, as MindIE's SplitFuse does: every "
                         "step mixes decodes and prompt chunks, so there is no prefill-or-decode choice to weigh")
-        self.max_input_len = deploy.maxInputTokenLen
-        self.truncation = deploy.truncation
+        self.request_limits = RequestLimits(self.spec.vocab_size, deploy.maxInputTokenLen, deploy.truncation)
         self.tokenizer: TokenizerLike | None = None
         if (folder / "tokenizer.json").exists():
             self.tokenizer = Tokenizer(folder)
@@ -230,10 +231,7 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **schedule: Any) -> LLMEngine:
         """An engine with MindIE's defaults for the model in `model_dir`; `schedule` overrides ScheduleConfig."""
-        from npuserve.mindie_config import minimal_config
-
-        config = minimal_config(Path(model_dir).name, str(model_dir), **schedule)
-        return cls(config)
+        return cls(minimal_config(model_dir, **schedule))
 
     def _eos_ids(self, folder: Path) -> list[int]:
         ids = set(self.spec.eos_token_ids)
@@ -271,24 +269,7 @@ class LLMEngine:
         """Queue a request; it enters the scheduler at the next `step()`. Raises RequestError if refused."""
         params = params or SamplingParams()
         ids = list(prompt_token_ids) if prompt_token_ids is not None else self.encode(prompt or "")
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) > self.max_input_len:
-            if not self.truncation:
-                raise RequestError(f"the prompt has {len(ids)} tokens; maxInputTokenLen is {self.max_input_len}")
-            ids = ids[-self.max_input_len :]
-        if params.max_tokens < 0 or (params.max_tokens == 0 and params.prompt_logprobs is None):
-            raise RequestError("max_tokens must be at least 1 (0 only with prompt logprobs)")
-        if params.n < 1 or (params.n > 1 and params.max_tokens == 0):
-            raise RequestError("n must be at least 1 (and 1 when max_tokens is 0)")
-        if not 0 <= params.top_logprobs <= MAX_LOGPROBS or not 0 <= (params.prompt_logprobs or 0) <= MAX_LOGPROBS:
-            raise RequestError(f"at most {MAX_LOGPROBS} logprobs per position")
-        if any(t < 0 or t >= self.spec.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        if any(not 0 <= t < self.spec.vocab_size for t, _ in params.logit_bias):
-            raise RequestError(f"logit_bias token ids must be in [0, {self.spec.vocab_size})")
-        if params.min_tokens > params.max_tokens:
-            raise RequestError(f"min_tokens ({params.min_tokens}) is above max_tokens ({params.max_tokens})")
+        ids = self.request_limits.prompt_ids(ids, params)
         if params.min_tokens:
             params.eos_token_ids = tuple(sorted(self.eos_token_ids))  # what min_tokens holds back
         seq = Sequence(ids, params, arrival_time=self.clock() if arrival_time is None else arrival_time)
@@ -467,35 +448,3 @@ class LLMEngine:
             graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
             scheduleGeneration=self.config.extensions.scheduleGeneration, **server,
         )
-
-
-def make_config(
-    model_dir: str | Path,
-    *,
-    max_seq_len: int | None = None,
-    max_input_len: int | None = None,
-    extensions: dict[str, Any] | None = None,
-    model: dict[str, Any] | None = None,
-    **schedule: Any,
-) -> MindIEConfig:
-    """A MindIE config for one model with MindIE's defaults; the keywords override its fields (validated)."""
-    deploy: dict[str, Any] = {
-        "ModelConfig": [{"modelName": Path(model_dir).name, "modelWeightPath": str(model_dir), **(model or {})}]
-    }
-    if max_seq_len is not None:
-        deploy["maxSeqLen"] = max_seq_len
-        max_input_len = max_input_len or min(max_seq_len, 2048)
-        schedule.setdefault("maxIterTimes", min(512, max_seq_len))
-    if max_input_len is not None:
-        deploy["maxInputTokenLen"] = max_input_len
-    if "maxPrefillTokens" not in schedule and max_input_len is not None:
-        schedule["maxPrefillTokens"] = max(8192, max_input_len)
-    mbs = schedule.get("maxBatchSize")
-    if mbs is not None and "maxPrefillBatchSize" not in schedule:
-        schedule["maxPrefillBatchSize"] = min(50, int(mbs))
-    data: dict[str, Any] = {"BackendConfig": {"ModelDeployConfig": deploy, "ScheduleConfig": schedule}}
-    if extensions:
-        data["npuserve"] = extensions
-    return MindIEConfig.from_dict(data)
-
-

@@ -59,8 +59,7 @@ def _read_prompts(path: str, limit: int | None) -> list[tuple[str, int | None]]:
 
 
 def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
-    from npuserve.engine.engine import make_config
-    from npuserve.mindie_config import MindIEConfig
+    from npuserve.mindie_config import MindIEConfig, minimal_config
 
     schedule: dict[str, Any] = {}
     if args.block_size:
@@ -90,8 +89,8 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     # No config: size maxSeqLen to these prompts, so the CPU's auto KV sizing stays small.
     longest = max(prompt_lens) if prompt_lens else 1
     max_seq_len = max(64, longest + args.max_tokens + 1)
-    config = make_config(args.model, max_seq_len=max_seq_len, max_input_len=max_seq_len - 1,
-                         extensions=ext or None, **schedule)
+    config = minimal_config(args.model, max_seq_len=max_seq_len, max_input_len=max_seq_len - 1,
+                            extensions=ext or None, **schedule)
     return config.with_world_size(args.world_size) if args.world_size else config
 
 
@@ -99,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from npuserve.engine.backends import BackendUnavailableError
-    from npuserve.engine.engine import LLMEngine, RequestError
+    from npuserve.engine.engine import LLMEngine
+    from npuserve.engine.request_checks import RequestError
     from npuserve.engine.sequence import SamplingParams
     from npuserve.mindie_config import MindIEConfigError
 

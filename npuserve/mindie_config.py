@@ -350,13 +350,35 @@ def _parse(name: str, raw: str, kind: type[float]) -> float:
         raise MindIEConfigError(f"environment: {name}={raw!r} is not a number") from None
 
 
-def minimal_config(model_name: str, weight_path: str, **schedule: Any) -> MindIEConfig:
-    """A config for one model with MindIE's defaults; schedule fields override ScheduleConfig."""
-    return MindIEConfig.from_dict(
-        {
-            "BackendConfig": {
-                "ModelDeployConfig": {"ModelConfig": [{"modelName": model_name, "modelWeightPath": weight_path}]},
-                "ScheduleConfig": schedule,
-            }
-        }
-    )
+def minimal_config(
+    model_dir: str | Path,
+    *,
+    max_seq_len: int | None = None,
+    max_input_len: int | None = None,
+    extensions: dict[str, Any] | None = None,
+    model: dict[str, Any] | None = None,
+    **schedule: Any,
+) -> MindIEConfig:
+    """A config for the model in `model_dir` (named after its folder) with MindIE's defaults; the keywords override
+    its fields (validated): `model` ModelConfig's, `extensions` the `npuserve` section's, the rest ScheduleConfig's.
+    The fields that must agree follow the ones given, unless given themselves: maxSeqLen brings maxInputTokenLen
+    (at most 2048) and maxIterTimes (at most 512) under it, maxInputTokenLen lifts maxPrefillTokens to it, and
+    maxBatchSize caps maxPrefillBatchSize."""
+    deploy: dict[str, Any] = {
+        "ModelConfig": [{"modelName": Path(model_dir).name, "modelWeightPath": str(model_dir), **(model or {})}]
+    }
+    if max_seq_len is not None:
+        deploy["maxSeqLen"] = max_seq_len
+        max_input_len = max_input_len or min(max_seq_len, DEFAULT_MAX_INPUT_TOKEN_LEN)
+        schedule.setdefault("maxIterTimes", min(int(SCHEDULE_FIELD_BY_NAME["maxIterTimes"].default), max_seq_len))
+    if max_input_len is not None:
+        deploy["maxInputTokenLen"] = max_input_len
+    if "maxPrefillTokens" not in schedule and max_input_len is not None:
+        schedule["maxPrefillTokens"] = max(DEFAULT_MAX_PREFILL_TOKENS, max_input_len)
+    max_batch = schedule.get("maxBatchSize")
+    if max_batch is not None and "maxPrefillBatchSize" not in schedule:
+        schedule["maxPrefillBatchSize"] = min(DEFAULT_MAX_PREFILL_BATCH_SIZE, int(max_batch))
+    data: dict[str, Any] = {"BackendConfig": {"ModelDeployConfig": deploy, "ScheduleConfig": schedule}}
+    if extensions:
+        data["npuserve"] = extensions
+    return MindIEConfig.from_dict(data)

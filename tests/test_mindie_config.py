@@ -23,17 +23,30 @@ def test_example_values_are_read() -> None:
 
 
 def test_defaults_are_mindies() -> None:
-    schedule = minimal_config("m", "/w").schedule
+    schedule = minimal_config("/w").schedule
     assert (schedule.maxBatchSize, schedule.maxPrefillBatchSize, schedule.maxPrefillTokens) == (200, 50, 8192)
     assert (schedule.prefillTimeMsPerReq, schedule.decodeTimeMsPerReq) == (150, 50)
     assert (schedule.maxIterTimes, schedule.maxPreemptCount, schedule.cacheBlockSize) == (512, 0, 128)
     assert schedule.maxQueueDelayMicroseconds == 5000
-    deploy = minimal_config("m", "/w").deploy
+    deploy = minimal_config("/w").deploy
     assert (deploy.maxSeqLen, deploy.maxInputTokenLen) == (2560, 2048)
 
 
+def test_minimal_config_keeps_the_fields_that_must_agree_valid() -> None:
+    """A short maxSeqLen and a small maxBatchSize are valid as given: the fields bound by them follow."""
+    config = minimal_config("/models/tiny", max_seq_len=256, maxBatchSize=8, model={"worldSize": 2},
+                            extensions={"chunkedPrefill": True})
+    assert (config.model.modelName, config.model.modelWeightPath, config.model.worldSize) == ("tiny", "/models/tiny", 2)
+    assert (config.deploy.maxSeqLen, config.deploy.maxInputTokenLen) == (256, 256)
+    assert (config.schedule.maxIterTimes, config.schedule.maxPrefillTokens) == (256, 8192)
+    assert config.schedule.maxPrefillBatchSize == 8 and config.extensions.chunkedPrefill
+    given = minimal_config("/m", max_seq_len=12000, max_input_len=10000, maxIterTimes=100, maxPrefillBatchSize=4)
+    assert (given.deploy.maxInputTokenLen, given.schedule.maxIterTimes) == (10000, 100)
+    assert (given.schedule.maxPrefillTokens, given.schedule.maxPrefillBatchSize) == (10000, 4)
+
+
 def test_max_prefill_batch_size_zero_means_max_batch_size() -> None:
-    schedule = minimal_config("m", "/w", maxPrefillBatchSize=0, maxBatchSize=64).schedule
+    schedule = minimal_config("/w", maxPrefillBatchSize=0, maxBatchSize=64).schedule
     assert schedule.effective_max_prefill_batch_size == 64
 
 

@@ -62,7 +62,7 @@ def test_an_out_of_range_schedule_value_is_refused(capsys: pytest.CaptureFixture
 
 
 def test_a_mindie_config_file_replaces_the_plans(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = minimal_config("m", "/models/m", maxBatchSize=16, maxPrefillBatchSize=8)
+    config = minimal_config("/models/m", maxBatchSize=16, maxPrefillBatchSize=8)
     data = config.to_dict()
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update({"worldSize": 2, "npuMemSize": 4})
     path = tmp_path / "config.json"
@@ -76,7 +76,7 @@ def test_a_mindie_config_file_replaces_the_plans(tmp_path: Path, capsys: pytest.
 
 def test_a_config_file_disagreeing_with_cards_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.json"
-    path.write_text(minimal_config("m", "/models/m").dumps())  # worldSize 1
+    path.write_text(minimal_config("/models/m").dumps())  # worldSize 1
     assert main(["simulate", *FAST, "--config", str(path)]) == 2
     assert "worldSize 1" in capsys.readouterr().err
 

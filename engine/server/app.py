@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from npuserve import __version__
-from npuserve.engine.server import admin, openai_api, tgi_api
+from npuserve.engine.server import admin, openai_chat, openai_completions, openai_models, tgi_api
 from npuserve.engine.server.admission import AdmissionMiddleware, probe_paths
 from npuserve.engine.server.async_engine import AsyncEngine
 from npuserve.engine.server.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
@@ -87,7 +87,9 @@ def build_app(engine: AsyncEngine, *, admin_token: str | None = None, config_pat
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(BodyError, body_error_handler)
-    app.include_router(openai_api.router)
+    app.include_router(openai_models.router)
+    app.include_router(openai_completions.router)
+    app.include_router(openai_chat.router)
     app.include_router(tgi_api.router)
     app.include_router(admin.router)
 

@@ -56,8 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from npuserve.engine.engine import make_config
-    from npuserve.mindie_config import MindIEConfig
+    from npuserve.mindie_config import MindIEConfig, minimal_config
 
     if args.config:
         config = MindIEConfig.load(args.config)
@@ -65,7 +64,7 @@ def _config(args: argparse.Namespace) -> Any:
         if args.model:
             data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = args.model
     elif args.model:
-        data = make_config(args.model).to_dict()
+        data = minimal_config(args.model).to_dict()
     else:
         raise ValueError("give --model, or --config with a modelWeightPath")
     ext = data.setdefault("npuserve", {}) or {}

@@ -11,9 +11,9 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Request
 
-from npuserve.engine.engine import RequestError
 from npuserve.engine.guided import CompiledGrammar, GrammarError, GuidedSpec
 from npuserve.engine.output_processor import RequestOutput
+from npuserve.engine.request_checks import RequestError
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.async_engine import (
     AsyncEngine,

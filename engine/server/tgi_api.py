@@ -21,8 +21,8 @@ from npuserve.engine.server.admission import admitted
 from npuserve.engine.server.async_engine import RequestStream
 from npuserve.engine.server.errors import APIError, error_body
 from npuserve.engine.server.json_body import StrictJSONRoute
-from npuserve.engine.server.openai_api import SSE_HEADERS, sse
 from npuserve.engine.server.protocol import GenerateDetails, GenerateRequest, GenerateResponse, InvalidField
+from npuserve.engine.server.sse import SSE_HEADERS, sse
 from npuserve.engine.server.state import ServerState, State, cancel_on_disconnect, error_status, raise_for_error
 
 router = APIRouter(route_class=StrictJSONRoute)

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from npuserve.engine.engine import LLMEngine, make_config  # noqa: E402
+from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.sequence import SamplingParams  # noqa: E402
-from npuserve.mindie_config import EngineEnvironment  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -74,7 +74,7 @@ def make_engine(model_dir: Path, kv_blocks: int | None = None, threshold: float 
     sched: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
                                     maxIterTimes=128)
     sched.update(schedule)
-    config = make_config(model_dir, max_seq_len=128, max_input_len=96, **sched)
+    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, **sched)
     return LLMEngine(config, env=EngineEnvironment(recompute_threshold=threshold), num_kv_blocks=kv_blocks)
 
 

@@ -386,12 +386,13 @@ def test_the_engine_captures_at_warm_up_and_replays_its_decode_steps(
     """Through LLMEngine and ModelRunner: the graphs are captured before the engine is ready, decode steps replay
     them, and the tokens equal an engine without graphs (pad rows and the scratch block never reach a real one)."""
     from npuserve.engine import rank_runner
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
     from npuserve.engine.sequence import SamplingParams
+    from npuserve.mindie_config import minimal_config
 
     texts = ["one", "two words", "a somewhat longer prompt than the others", "x"]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    config = make_config(tiny_model_dir, max_seq_len=128, maxBatchSize=4, cacheBlockSize=4)
+    config = minimal_config(tiny_model_dir, max_seq_len=128, maxBatchSize=4, cacheBlockSize=4)
     eager = [o.token_ids for o in LLMEngine(config).generate(texts, params)]
     backend = FakeGraphCPUBackend()
     monkeypatch.setattr(rank_runner, "get_backend", lambda *args: backend)
@@ -409,12 +410,13 @@ def test_the_engine_captures_at_warm_up_and_replays_its_decode_steps(
 
 
 def _engine_started_at_batch_2(model_dir: Path, limit: int | None, **extensions: Any) -> Any:
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
+    from npuserve.mindie_config import minimal_config
 
     if limit is not None:
         extensions["maxBatchSizeLimit"] = limit
-    config = make_config(model_dir, max_seq_len=128, maxBatchSize=2, cacheBlockSize=4, extensions=extensions,
-                         model={"npuMemSize": 1} if extensions.get("device") == "cuda" else None)
+    config = minimal_config(model_dir, max_seq_len=128, maxBatchSize=2, cacheBlockSize=4, extensions=extensions,
+                            model={"npuMemSize": 1} if extensions.get("device") == "cuda" else None)
     return LLMEngine(config)
 
 

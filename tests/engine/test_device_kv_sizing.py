@@ -16,8 +16,7 @@ torch = pytest.importorskip("torch")
 from npuserve.engine import rank_runner  # noqa: E402
 from npuserve.engine.backends.base import AttentionMetadata, MemoryInfo  # noqa: E402
 from npuserve.engine.backends.cpu import CPUBackend  # noqa: E402
-from npuserve.engine.engine import make_config  # noqa: E402
-from npuserve.mindie_config import EngineEnvironment  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 
 GiB = 1024**3
 FREE = 3 * GiB
@@ -48,8 +47,8 @@ def test_auto_sizing_measures_free_memory_after_a_warm_up_at_the_largest_prefill
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, npu_mem_size: int, expect_warmup: bool) -> None:
     device = RecordingDevice()
     monkeypatch.setattr(rank_runner, "get_backend", lambda *args: device)
-    config = make_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": npu_mem_size},
-                         maxPrefillTokens=300, maxBatchSize=4)
+    config = minimal_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": npu_mem_size},
+                            maxPrefillTokens=300, maxBatchSize=4)
     built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
                                           env=EngineEnvironment(npu_memory_fraction=0.5))
     assert config.schedule.cacheBlockSize == 128
@@ -80,8 +79,8 @@ def test_auto_sizing_sets_the_measured_warm_up_peak_aside(tiny_model_dir: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     device = MeasuringDevice()
     monkeypatch.setattr(rank_runner, "get_backend", lambda *args: device)
-    config = make_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": -1},
-                         maxPrefillTokens=300, maxBatchSize=4)
+    config = minimal_config(tiny_model_dir, max_seq_len=512, max_input_len=300, model={"npuMemSize": -1},
+                            maxPrefillTokens=300, maxBatchSize=4)
     built = rank_runner.build_rank_runner(config, tiny_model_dir, seed=0,
                                           env=EngineEnvironment(npu_memory_fraction=0.5))
     assert config.schedule.cacheBlockSize == 128

@@ -11,16 +11,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from npuserve.cli import main as cli_main  # noqa: E402
-from npuserve.engine.engine import LLMEngine, RequestError, make_config  # noqa: E402
+from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.output_processor import RequestOutput  # noqa: E402
+from npuserve.engine.request_checks import RequestError  # noqa: E402
 from npuserve.engine.sequence import FinishReason, SamplingParams  # noqa: E402
 from npuserve.engine.step_output import SeqUpdate  # noqa: E402
+from npuserve.mindie_config import minimal_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
-    config = make_config(tiny_model_dir, max_seq_len=128, max_input_len=96, cacheBlockSize=4, maxBatchSize=8,
-                         maxPrefillBatchSize=8)
+    config = minimal_config(tiny_model_dir, max_seq_len=128, max_input_len=96, cacheBlockSize=4, maxBatchSize=8,
+                            maxPrefillBatchSize=8)
     return LLMEngine(config, num_kv_blocks=64)
 
 
@@ -144,7 +146,7 @@ def test_generate_cli(tiny_model_dir: Path, tmp_path: Path, capsys: pytest.Captu
 
 def test_generate_cli_reads_mindie_config(tiny_model_dir: Path, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    config = make_config(tiny_model_dir, max_seq_len=256, cacheBlockSize=16, maxBatchSize=4)
+    config = minimal_config(tiny_model_dir, max_seq_len=256, cacheBlockSize=16, maxBatchSize=4)
     path = tmp_path / "config.json"
     config.save(path)
     rc = cli_main(["generate", "--config", str(path), "--prompt", "The capital of France is", "--max-tokens", "5",

@@ -125,9 +125,10 @@ def test_abort_ends_every_choice_and_frees_the_blocks(model_dir: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
 def test_logprobs_mode_from_the_config(model_dir: Path, mode: str) -> None:
-    from npuserve.engine.engine import LLMEngine, make_config
+    from npuserve.engine.engine import LLMEngine
+    from npuserve.mindie_config import minimal_config
 
-    config = make_config(model_dir, max_seq_len=128, cacheBlockSize=4, extensions={"logprobsMode": mode})
+    config = minimal_config(model_dir, max_seq_len=128, cacheBlockSize=4, extensions={"logprobsMode": mode})
     engine = LLMEngine(config, warmup=False)
     params = SamplingParams(temperature=0.5, top_k=2, max_tokens=1, logprobs=True, top_logprobs=3, seed=1)
     out = engine.generate([prompts()[2]], params)[0]

@@ -10,10 +10,11 @@ import jsonschema
 import pytest
 import torch
 
-from npuserve.engine.engine import LLMEngine, make_config
+from npuserve.engine.engine import LLMEngine
 from npuserve.engine.guided import GrammarError, GuidedSpec
 from npuserve.engine.guided_mask import GuidedMasker, apply_bitmask
 from npuserve.engine.sequence import FinishReason, SamplingParams
+from npuserve.mindie_config import minimal_config
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 8},
@@ -30,7 +31,7 @@ CHOICES = ["positive", "negative", "neutral"]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
-    return LLMEngine(make_config(tiny_model_dir, max_seq_len=512, maxIterTimes=256))
+    return LLMEngine(minimal_config(tiny_model_dir, max_seq_len=512, maxIterTimes=256))
 
 
 def test_masker_touches_only_guided_rows(engine: LLMEngine) -> None:
@@ -114,8 +115,8 @@ def test_a_finished_grammar_stops_its_request_even_with_ignore_eos(engine: LLMEn
 def test_grammars_hold_under_chunked_prefill(tiny_model_dir: Path) -> None:
     """A prompt cut into chunks: the rows of chunks short of the prompt's end neither take the mask nor advance the
     matcher, and the output still follows its grammar, decoding beside other requests' chunks."""
-    engine = LLMEngine(make_config(tiny_model_dir, max_seq_len=512, maxIterTimes=256, maxPrefillTokens=8,
-                                   extensions={"chunkedPrefill": True}))
+    engine = LLMEngine(minimal_config(tiny_model_dir, max_seq_len=512, maxIterTimes=256, maxPrefillTokens=8,
+                                      extensions={"chunkedPrefill": True}))
     long_prompt = "The weather today is " * 6  # several 8-token chunks
     specs = [GuidedSpec.json_schema(POINT), GuidedSpec("regex", REGEX), GuidedSpec.choice(CHOICES)]
     params = [SamplingParams(max_tokens=120, temperature=0.0, guided=engine.compile_grammar(s)) for s in specs]

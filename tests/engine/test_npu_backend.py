@@ -29,10 +29,10 @@ from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_device import local_device_index, parse_visible_devices
 from npuserve.engine.backends.npu_stack import KEYWORDS
 from npuserve.engine.batch import build_decode, build_prefill
-from npuserve.engine.engine import make_config
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import SamplingParams, Sequence
+from npuserve.mindie_config import minimal_config
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import RELEASES, FakeTorchNPU, install_fake_torch_npu
 from tests.npu_testing import (
@@ -340,7 +340,7 @@ def test_tensor_parallel_joins_over_hccl(fake: FakeTorchNPU, monkeypatch: pytest
 
     monkeypatch.setattr(rank_runner, "get_backend", lambda *args: NPUBackend(device=fake.device))
     monkeypatch.setattr(rank_runner, "connect", record)
-    config = make_config(tiny_model_dir, max_seq_len=256, model={"worldSize": 2})
+    config = minimal_config(tiny_model_dir, max_seq_len=256, model={"worldSize": 2})
     with pytest.raises(_Joined):
         rank_runner.build_rank_runner(config, tiny_model_dir, seed=0, rank=1, init_method="tcp://127.0.0.1:1")
     assert joined == [(1, 2, "hccl")]

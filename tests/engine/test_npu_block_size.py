@@ -21,17 +21,17 @@ LLAMA = get_model_preset("llama3-8b")  # head size 128
     (1024, TINY, "at most 128"),
 ])
 def test_npu_refuses_a_block_size_its_kernels_cannot_take(block_size: int, spec: object, error: str) -> None:
-    config = minimal_config("m", "/m", cacheBlockSize=block_size)
+    config = minimal_config("/m", cacheBlockSize=block_size)
     found = [r for r in refusals(config, "npu", spec) if "cacheBlockSize" in r]  # type: ignore[arg-type]
     assert len(found) == 1 and error in found[0], refusals(config, "npu", spec)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("block_size", "spec"), [(128, TINY), (128, LLAMA), (16, TINY), (64, LLAMA)])
 def test_npu_takes_the_block_sizes_its_kernels_take(block_size: int, spec: object) -> None:
-    config = minimal_config("m", "/m", cacheBlockSize=block_size)
+    config = minimal_config("/m", cacheBlockSize=block_size)
     assert not [r for r in refusals(config, "npu", spec) if "cacheBlockSize" in r]  # type: ignore[arg-type]
 
 
 def test_other_devices_take_any_block_size() -> None:
     for device in ("cpu", "cuda"):
-        assert not refusals(minimal_config("m", "/m", cacheBlockSize=8), device, TINY)
+        assert not refusals(minimal_config("/m", cacheBlockSize=8), device, TINY)

@@ -18,7 +18,7 @@ from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_stack import SPLITFUSE_OP
 from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose
-from npuserve.engine.engine import make_config
+from npuserve.mindie_config import minimal_config
 from tests.fake_npu_attention import _npu_paged_attention
 from tests.fake_torch_npu import RELEASES, FakeTorchNPU, install_fake_torch_npu
 
@@ -195,6 +195,6 @@ def test_the_engine_runs_the_checks_at_start_up_on_npu(monkeypatch: pytest.Monke
     wrong_decode.default = fake.module._npu_paged_attention.default  # type: ignore[attr-defined]
     monkeypatch.setattr(fake.module, "_npu_paged_attention", wrong_decode)
     monkeypatch.setattr(rank_runner, "get_backend", lambda *args: NPUBackend(device=fake.device))
-    config = make_config(tiny_model_dir, max_seq_len=256)
+    config = minimal_config(tiny_model_dir, max_seq_len=256)
     with pytest.raises(BackendUnavailableError, match=r"npuserve doctor's checks failed on card 0 .*smoke: decode"):
         rank_runner.build_rank_runner(config, tiny_model_dir, seed=0)

@@ -22,14 +22,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from npuserve.engine.batch import build_prefill  # noqa: E402
-from npuserve.engine.engine import LLMEngine, make_config  # noqa: E402
+from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import build_model, init_dummy_weights, load_hf_weights  # noqa: E402
 from npuserve.engine.parallel.batch_delta import BatchKind, BatchMirror, DeltaSender  # noqa: E402
 from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout  # noqa: E402
 from npuserve.engine.parallel.step_message import Op, StepMessage, decode, encode  # noqa: E402
 from npuserve.engine.sequence import SamplingParams, Sequence  # noqa: E402
-from npuserve.mindie_config import EngineEnvironment  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -155,8 +155,8 @@ def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **ex
                                        maxIterTimes=128)
     extensions = extra.pop("extensions", None)
     schedule.update(extra)
-    config = make_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
-                         extensions=extensions, **schedule)  # type: ignore[arg-type]
+    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
+                            extensions=extensions, **schedule)  # type: ignore[arg-type]
     return LLMEngine(config, env=EngineEnvironment(recompute_threshold=0.99), num_kv_blocks=kv_blocks)
 
 
@@ -223,7 +223,7 @@ TEXTS = ["the quick brown fox", "a", "tensor parallel over two ranks of one pod"
 
 def _in_process(model_dir: Path, texts: list[str]) -> list[tuple[list[int], str]]:
     """worldSize 1's greedy tokens and text for each prompt."""
-    engine = LLMEngine(make_config(model_dir, max_seq_len=128), env=EngineEnvironment())
+    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
     outs = engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     return [(o.token_ids, o.text) for o in outs]
 
@@ -413,7 +413,7 @@ def test_a_worker_whose_operation_fails_ends_every_rank_and_the_server(tiny_mode
 
 def test_a_rank_that_stops_answering_fails_health_then_ends_the_server(tiny_model_dir: Path,
                                                                          tmp_path: Path) -> None:
-    config = make_config(tiny_model_dir, extensions={"stepTimeoutSeconds": 3, "stepTimeoutGraceSeconds": 3})
+    config = minimal_config(tiny_model_dir, extensions={"stepTimeoutSeconds": 3, "stepTimeoutGraceSeconds": 3})
     config.save(tmp_path / "config.json")
     termination = tmp_path / "termination-log"
     proc, url = _serve_2_ranks([NPUSERVE, "serve"], tiny_model_dir, termination, "--config",

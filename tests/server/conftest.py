@@ -14,9 +14,10 @@ import httpx
 import pytest
 import uvicorn
 
-from npuserve.engine.engine import LLMEngine, make_config
+from npuserve.engine.engine import LLMEngine
 from npuserve.engine.server.app import build_app
 from npuserve.engine.server.async_engine import AsyncEngine
+from npuserve.mindie_config import minimal_config
 
 
 @dataclass
@@ -42,7 +43,7 @@ class RunningServer:
 def running_server(model_dir: Path, *, admin_token: str | None = None, config_path: Path | None = None,
                    max_waiting: int | None = None, engine_kwargs: dict[str, Any] | None = None,
                    app_kwargs: dict[str, Any] | None = None, **config: Any) -> Iterator[RunningServer]:
-    mindie = make_config(model_dir, **{"max_seq_len": 512, "maxIterTimes": 256, **config})
+    mindie = minimal_config(model_dir, **{"max_seq_len": 512, "maxIterTimes": 256, **config})
     if config_path is not None:
         mindie.save(config_path)
     exits: list[int] = []

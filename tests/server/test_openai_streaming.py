@@ -123,8 +123,8 @@ def test_every_chunk_names_its_object_and_every_token_gets_its_own_chunk(small_b
 def test_an_event_is_one_line_whatever_splits_lines() -> None:
     """Token text may hold NEL or U+2028/U+2029, which JSON leaves raw but str.splitlines() breaks at (guidellm
     split an event in two and failed the request on it)."""
-    from npuserve.engine.server.openai_api import sse
     from npuserve.engine.server.protocol import CompletionChoice, CompletionResponse
+    from npuserve.engine.server.sse import sse
 
     text = "a\x85b\u2028c\u2029d\n"
     event = sse(CompletionResponse(id="x", created=1, model="m", choices=[CompletionChoice(index=0, text=text)]))

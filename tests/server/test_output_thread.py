@@ -8,10 +8,11 @@ import threading
 from pathlib import Path
 
 from npuserve.engine.detokenizer import TokenizerLike
-from npuserve.engine.engine import LLMEngine, make_config
+from npuserve.engine.engine import LLMEngine
 from npuserve.engine.output_processor import RequestOutput
 from npuserve.engine.sequence import FinishReason, SamplingParams
 from npuserve.engine.server.async_engine import AsyncEngine, RequestStream
+from npuserve.mindie_config import minimal_config
 
 WAIT_SECONDS = 60  # a bound on waiting for a thread, never a measured time
 
@@ -38,7 +39,7 @@ async def _collect(stream: RequestStream) -> list[RequestOutput]:
 
 
 def test_a_blocked_detokenizer_does_not_hold_up_the_steps(tiny_model_dir: Path) -> None:
-    engine = LLMEngine(make_config(tiny_model_dir, max_seq_len=256, maxIterTimes=128))
+    engine = LLMEngine(minimal_config(tiny_model_dir, max_seq_len=256, maxIterTimes=128))
     assert engine.tokenizer is not None
     tokenizer = HeldTokenizer(engine.tokenizer)
     engine.outputs.tokenizer = tokenizer
@@ -95,7 +96,7 @@ class BrokenTokenizer(HeldTokenizer):
 def test_a_failing_detokenizer_ends_its_requests_with_an_error_and_frees_their_blocks(tiny_model_dir: Path) -> None:
     # on the step thread such a failure failed the step; on the output thread it must still end the requests it
     # hit (the client gets the error, the engine aborts them) and the next requests are served
-    engine = LLMEngine(make_config(tiny_model_dir, max_seq_len=256, maxIterTimes=128))
+    engine = LLMEngine(minimal_config(tiny_model_dir, max_seq_len=256, maxIterTimes=128))
     assert engine.tokenizer is not None
     tokenizer = BrokenTokenizer(engine.tokenizer)
     engine.outputs.tokenizer = tokenizer

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from npuserve.engine.engine import LLMEngine, make_config
+from npuserve.engine.engine import LLMEngine
 from npuserve.engine.sequence import SamplingParams
+from npuserve.mindie_config import minimal_config
 from tests.server.conftest import RunningServer, running_server
 
 PROMPT = "The quick brown fox"
@@ -58,7 +59,7 @@ def eos_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     """The tiny model whose EOS is the first token it would say greedily after PROMPT, so EOS handling shows."""
     folder = tmp_path_factory.mktemp("eos") / "tiny"
     shutil.copytree(tiny_model_dir, folder)
-    engine = LLMEngine(make_config(folder, max_seq_len=256), warmup=False)
+    engine = LLMEngine(minimal_config(folder, max_seq_len=256), warmup=False)
     first = engine.generate([PROMPT], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": first}))
     return folder
@@ -211,7 +212,7 @@ def test_choices_echo_and_top_logprobs_are_honoured(server: RunningServer) -> No
 
 
 def test_user_is_written_to_the_request_log(server: RunningServer, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="npuserve.engine.server.openai_api"):
+    with caplog.at_level(logging.INFO, logger="npuserve.engine.server.openai_shared"):
         _complete(server, user="alice")
         _chat(server, user="bob")
     assert "'alice'" in caplog.text and "'bob'" in caplog.text

@@ -94,9 +94,9 @@ def test_serve_refuses_bad_binding_and_unsupported_environment(tiny_model_dir: P
 ])
 def test_serve_refuses_what_it_cannot_serve_before_loading(tiny_model_dir: Path, tmp_path: Path,
                                                            change: dict[str, dict[str, object]], named: str) -> None:
-    from npuserve.engine.engine import make_config
+    from npuserve.mindie_config import minimal_config
 
-    data = make_config(tiny_model_dir).to_dict()
+    data = minimal_config(tiny_model_dir).to_dict()
     data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0].update(change.get("ModelConfig", {}))
     data["BackendConfig"].update(change.get("Backend", {}))
     data["ServerConfig"] = change.get("ServerConfig", {})

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from npuserve.engine.engine import make_config
+from npuserve.mindie_config import minimal_config
 from tests.serve_process import serve_process
 
 
@@ -25,7 +25,7 @@ def _read_stream(url: str, body: dict[str, object], events: list[str]) -> None:
 
 def test_streams_running_past_the_drain_timeout_end_with_an_error_event(tiny_model_dir: Path,
                                                                         tmp_path: Path) -> None:
-    config = make_config(tiny_model_dir, max_seq_len=8192, max_input_len=64, maxIterTimes=8000)
+    config = minimal_config(tiny_model_dir, max_seq_len=8192, max_input_len=64, maxIterTimes=8000)
     config.save(tmp_path / "config.json")
     streams: list[list[str]] = [[] for _ in range(4)]
     readers = []

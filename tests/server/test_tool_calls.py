@@ -153,7 +153,7 @@ def test_history_with_tool_calls_and_tool_results(client: openai.OpenAI, tool_se
     result = _chat(client, tools=[WEATHER], messages=history, max_tokens=5, temperature=0.0)
     assert result.choices[0].finish_reason in ("stop", "length")
     # what the template was given: the call's arguments as an object, the tool's result
-    from npuserve.engine.server.openai_api import _template_message
+    from npuserve.engine.server.openai_chat import _template_message
     from npuserve.engine.server.protocol import ChatMessage
 
     messages = [_template_message(ChatMessage.model_validate(m)) for m in history]
