@@ -164,7 +164,8 @@ def test_gsm8k_prompts_are_estimated_and_outputs_drawn_around_the_mean(tmp_path:
 def test_open_loop_sends_at_the_load_generators_offsets() -> None:
     load = LoadConfig(num_prompts=30, request_rate=5.0, burstiness=0.7, seed=3)
     result = simulate(sim_config(load))
-    expected = list(itertools.islice(iter_send_offsets(5.0, 0.7, random.Random(4)), 30))  # the async runner seeds its arrivals with seed + 1
+    # the async runner seeds its arrivals with seed + 1
+    expected = list(itertools.islice(iter_send_offsets(5.0, 0.7, random.Random(4)), 30))
     assert sorted(r.t0 for r in result.bench.records) == pytest.approx(expected)
 
 
