@@ -344,17 +344,31 @@ def _noise_row(setup: Setup, objective: str, noise: float) -> NoiseRow:
     best_tps = _optimum(setup, exact)
     noisy = exact.model_copy(update={"noise": 0.05, "max_trials": BUDGET[noise]})
     row = NoiseRow(setup.name.split(" (")[0], objective, noise)
+    # The seeds run in lockstep: each one's next schedules, the ones not simulated yet, go to the processes at once
+    # (the simulator is deterministic and each seed draws its noise in its own order, so every run is as if alone).
+    measures = [_noisy(setup, noisy, noise, seed) for seed in range(NOISE_SEEDS)]
+    runs: list[list[Trial]] = [[] for _ in range(NOISE_SEEDS)]
+    verdicts: dict[int, Verdict] = {}
+    while len(verdicts) < NOISE_SEEDS:
+        wanted: dict[int, TunedSchedule] = {}
+        for seed in range(NOISE_SEEDS):
+            if seed not in verdicts:
+                decision = decide(noisy, runs[seed])
+                if isinstance(decision, Verdict):
+                    verdicts[seed] = decision
+                else:
+                    wanted[seed] = decision.schedule
+        setup.prefetch(wanted.values())
+        for seed, schedule in wanted.items():
+            runs[seed].append(Trial(schedule=schedule, metrics=measures[seed](schedule)))
     for seed in range(NOISE_SEEDS):
-        measure = _noisy(setup, noisy, noise, seed)
-        trials: list[Trial] = []
-        while not isinstance(step := decide(noisy, trials), Verdict):
-            trials.append(Trial(schedule=step.schedule, metrics=measure(step.schedule)))
-        row.trials.append(len(trials))
-        row.chosen.append(step.schedule.maxBatchSize if step.schedule else None)
-        if not step.slo_met or step.schedule is None:
+        verdict = verdicts[seed]
+        row.trials.append(len(runs[seed]))
+        row.chosen.append(verdict.schedule.maxBatchSize if verdict.schedule else None)
+        if not verdict.slo_met or verdict.schedule is None:
             continue
         row.slo_met += 1
-        truth = setup.cached(step.schedule)
+        truth = setup.cached(verdict.schedule)
         row.false_claims += any((truth.ttftMs if k == "ttft" else truth.tpotMs).of(exact.statistic) > FALSE_CLAIM * b
                                 for k, b in exact.bounds().items())
         row.within_5 += truth.outputTokensPerSecond >= 0.95 * best_tps
