@@ -277,6 +277,7 @@ class ActingCluster(FakeCluster):
     def __init__(self, objs: list[dict[str, Any]]) -> None:
         super().__init__(objs)
         self.created: list[str] = []
+        self.manifests: list[dict[str, Any]] = []
         self.deleted: list[str] = []
         self.failing_writes = 0
         self.failing_token_reads = 0
@@ -296,6 +297,7 @@ class ActingCluster(FakeCluster):
 
     def create_if_absent(self, manifest: dict[str, Any]) -> bool:
         self.created.append(manifest["metadata"]["name"])
+        self.manifests.append(manifest)
         return True
 
     def jobs(self, namespace: str, selector: str) -> list[tuple[str, str | None]]:
@@ -418,3 +420,13 @@ def test_the_selector_is_the_one_the_bench_job_carries() -> None:
     _loop_over(jobs).delete_orphan_jobs({"metadata": {"name": isvc.metadata.name, "namespace": "ns"}}, {})
     (_, selector), = jobs.listed
     assert all(labels[k] == v for k, v in (pair.split("=") for pair in selector.split(",")))
+
+
+def test_the_job_the_driver_creates_from_the_status_is_the_job_the_trial_opened(monkeypatch: Any) -> None:
+    """One definition of a trial's Job (`tuning_schedule.trial_job`): what `advance` reports and what the driver
+    creates from the written status are the same manifest."""
+    loop, cluster, _ = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
+    key = ("default", "alpha")
+    taken = loop.look([key], T0)
+    assert taken[key].create_job is not None
+    assert cluster.manifests == [taken[key].create_job]
