@@ -120,6 +120,12 @@ def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, h
     return 2 * num_layers * block_size * kv_heads_per_card * head_dim * DTYPE_BYTES[dtype]
 
 
+def mla_kv_bytes_per_block(*, num_layers: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: str) -> int:
+    """`layers x block_size x (kv_lora_rank + rope_dim) x dtype_bytes` for latent attention: one normed latent and
+    one rope key per token, shared by all heads, so every tensor-parallel card holds the whole of it (no split)."""
+    return num_layers * block_size * (kv_lora_rank + rope_dim) * DTYPE_BYTES[dtype]
+
+
 # --- ScheduleConfig: one field table ------------------------------------------------------------------------------
 
 

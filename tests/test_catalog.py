@@ -19,7 +19,17 @@ PUBLISHED_PARAMETERS = {
     "qwen3-8b": 8.2e9,
     "qwen3-32b": 32.8e9,
     "mistral-7b": 7.24e9,
+    # model cards: total parameters, every expert counted (the MTP layer of DeepSeek-V3 excluded: 671B + 14B)
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235e9,
+    "deepseek-v3": 671e9,
+    "deepseek-v2-lite": 15.7e9,
 }
+
+# Model cards: activated parameters per token, and whether the card counts the embedding table in them
+# (`active_parameters` does not: a lookup is no compute). DeepSeek-V2-Lite's card gives 2.4B without it.
+PUBLISHED_ACTIVE = {"qwen3-30b-a3b": (3.3e9, True), "qwen3-235b-a22b": (22e9, True), "deepseek-v3": (37e9, True),
+                    "deepseek-v2-lite": (2.4e9, False)}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
@@ -30,7 +40,15 @@ def test_parameter_count_matches_published_size(name: str) -> None:
 
 
 def test_every_real_preset_has_a_published_size() -> None:
-    assert set(MODEL_PRESETS) - {"tiny"} == set(PUBLISHED_PARAMETERS)
+    assert {name for name in MODEL_PRESETS if not name.startswith("tiny")} == set(PUBLISHED_PARAMETERS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_active_parameters_match_the_published_activated_size(name: str) -> None:
+    spec = get_model_preset(name)
+    published, with_embeddings = PUBLISHED_ACTIVE[name]
+    computed = spec.active_parameters + (spec.vocab_size * spec.hidden_size if with_embeddings else 0)
+    assert abs(computed - published) / published < 0.03, f"{name}: {computed:.4g} vs {published:.4g}"
 
 
 def test_llama3_8b_weights_are_about_15_gb_as_in_the_guide() -> None:
