@@ -348,7 +348,7 @@ class _Planner:
             bandwidth, bw_kind = acc.fitted_memory_bandwidth_gbps, "fitted"
         m = self.model
         if slo.tpotMs is not None and bandwidth:
-            read = float(weights) * GIB - m.untouched_expert_bytes(1)
+            read = max(0.0, float(weights) * GIB - m.untouched_expert_bytes(1))
             what = (f"the {_gib(weights):g} GiB of weights" if m.moe is None else
                     f"{read / GIB:.3g} GiB of the {_gib(weights):g} GiB of weights (the dense parts and the top "
                     f"{m.moe.num_experts_per_tok} experts of each MoE layer)")

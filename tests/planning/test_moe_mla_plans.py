@@ -193,3 +193,20 @@ def test_tpot_floor_reads_the_top_k_experts_not_all_of_them() -> None:
         "slo": {"objective": "decodeLatency", "tpotMs": 1}})
     (warning,) = [w for w in plan(spec).warnings if w.startswith("spec.slo.tpotMs")]
     assert "41.3 GiB of the 437.896 GiB of weights" in warning
+
+
+def test_ttft_floor_computes_the_active_parameters() -> None:
+    # Qwen3-30B-A3B's active parameters: LM head 311,164,928 + final norm 2,048 + 48 x (attention 18,874,624 +
+    # router 262,144 + 8 experts x 4,718,592 + norms 4,096 = 56,889,600) = 3,041,867,776 (not the 30.5 B it holds)
+    from npuserve.catalog.accelerators import get_accelerator
+
+    spec = InferenceServiceSpec.model_validate({
+        "model": {"name": "q", "preset": "qwen3-30b-a3b", "weights": {"loadFormat": "dummy"}},
+        "accelerator": {"type": "ascend-910b3"}, "workload": WORKLOAD,
+        "slo": {"objective": "firstTokenAndDecode", "tpotMs": 1000, "ttftMs": 1}})
+    (warning,) = [w for w in plan(spec).warnings if w.startswith("spec.slo.ttftMs")]
+    acc = get_accelerator("ascend-910b3")
+    tflops = acc.peak_tflops_16bit or acc.fitted_tflops_16bit
+    assert tflops
+    floor_ms = 2 * 3_041_867_776 * 186 / (tflops * 1e12) * 1000  # one card, 186 prompt tokens
+    assert f"below {floor_ms:.2f} ms" in warning
