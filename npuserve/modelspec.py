@@ -116,6 +116,17 @@ class MoESpec(BaseModel):
         return (self.router_params(hidden_size) + self.num_experts_per_tok * self.expert_params(hidden_size)
                 + self.shared_params(hidden_size))
 
+    def experts_touched(self, tokens: int) -> float:
+        """The expert-touch rule: the expected number of distinct routed experts that `tokens` tokens choose in one
+        MoE layer, each token choosing `num_experts_per_tok` (k) of the `num_experts` (E) uniformly:
+        `E x (1 - (1 - k/E)^tokens)`. One token misses a given expert with probability 1 - k/E, and tokens route
+        independently; k at one token, E as the tokens grow. A step reads only these experts' weights (real
+        routers are skewed, which touches fewer: the rule is the uniform, upper, case)."""
+        if tokens <= 0:
+            return 0.0
+        e, k = self.num_experts, self.num_experts_per_tok
+        return float(e * (1.0 - (1.0 - k / e) ** tokens))
+
 
 class MLASpec(BaseModel):
     """Multi-head latent attention (DeepSeek-V2/V3). The KV cache holds, per token and layer, the RMS-normed latent
@@ -279,6 +290,33 @@ class ModelSpec(BaseModel):
     @property
     def weight_bytes(self) -> int:
         return self.num_parameters * self.dtype_bytes
+
+    @property
+    def layer_parameters(self) -> int:
+        """Every decoder layer's parameters, all experts included (no embeddings, no LM head)."""
+        return sum(self._layer_params(i, active=False) for i in range(self.num_layers))
+
+    @property
+    def active_layer_parameters(self) -> int:
+        """The decoder layers' parameters one token computes with: 2 FLOPs each per token (`active_parameters` less
+        the LM head and the final norm). A dense model's are all of them."""
+        return sum(self._layer_params(i, active=True) for i in range(self.num_layers))
+
+    def untouched_expert_bytes(self, tokens: int) -> float:
+        """Bytes of the routed experts that no token of a step of `tokens` tokens chooses, over every MoE layer and
+        all cards together (the expert-touch rule, `MoESpec.experts_touched`); 0 for a dense model."""
+        if self.moe is None:
+            return 0.0
+        untouched = self.moe.num_experts - self.moe.experts_touched(tokens)
+        return len(self.moe_layers) * untouched * self.moe.expert_params(self.hidden_size) * self.dtype_bytes
+
+    def step_weight_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of `tokens` routed tokens (one per decoding sequence, every prompt token of a
+        prefill) reads, all cards together (under tensor parallel each card reads its 1/worldSize): every decoder
+        layer and the LM head (the embedding table is a lookup), less the routed experts no token chose. Dense:
+        the same at any batch; MoE: attention, dense layers, router and shared experts, plus the touched experts."""
+        head = self.vocab_size * self.hidden_size
+        return (self.layer_parameters + head) * self.dtype_bytes - self.untouched_expert_bytes(tokens)
 
     def kv_bytes_per_block(self, block_size: int, world_size: int = 1, dtype: str | None = None) -> int:
         """KV bytes of one block on one card (the contract's formulas); `dtype` defaults to the model's."""

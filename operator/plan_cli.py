@@ -159,6 +159,15 @@ def _number(value: float | int | bool) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def replica_layout(result: Plan) -> str:
+    """Where one replica's cards are: one pod, or a LeaderWorkerSet of pods on several nodes."""
+    if result.nodes > 1:
+        return (f"Replica: {result.worldSize} cards span {result.nodes} nodes of {result.cardsPerPod} cards "
+                f"(a LeaderWorkerSet of {result.nodes} pods x {result.cardsPerPod} cards, tensor parallel "
+                f"{result.worldSize})")
+    return f"Replica: {result.worldSize} card(s) in one pod on one node"
+
+
 def print_table(result: Plan, warnings: list[str] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -195,6 +204,7 @@ def print_table(result: Plan, warnings: list[str] | None = None) -> None:
         f"{result.cpuMemSizeGiB} GiB; {result.replicas} replica(s)",
         highlight=False,
     )
+    console.print(replica_layout(result), highlight=False)
     for warning in result.warnings if warnings is None else warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
 from npuserve.engine_contract import DType, QueuePolicy, schedule_field, schedule_generation_field
+from npuserve.modelspec import MLA_MODEL_TYPES, MOE_MODEL_TYPES
 
 GROUP = "npuserve.io"
 VERSION = "v1alpha1"
@@ -69,38 +70,171 @@ def _fail(message: str) -> None:
 
 # --- spec.model --------------------------------------------------------------------------------------------------
 
+_MOE_TYPES = MOE_MODEL_TYPES
+_MLA_TYPES = MLA_MODEL_TYPES
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
 ARCHITECTURE_RULES = (
     cel(
         "self.numAttentionHeads % self.numKeyValueHeads == 0",
         "spec.model.architecture.numAttentionHeads must be a multiple of numKeyValueHeads",
         field_path=".numKeyValueHeads",
     ),
+    cel(
+        "has(self.numExperts) == has(self.numExpertsPerToken) && has(self.numExperts) == has(self.moeIntermediateSize)",
+        "spec.model.architecture: set numExperts, numExpertsPerToken and moeIntermediateSize together (a mixture "
+        "of experts)",
+        reason="FieldValueRequired",
+    ),
+    cel(
+        f"has(self.numExperts) == (self.modelType in {_cel_list(_MOE_TYPES)})",
+        "spec.model.architecture.numExperts (a mixture of experts) is required for modelType "
+        f"{', '.join(_MOE_TYPES)} and refused for the others",
+        field_path=".numExperts",
+    ),
+    cel(
+        "!has(self.numExperts) || !has(self.numExpertsPerToken) || self.numExpertsPerToken <= self.numExperts",
+        "spec.model.architecture.numExpertsPerToken must not exceed numExperts",
+        field_path=".numExpertsPerToken",
+    ),
+    cel(
+        "has(self.numExperts) || (!has(self.sharedExpertIntermediateSize) && !has(self.normTopkProb) && "
+        "!has(self.firstDenseLayers))",
+        "spec.model.architecture: sharedExpertIntermediateSize, normTopkProb and firstDenseLayers need a mixture of "
+        "experts (numExperts)",
+        reason="FieldValueForbidden",
+    ),
+    cel(
+        "!has(self.numExperts) || !has(self.sharedExpertIntermediateSize) || self.sharedExpertIntermediateSize == 0"
+        " || self.modelType == 'qwen2_moe' || (self.modelType != 'qwen3_moe' && has(self.moeIntermediateSize) && "
+        "self.sharedExpertIntermediateSize % self.moeIntermediateSize == 0)",
+        "spec.model.architecture.sharedExpertIntermediateSize: qwen3_moe has no shared expert, and DeepSeek's are "
+        "whole experts (a multiple of moeIntermediateSize)",
+        field_path=".sharedExpertIntermediateSize",
+    ),
+    cel(
+        "self.modelType != 'deepseek_v2' || !has(self.normTopkProb) || !self.normTopkProb",
+        "spec.model.architecture.normTopkProb: deepseek_v2 never renormalises the top-k weights (transformers' "
+        "DeepseekV2); leave it unset or false",
+        field_path=".normTopkProb",
+    ),
+    cel(
+        "!has(self.firstDenseLayers) || self.firstDenseLayers < self.numLayers",
+        "spec.model.architecture.firstDenseLayers must be less than numLayers (at least one layer is a mixture of "
+        "experts)",
+        field_path=".firstDenseLayers",
+    ),
+    cel(
+        "has(self.kvLoraRank) == has(self.qkNopeHeadDim) && has(self.kvLoraRank) == has(self.qkRopeHeadDim) && "
+        "has(self.kvLoraRank) == has(self.vHeadDim) && (!has(self.qLoraRank) || has(self.kvLoraRank))",
+        "spec.model.architecture: set kvLoraRank, qkNopeHeadDim, qkRopeHeadDim and vHeadDim together (latent "
+        "attention; qLoraRank only with them)",
+        reason="FieldValueRequired",
+    ),
+    cel(
+        f"has(self.kvLoraRank) == (self.modelType in {_cel_list(_MLA_TYPES)})",
+        "spec.model.architecture.kvLoraRank (latent attention) is required for modelType "
+        f"{', '.join(_MLA_TYPES)} and refused for the others",
+        field_path=".kvLoraRank",
+    ),
+    cel(
+        "!has(self.kvLoraRank) || self.numKeyValueHeads == self.numAttentionHeads",
+        "spec.model.architecture.numKeyValueHeads must equal numAttentionHeads with latent attention (no key-value "
+        "heads to group: every head reads the one latent)",
+        field_path=".numKeyValueHeads",
+    ),
+    cel(
+        "!has(self.headDim) || !has(self.qkNopeHeadDim) || !has(self.qkRopeHeadDim) || "
+        "self.headDim == self.qkNopeHeadDim + self.qkRopeHeadDim",
+        "spec.model.architecture.headDim must be qkNopeHeadDim + qkRopeHeadDim with latent attention (or omitted)",
+        field_path=".headDim",
+    ),
 )
 
 
+def _has(value: object) -> bool:
+    return value is not None
+
+
 class Architecture(_Model):
-    """An inline architecture, for a model outside the catalog; the numbers of its HF `config.json`."""
+    """An inline architecture, for a model outside the catalog; the numbers of its HF `config.json`.
+
+    A mixture of experts (`qwen2_moe`, `qwen3_moe`, `deepseek_v2`, `deepseek_v3`) adds numExperts,
+    numExpertsPerToken, moeIntermediateSize and optionally the shared experts, normTopkProb and the leading dense
+    layers; latent attention (`deepseek_v2`, `deepseek_v3`) adds the ranks and head sizes of MLA. The router's
+    grouping and scaling (n_group, topk_group, routed_scaling_factor) are not fields: planning does not depend on
+    them (docs/planning.md, "MoE and MLA")."""
 
     model_config = ConfigDict(json_schema_extra=_rules(*ARCHITECTURE_RULES))
 
-    modelType: Literal["llama", "qwen2", "qwen3", "mistral"] = Field(default="llama", description="HF model_type")
+    modelType: Literal["llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v2",
+                       "deepseek_v3"] = Field(default="llama", description="HF model_type")
     numLayers: int = Field(ge=1, le=1024, description="num_hidden_layers")
     hiddenSize: int = Field(ge=1, description="hidden_size")
     numAttentionHeads: int = Field(ge=1, le=1024, description="num_attention_heads")
-    numKeyValueHeads: int = Field(ge=1, le=1024, description="num_key_value_heads")
-    headDim: int | None = Field(default=None, ge=1, description="head_dim; omitted: hiddenSize / numAttentionHeads")
+    numKeyValueHeads: int = Field(ge=1, le=1024, description="num_key_value_heads (latent attention: "
+                                  "numAttentionHeads)")
+    headDim: int | None = Field(default=None, ge=1, description="head_dim; omitted: hiddenSize / numAttentionHeads "
+                                "(latent attention: qkNopeHeadDim + qkRopeHeadDim)")
     vocabSize: int = Field(ge=1, description="vocab_size")
-    intermediateSize: int = Field(ge=1, description="intermediate_size")
+    intermediateSize: int = Field(ge=1, description="intermediate_size (a mixture of experts: its dense layers')")
     maxPositionEmbeddings: int = Field(default=4096, ge=1, description="max_position_embeddings")
     dtype: DType = Field(default="bfloat16", description="weight and KV dtype")
     parameters: int | None = Field(
         default=None, ge=1, description="total parameter count; omitted: computed from the architecture"
     )
+    numExperts: int | None = Field(default=None, ge=1, le=4096,
+                                   description="routed experts per MoE layer (num_experts, n_routed_experts)")
+    numExpertsPerToken: int | None = Field(default=None, ge=1, le=4096, description="num_experts_per_tok (top-k)")
+    moeIntermediateSize: int | None = Field(default=None, ge=1,
+                                            description="moe_intermediate_size: one routed expert's MLP width")
+    sharedExpertIntermediateSize: int | None = Field(
+        default=None, ge=0,
+        description="the shared experts as one MLP of this width: qwen2_moe's shared_expert_intermediate_size, "
+        "DeepSeek's n_shared_experts x moe_intermediate_size; omitted: none")
+    normTopkProb: bool | None = Field(
+        default=None, description="norm_topk_prob: the top-k weights divided by their sum; omitted: the model "
+        "type's default (true for deepseek_v3, false otherwise)")
+    firstDenseLayers: int | None = Field(
+        default=None, ge=0, le=1024, description="the leading layers with a dense MLP (DeepSeek's "
+        "first_k_dense_replace; Qwen's mlp_only_layers 0..n-1); omitted: 0")
+    qLoraRank: int | None = Field(default=None, ge=1, description="q_lora_rank; omitted with latent attention: a "
+                                  "plain q_proj (DeepSeek-V2-Lite)")
+    kvLoraRank: int | None = Field(default=None, ge=1, description="kv_lora_rank: the latent the KV cache holds")
+    qkNopeHeadDim: int | None = Field(default=None, ge=1, description="qk_nope_head_dim")
+    qkRopeHeadDim: int | None = Field(default=None, ge=1, description="qk_rope_head_dim: the shared rope key")
+    vHeadDim: int | None = Field(default=None, ge=1, description="v_head_dim")
 
     @model_validator(mode="after")
     def _check(self) -> Architecture:
-        if self.numAttentionHeads % self.numKeyValueHeads:
-            _fail(ARCHITECTURE_RULES[0]["message"])
+        moe, mla = _has(self.numExperts), _has(self.kvLoraRank)
+        checks = (
+            self.numAttentionHeads % self.numKeyValueHeads == 0,
+            moe == _has(self.numExpertsPerToken) == _has(self.moeIntermediateSize),
+            moe == (self.modelType in _MOE_TYPES),
+            not moe or self.numExpertsPerToken is None or self.numExperts is None
+            or self.numExpertsPerToken <= self.numExperts,
+            moe or not (_has(self.sharedExpertIntermediateSize) or _has(self.normTopkProb)
+                        or _has(self.firstDenseLayers)),
+            not moe or not self.sharedExpertIntermediateSize or self.modelType == "qwen2_moe"
+            or (self.modelType != "qwen3_moe" and self.moeIntermediateSize is not None
+                and self.sharedExpertIntermediateSize % self.moeIntermediateSize == 0),
+            self.modelType != "deepseek_v2" or not self.normTopkProb,
+            self.firstDenseLayers is None or self.firstDenseLayers < self.numLayers,
+            mla == _has(self.qkNopeHeadDim) == _has(self.qkRopeHeadDim) == _has(self.vHeadDim)
+            and (not _has(self.qLoraRank) or mla),
+            mla == (self.modelType in _MLA_TYPES),
+            not mla or self.numKeyValueHeads == self.numAttentionHeads,
+            self.headDim is None or self.qkNopeHeadDim is None or self.qkRopeHeadDim is None
+            or self.headDim == self.qkNopeHeadDim + self.qkRopeHeadDim,
+        )
+        for ok, rule in zip(checks, ARCHITECTURE_RULES, strict=True):
+            if not ok:
+                _fail(rule["message"])
         return self
 
 

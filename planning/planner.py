@@ -21,7 +21,7 @@ from npuserve.mindie_config import (
     DEFAULT_MAX_PREFILL_TOKENS,
     ScheduleSection,
 )
-from npuserve.modelspec import ModelSpec
+from npuserve.modelspec import MLASpec, ModelSpec, MoESpec
 from npuserve.npu_contract import NPU_BLOCK_RULE, block_size_problem
 from npuserve.planning.api import (
     Architecture,
@@ -99,6 +99,11 @@ class _Planner:
         source = "spec.model.architecture.parameters" if arch is not None and arch.parameters else (
             "counted from the architecture (embeddings, attention, MLP, norms, LM head)"
         )
+        m = self.model
+        if m.moe is not None:  # every expert is held, whichever a token chooses
+            source += (f"; every expert counted ({m.moe.num_experts} routed per MoE layer x {len(m.moe_layers)} "
+                       f"layers); a token computes with {m.active_parameters / 1e9:.2f} B of them (top "
+                       f"{m.moe.num_experts_per_tok}, shared experts, dense parts, LM head)")
         weights = Fraction(weight_bytes, GIB)
         self.add(0, "weightsGiB", _gib(weights), "numParameters x dtypeBytes / 2^30", "GiB",
                  f"parameters {source}", numParameters=params, dtypeBytes=self.model.dtype_bytes)
@@ -167,11 +172,18 @@ class _Planner:
 
     def check_world_size(self, world_size: int) -> str | None:
         """Why a card count cannot serve this model, or None."""
-        heads, kv = self.model.num_attention_heads, self.model.num_key_value_heads
+        m = self.model
+        heads, kv = m.num_attention_heads, m.num_key_value_heads
         if heads % world_size:
             return f"{world_size} does not divide the {heads} attention heads"
-        if kv % world_size and world_size % kv:
+        # latent attention has no key-value heads: every card holds the whole latent
+        if m.mla is None and kv % world_size and world_size % kv:
             return f"{world_size} neither divides nor is a multiple of the {kv} key-value heads"
+        if m.moe is not None:  # tensor parallel splits each expert's intermediate size over the cards
+            for name, size in (("moe_intermediate_size", m.moe.moe_intermediate_size),
+                               ("shared expert intermediate size", m.moe.shared_expert_intermediate_size)):
+                if size % world_size:
+                    return f"{world_size} does not divide the {size} {name} (each expert is split over the cards)"
         per_node = self.accelerator.cards_per_node
         if per_node and world_size > per_node and world_size % per_node:
             return f"{world_size} cards span nodes of {per_node} cards but are not a multiple of {per_node}"
@@ -202,7 +214,12 @@ class _Planner:
                          "cards", note, numAttentionHeads=self.model.num_attention_heads,
                          blocksPerRequestMax=need // MIN_BATCH, minBatch=MIN_BATCH)
                 return mem
-            rejected.append(f"{candidate} card(s) give {mem.total_blocks} blocks (npuMemSize {mem.npu_mem_size_gib})")
+            if mem.npu_mem_size_gib < 1:
+                rejected.append(f"{candidate} card(s) give 0 blocks ({_gib(weights / candidate):g} GiB of weights per "
+                                f"card leave no KV memory on {_gib(memory):g} GiB)")
+            else:
+                rejected.append(f"{candidate} card(s) give {mem.total_blocks} blocks (npuMemSize "
+                                f"{mem.npu_mem_size_gib})")
         raise PlanError(
             f"spec.accelerator: the model ({_gib(weights)} GiB of weights) fits on no card count of "
             f"{self.accelerator.name} that divides its {self.model.num_attention_heads} attention heads; "
@@ -222,8 +239,9 @@ class _Planner:
         per_node = self.accelerator.cards_per_node
         nodes = ws // per_node if per_node and ws > per_node else 1
         self.add(1, "nodes", nodes, "worldSize / cardsPerNode when worldSize > cardsPerNode, else 1", "pods",
-                 "a LeaderWorkerSet groups the pods of one replica" if nodes > 1 else "one pod per replica",
-                 worldSize=ws, cardsPerNode=per_node or 0)
+                 f"one replica spans {nodes} nodes of {per_node} cards: a LeaderWorkerSet of {nodes} pods, "
+                 f"{ws // nodes} cards each (rank r in pod r div {ws // nodes})" if nodes > 1 else
+                 "one pod per replica", worldSize=ws, cardsPerNode=per_node or 0)
         self.add(1, "cardsPerPod", ws // nodes, "worldSize / nodes", "cards", worldSize=ws, nodes=nodes)
 
         if mem.npu_mem_size_gib < 1:
@@ -236,11 +254,19 @@ class _Planner:
                  "MindIE ModelConfig.npuMemSize: KV cache per card", cardMemoryGiB=memory, reservedGiB=reserved,
                  weightsGiB=_gib(weights), worldSize=ws, memoryFraction=fraction)
         m = self.model
-        self.add(2, "blockBytesPerCard", mem.block_bytes,
-                 "2 x numLayers x cacheBlockSize x kvHeadsPerCard x headDim x dtypeBytes", "bytes",
-                 "K and V of one block on one card; kvHeadsPerCard = max(1, numKeyValueHeads / worldSize)",
-                 numLayers=m.num_layers, cacheBlockSize=self.block_size, kvHeadsPerCard=mem.kv_heads_per_card,
-                 headDim=m.head_dim, dtypeBytes=m.dtype_bytes)
+        if m.mla is not None:
+            self.add(2, "blockBytesPerCard", mem.block_bytes,
+                     "numLayers x cacheBlockSize x (kvLoraRank + qkRopeHeadDim) x dtypeBytes", "bytes",
+                     "latent attention: one block's normed latent and rope key, shared by all heads, so every card "
+                     "holds the whole of it (the same at any worldSize: more cards free weight memory only)",
+                     numLayers=m.num_layers, cacheBlockSize=self.block_size, kvLoraRank=m.mla.kv_lora_rank,
+                     qkRopeHeadDim=m.mla.qk_rope_head_dim, dtypeBytes=m.dtype_bytes)
+        else:
+            self.add(2, "blockBytesPerCard", mem.block_bytes,
+                     "2 x numLayers x cacheBlockSize x kvHeadsPerCard x headDim x dtypeBytes", "bytes",
+                     "K and V of one block on one card; kvHeadsPerCard = max(1, numKeyValueHeads / worldSize)",
+                     numLayers=m.num_layers, cacheBlockSize=self.block_size, kvHeadsPerCard=mem.kv_heads_per_card,
+                     headDim=m.head_dim, dtypeBytes=m.dtype_bytes)
         self.add(2, "totalBlocks", mem.total_blocks, "floor(npuMemSizeGiB x 2^30 / blockBytesPerCard)", "blocks",
                  "the engine reports the blocks it actually allocated in /info", npuMemSizeGiB=mem.npu_mem_size_gib,
                  blockBytesPerCard=mem.block_bytes)
@@ -311,23 +337,33 @@ class _Planner:
     def slo_warnings(self, world_size: int, weights: Fraction) -> list[str]:
         """SLOs below what the cards can physically do: a decode step reads every weight once (TPOT at least the
         weights over the cards' memory bandwidth), a prefill computes 2 x parameters FLOPs per prompt token (TTFT at
-        least that over their peak compute). Published figures, else the catalog's fitted ones (named)."""
+        least that over their peak compute). Published figures, else the catalog's fitted ones (named).
+
+        A mixture of experts: a decode step of one sequence reads the dense parts and the top-k experts of each
+        MoE layer, not the others (the expert-touch rule at one token, `ModelSpec.untouched_expert_bytes`, the
+        simulator's rule), and a prompt token computes with the active parameters only."""
         acc, slo, warnings = self.accelerator, self.spec.slo, []
         bandwidth, bw_kind = acc.memory_bandwidth_gbps, "published"
         if bandwidth is None:
             bandwidth, bw_kind = acc.fitted_memory_bandwidth_gbps, "fitted"
+        m = self.model
         if slo.tpotMs is not None and bandwidth:
-            floor_ms = float(weights) * GIB / (bandwidth * 1e9 * world_size) * 1000
+            read = max(0.0, float(weights) * GIB - m.untouched_expert_bytes(1))
+            what = (f"the {_gib(weights):g} GiB of weights" if m.moe is None else
+                    f"{read / GIB:.3g} GiB of the {_gib(weights):g} GiB of weights (the dense parts and the top "
+                    f"{m.moe.num_experts_per_tok} experts of each MoE layer)")
+            floor_ms = read / (bandwidth * 1e9 * world_size) * 1000
             if slo.tpotMs < floor_ms:
                 warnings.append(
                     f"spec.slo.tpotMs {slo.tpotMs:g} ms is below {floor_ms:.2f} ms, the time one decode step takes to "
-                    f"read the {_gib(weights):g} GiB of weights once at {bandwidth:g} GB/s ({bw_kind}) on each of "
+                    f"read {what} once at {bandwidth:g} GB/s ({bw_kind}) on each of "
                     f"{world_size} card(s): no batch size can meet it")
         tflops, fl_kind = acc.peak_tflops_16bit, "published"
         if tflops is None:
             tflops, fl_kind = acc.fitted_tflops_16bit, "fitted"
         if slo.ttftMs is not None and tflops:
-            params = float(weights) * GIB / self.model.dtype_bytes
+            # a dense model's FLOPs per token from its weights (spec.model.architecture.parameters included)
+            params = float(m.active_parameters) if m.moe is not None else float(weights) * GIB / m.dtype_bytes
             tokens = self.spec.workload.avgInputTokens
             floor_ms = 2 * params * tokens / (tflops * 1e12 * world_size) * 1000
             if slo.ttftMs < floor_ms:
@@ -496,9 +532,38 @@ ARCHITECTURE_FIELDS = {
 }
 
 
+# The MoE and MLA fields (optional; set together, the CRD's rules say which go with which modelType).
+MOE_ARCHITECTURE_FIELDS = {"numExperts": "num_experts", "numExpertsPerToken": "num_experts_per_tok",
+                           "moeIntermediateSize": "moe_intermediate_size"}
+MLA_ARCHITECTURE_FIELDS = {"qLoraRank": "q_lora_rank", "kvLoraRank": "kv_lora_rank",
+                           "qkNopeHeadDim": "qk_nope_head_dim", "qkRopeHeadDim": "qk_rope_head_dim",
+                           "vHeadDim": "v_head_dim"}
+
+
+def _moe_from_architecture(arch: Architecture) -> MoESpec | None:
+    if arch.numExperts is None:
+        return None
+    kind, shared, first = arch.modelType, arch.sharedExpertIntermediateSize or 0, arch.firstDenseLayers or 0
+    qwen, v3 = kind in ("qwen2_moe", "qwen3_moe"), kind == "deepseek_v3"
+    return MoESpec(
+        **{name: getattr(arch, field) for field, name in MOE_ARCHITECTURE_FIELDS.items()},
+        shared_expert_intermediate_size=shared, shared_expert_gate=kind == "qwen2_moe" and shared > 0,
+        # as transformers reads a config.json without the key: DeepSeek-V3 renormalises, the others do not
+        norm_topk_prob=v3 if arch.normTopkProb is None else arch.normTopkProb,
+        # DeepSeek-V3's router kind (its grouping and scaling do not change a plan: defaults, one group)
+        scoring_func="sigmoid" if v3 else "softmax", topk_method="noaux_tc" if v3 else "greedy",
+        first_k_dense_replace=0 if qwen else first, mlp_only_layers=tuple(range(first)) if qwen else (),
+    )
+
+
 def _spec_from_architecture(arch: Architecture) -> ModelSpec:
+    mla = None
+    if arch.kvLoraRank is not None:
+        mla = MLASpec.model_validate({name: getattr(arch, field) for field, name in MLA_ARCHITECTURE_FIELDS.items()})
     head_dim = arch.headDim
-    if head_dim is None:
+    if mla is not None:
+        head_dim = mla.qk_head_dim
+    elif head_dim is None:
         if arch.hiddenSize % arch.numAttentionHeads:
             raise PlanError(
                 "spec.model.architecture.headDim is required: hiddenSize does not divide by numAttentionHeads"
@@ -506,14 +571,33 @@ def _spec_from_architecture(arch: Architecture) -> ModelSpec:
         head_dim = arch.hiddenSize // arch.numAttentionHeads
     return ModelSpec(
         **{name: getattr(arch, field) for field, name in ARCHITECTURE_FIELDS.items()}, head_dim=head_dim,
-        attention_bias=arch.modelType == "qwen2", qk_norm=arch.modelType == "qwen3",
+        attention_bias=arch.modelType in ("qwen2", "qwen2_moe"), qk_norm=arch.modelType in ("qwen3", "qwen3_moe"),
+        moe=_moe_from_architecture(arch), mla=mla,
     )
 
 
 def architecture_of(spec: ModelSpec) -> Architecture:
-    """An inline spec.model.architecture for a model outside the catalog (`npuserve simulate --model-config`)."""
-    return Architecture.model_validate({**{field: getattr(spec, name) for field, name in ARCHITECTURE_FIELDS.items()},
-                                        "headDim": spec.head_dim})
+    """An inline spec.model.architecture for a model outside the catalog (`npuserve simulate --model-config`). A
+    mixture of experts keeps what planning reads (experts, top-k, sizes, shared experts, dense layers, norm_topk_prob);
+    the router's grouping and scaling are not API fields. Raises PlanError for an MoE layer pattern the API cannot
+    write (Qwen's mlp_only_layers other than the first n layers, decoder_sparse_step above 1)."""
+    fields = {**{field: getattr(spec, name) for field, name in ARCHITECTURE_FIELDS.items()}, "headDim": spec.head_dim}
+    moe, mla = spec.moe, spec.mla
+    if moe is not None:
+        fields.update({field: getattr(moe, name) for field, name in MOE_ARCHITECTURE_FIELDS.items()})
+        fields["normTopkProb"] = moe.norm_topk_prob
+        if moe.shared_expert_intermediate_size:
+            fields["sharedExpertIntermediateSize"] = moe.shared_expert_intermediate_size
+        dense = [i for i in range(spec.num_layers) if i not in spec.moe_layers]
+        if dense != list(range(len(dense))):
+            raise PlanError(f"{spec.model_type}: MoE layers other than all but the first n (dense layers {dense}) "
+                            "cannot be written as spec.model.architecture (firstDenseLayers)")
+        if dense:
+            fields["firstDenseLayers"] = len(dense)
+    if mla is not None:
+        fields.update({field: getattr(mla, name) for field, name in MLA_ARCHITECTURE_FIELDS.items()
+                       if getattr(mla, name) is not None})
+    return Architecture.model_validate(fields)
 
 
 def model_spec(spec: InferenceServiceSpec) -> ModelSpec:

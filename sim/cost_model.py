@@ -4,10 +4,11 @@ A step reads every weight of the card's shard once, reads (and writes) the KV of
 to, computes the FLOPs of the tokens it runs, and pays host-side costs; with tensor parallel it all-reduces each
 layer's activations. Per card, with tensor parallel over `world_size` cards:
 
-    weights_s  = weight bytes / world_size / (peak bandwidth x bandwidth_efficiency)      same for any batch
+    weights_s  = weight bytes read / world_size / (peak bandwidth x bandwidth_efficiency)  dense: same for any batch
     kv_s       = context tokens x KV bytes per token per card / (same bandwidth)            linear in context
-    compute_s  = (2 x matmul params x tokens + 2 x LM-head params x sampled rows
-                  + 4 x layers x q_size x attended pairs) / world_size / (peak FLOP/s x compute_efficiency)
+    compute_s  = (2 x active layer params x tokens + 2 x LM-head params x sampled rows
+                  + 2 x layers x heads x (qk + v head dims) x attended pairs) / world_size
+                  / (peak FLOP/s x compute_efficiency)
     comm_s     = (2 x layers + 1) all-reduces x (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth)
     host_s     = per_seq_overhead x sequences          the host's per-request work: inputs, sampling, outputs
     overhead_s = step_overhead                         what overlaps nothing: launch, synchronisation
@@ -22,6 +23,13 @@ step of a few thousand tokens compute-bound. The host prepares and post-processe
 the device, large ones by the host, which is why the decode time bends upwards past a batch size (the guide's 47,
 50, 60 ms at 100, 150, 200). The overheads, the communication latency and the achieved fractions of peak are the
 free parameters (`CostParams`, fitted by `benchmarks/simulator_calibration.py`).
+
+Mixture of experts and latent attention (docs/simulator.md, "MoE and MLA"): the FLOPs of a token are its active
+parameters' (top-k and shared experts, not all of them: `ModelSpec.active_layer_parameters`); the weights a step
+reads are the dense parts plus the experts its tokens touch (`ModelSpec.step_weight_bytes`, the expert-touch rule
+`E x (1 - (1 - k/E)^tokens)` per MoE layer, the same rule the planner's TPOT floor uses), so the weights term grows
+with the tokens of the step until every expert is read; MLA's KV per token is the latent and the rope key, whole on
+every card (`ModelSpec.kv_bytes_per_block`), and a decode step reads only that cache.
 """
 
 from __future__ import annotations
@@ -145,19 +153,26 @@ class CostModel:
         p = self.params
         n = world_size
         dtype = model.dtype_bytes
-        layer_params = model.num_layers * model.params_per_layer
         lm_head_params = model.vocab_size * model.hidden_size
         bandwidth = hardware.bandwidth_gbps * GB * p.bandwidth_efficiency
         flops = hardware.tflops * TERA * p.compute_efficiency
         # The embedding table is gathered row by row (a lookup), the LM head read whole: count it once, as weights.
-        self.weight_bytes_per_card = (layer_params + lm_head_params) * dtype / n
+        # Dense: every weight at any batch. MoE: the experts the step's tokens touch (model.step_weight_bytes).
+        self.weight_bytes_per_card = model.step_weight_bytes(1 << 62) / n  # all of them (every expert touched)
         self.kv_bytes_per_token_per_card = model.kv_bytes_per_block(1, n)
         self.block_bytes_per_card = model.kv_bytes_per_block(block_size, n)
+        self._bandwidth = bandwidth
+        self._moe = model.moe is not None
+        self._weights_s_of: dict[int, float] = {}  # MoE: weights_s by the tokens of the step
         self._weights_s = self.weight_bytes_per_card / bandwidth
         self._kv_s_per_token = self.kv_bytes_per_token_per_card / bandwidth
-        self._s_per_token = 2.0 * layer_params / n / flops
+        self._s_per_token = 2.0 * model.active_layer_parameters / n / flops
         self._s_per_row = 2.0 * lm_head_params / n / flops
-        self._s_per_pair = 4.0 * model.num_layers * model.q_size / n / flops
+        # QK^T over the query/key head size and PV over the value head size, per head (dense: 4 x q_size; MLA's
+        # prefill as vllm-ascend runs it, expanded: qk 192, v 128; its absorbed decode is bandwidth-bound)
+        v_head_dim = model.mla.v_head_dim if model.mla is not None else model.head_dim
+        self._s_per_pair = (2.0 * model.num_layers * model.num_attention_heads * (model.head_dim + v_head_dim)
+                            / n / flops)
         self._step_overhead_s = p.step_overhead_ms / 1e3
         self._seq_overhead_s = p.per_seq_overhead_ms / 1e3
         if n > 1:
@@ -169,9 +184,19 @@ class CostModel:
             self._comm_fixed_s = self._comm_s_per_token = 0.0
         self._swap_s_per_block = self.block_bytes_per_card / (p.host_link_gbps * GB)
 
+    def weights_s(self, tokens: int) -> float:
+        """Seconds to read the weights a step of `tokens` tokens touches (dense: all of them, at any batch)."""
+        if not self._moe:
+            return self._weights_s
+        seconds = self._weights_s_of.get(tokens)
+        if seconds is None:
+            seconds = self.model.step_weight_bytes(tokens) / self.world_size / self._bandwidth
+            self._weights_s_of[tokens] = seconds
+        return seconds
+
     def step(self, shape: StepShape) -> StepCost:
         return StepCost(
-            weights_s=self._weights_s,
+            weights_s=self.weights_s(shape.new_tokens),
             kv_s=shape.context_tokens * self._kv_s_per_token,
             compute_s=(shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
                        + shape.attended_pairs * self._s_per_pair),
@@ -183,7 +208,7 @@ class CostModel:
 
     def step_time(self, shape: StepShape) -> float:
         """`step(shape).total_s` without building the breakdown (the runner's hot path)."""
-        memory = self._weights_s + shape.context_tokens * self._kv_s_per_token
+        memory = self.weights_s(shape.new_tokens) + shape.context_tokens * self._kv_s_per_token
         compute = (shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
                    + shape.attended_pairs * self._s_per_pair)
         device = max(memory, compute) + self._comm_fixed_s + shape.new_tokens * self._comm_s_per_token

@@ -118,6 +118,21 @@ def test_model_config_json_is_accepted(tmp_path: Path, capsys: pytest.CaptureFix
     assert json.loads(capsys.readouterr().out)["model"] == "mymodel"
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "qwen3-30b-a3b"])
+def test_moe_and_mla_model_configs_are_planned_inline(preset: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A config.json of a mixture of experts (and MLA) becomes an inline spec.model.architecture the planner takes."""
+    from npuserve.catalog.models import get_model_preset
+
+    path = tmp_path / preset / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(get_model_preset(preset).to_hf_config()))
+    args = ["simulate", "--model-config", str(path), "--accelerator", "nvidia-h100-80gb", "--num-prompts", "10",
+            "--format", "json"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == preset
+
+
 def test_runs_where_only_the_operator_extra_is_installed() -> None:
     code = (
         "import sys\n"

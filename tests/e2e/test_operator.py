@@ -189,6 +189,27 @@ INVALID = {
         lambda s: s["workload"].update(avgOutputTokens=100),
         "spec.workload.avgOutputTokens must not exceed",
     ),
+    "MoE top-k above the experts": (
+        lambda s: (s["model"].pop("preset"), s["model"].update(
+            architecture={
+                "modelType": "qwen3_moe", "hiddenSize": 64, "numLayers": 2, "numAttentionHeads": 4,
+                "numKeyValueHeads": 2, "intermediateSize": 128, "vocabSize": 256,
+                "numExperts": 4, "numExpertsPerToken": 8, "moeIntermediateSize": 32,
+            }
+        )),
+        "spec.model.architecture.numExpertsPerToken must not exceed numExperts",
+    ),
+    "MLA fields without vHeadDim": (
+        lambda s: (s["model"].pop("preset"), s["model"].update(
+            architecture={
+                "modelType": "deepseek_v3", "hiddenSize": 64, "numLayers": 2, "numAttentionHeads": 4,
+                "numKeyValueHeads": 4, "intermediateSize": 128, "vocabSize": 256,
+                "numExperts": 4, "numExpertsPerToken": 2, "moeIntermediateSize": 32,
+                "kvLoraRank": 32, "qkNopeHeadDim": 16, "qkRopeHeadDim": 8,
+            }
+        )),
+        "spec.model.architecture: set kvLoraRank, qkNopeHeadDim, qkRopeHeadDim and vHeadDim together",
+    ),
 }
 
 

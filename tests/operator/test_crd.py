@@ -351,6 +351,86 @@ CEL_CASES["kv heads not dividing heads"] = (
     "spec.model.architecture.numAttentionHeads must be a multiple of numKeyValueHeads",
 )
 
+# A mixture of experts (Qwen3-30B-A3B's numbers) and latent attention with experts (DeepSeek-V3's).
+ARCH_MOE = {"modelType": "qwen3_moe", "numLayers": 48, "hiddenSize": 2048, "numAttentionHeads": 32,
+            "numKeyValueHeads": 4, "headDim": 128, "vocabSize": 151936, "intermediateSize": 6144,
+            "numExperts": 128, "numExpertsPerToken": 8, "moeIntermediateSize": 768, "normTopkProb": True}
+ARCH_MLA = {"modelType": "deepseek_v3", "numLayers": 61, "hiddenSize": 7168, "numAttentionHeads": 128,
+            "numKeyValueHeads": 128, "vocabSize": 129280, "intermediateSize": 18432, "numExperts": 256,
+            "numExpertsPerToken": 8, "moeIntermediateSize": 2048, "sharedExpertIntermediateSize": 2048,
+            "firstDenseLayers": 3, "qLoraRank": 1536, "kvLoraRank": 512, "qkNopeHeadDim": 128, "qkRopeHeadDim": 64,
+            "vHeadDim": 128}
+
+
+def _without(arch: dict[str, Any], *names: str) -> dict[str, Any]:
+    return {k: v for k, v in arch.items() if k not in names}
+
+
+MLA_FIELDS = ("qLoraRank", "kvLoraRank", "qkNopeHeadDim", "qkRopeHeadDim", "vHeadDim")
+MOE_CEL_CASES = {
+    "top-k above the experts": ({**ARCH_MOE, "numExpertsPerToken": 200},
+                                "spec.model.architecture.numExpertsPerToken must not exceed numExperts"),
+    "MoE fields partly set": (_without(ARCH_MOE, "moeIntermediateSize"),
+                              "spec.model.architecture: set numExperts, numExpertsPerToken and moeIntermediateSize "
+                              "together"),
+    "experts on a dense model type": ({**ARCH, "numExperts": 8, "numExpertsPerToken": 2, "moeIntermediateSize": 64},
+                                      "spec.model.architecture.numExperts (a mixture of experts) is required for "
+                                      "modelType qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3 and refused"),
+    "MoE model type without experts": ({**ARCH, "modelType": "qwen3_moe"},
+                                       "spec.model.architecture.numExperts (a mixture of experts) is required"),
+    "MoE option without experts": ({**ARCH, "normTopkProb": True},
+                                   "spec.model.architecture: sharedExpertIntermediateSize, normTopkProb and "
+                                   "firstDenseLayers need a mixture of experts"),
+    "shared expert on qwen3_moe": ({**ARCH_MOE, "sharedExpertIntermediateSize": 768},
+                                   "spec.model.architecture.sharedExpertIntermediateSize: qwen3_moe has no shared "
+                                   "expert"),
+    "DeepSeek shared experts not whole": ({**ARCH_MLA, "sharedExpertIntermediateSize": 3000},
+                                          "spec.model.architecture.sharedExpertIntermediateSize"),
+    "normTopkProb on deepseek_v2": ({**ARCH_MLA, "modelType": "deepseek_v2", "normTopkProb": True},
+                                    "spec.model.architecture.normTopkProb: deepseek_v2 never renormalises"),
+    "no MoE layer left": ({**ARCH_MOE, "firstDenseLayers": 48},
+                          "spec.model.architecture.firstDenseLayers must be less than numLayers"),
+    "MLA fields partly set": (_without(ARCH_MLA, "vHeadDim"),
+                              "spec.model.architecture: set kvLoraRank, qkNopeHeadDim, qkRopeHeadDim and vHeadDim "
+                              "together"),
+    "MLA on a model type without it": ({**ARCH_MOE, "numKeyValueHeads": 32, "kvLoraRank": 512, "qkNopeHeadDim": 64,
+                                        "qkRopeHeadDim": 64, "vHeadDim": 128},
+                                       "spec.model.architecture.kvLoraRank (latent attention) is required for "
+                                       "modelType deepseek_v2, deepseek_v3 and refused for the others"),
+    "DeepSeek without MLA": (_without(ARCH_MLA, *MLA_FIELDS),
+                             "spec.model.architecture.kvLoraRank (latent attention) is required"),
+    "MLA with grouped key-value heads": ({**ARCH_MLA, "numKeyValueHeads": 64},
+                                         "spec.model.architecture.numKeyValueHeads must equal numAttentionHeads with "
+                                         "latent attention"),
+    "MLA head size not nope + rope": ({**ARCH_MLA, "headDim": 128},
+                                      "spec.model.architecture.headDim must be qkNopeHeadDim + qkRopeHeadDim"),
+}
+for _name, (_arch, _message) in MOE_CEL_CASES.items():
+    _obj = _mutated("model.preset", _DELETE)
+    _obj["spec"]["model"]["architecture"] = _arch
+    CEL_CASES[_name] = (_obj, _message)
+
+
+@pytest.mark.parametrize("arch", [ARCH_MOE, ARCH_MLA, {**ARCH_MLA, "modelType": "deepseek_v2", "normTopkProb": False},
+                                  _without(ARCH_MLA, "qLoraRank", "headDim")], ids=["moe", "mla", "v2", "no-q-lora"])
+def test_valid_moe_and_mla_architectures_pass_both(arch: dict[str, Any], root_schema: dict[str, Any]) -> None:
+    obj = _mutated("model.preset", _DELETE)
+    obj["spec"]["model"]["architecture"] = arch
+    api.InferenceService.model_validate(obj)
+    assert _crd_errors(root_schema, obj) == []
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "deepseek-v2-lite",
+                                    "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v2-lite"])
+def test_the_moe_and_mla_presets_written_inline_pass_both(preset: str, root_schema: dict[str, Any]) -> None:
+    from npuserve.catalog.models import MODEL_PRESETS
+    from npuserve.planning.planner import architecture_of
+
+    obj = _mutated("model.preset", _DELETE)
+    obj["spec"]["model"]["architecture"] = architecture_of(MODEL_PRESETS[preset]).model_dump(exclude_none=True)
+    api.InferenceService.model_validate(obj)
+    assert _crd_errors(root_schema, obj) == []
+
 
 @pytest.mark.parametrize("case", sorted(CEL_CASES))
 def test_invalid_object_is_refused_by_the_models_and_by_cel_alike(case: str, root_schema: dict[str, Any]) -> None:

@@ -228,6 +228,30 @@ def test_dummy_weights_ship_the_architecture_in_the_configmap() -> None:
     assert {"key": r.MODEL_CONFIG_KEY, "path": "model/config.json"} in config_volume["configMap"]["items"]
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-deepseek-v2-lite"])
+def test_dummy_weights_of_an_inline_moe_architecture_ship_its_experts_and_latent(preset: str) -> None:
+    """The inline MoE/MLA fields reach the engine: the ConfigMap's config.json parses back to the same experts,
+    dense layers and latent sizes (the router's grouping is the model type's default, not an API field)."""
+    from npuserve.catalog.models import get_model_preset
+    from npuserve.modelspec import ModelSpec
+    from npuserve.planning.planner import architecture_of
+
+    preset_spec = get_model_preset(preset)
+    data = load_yaml(REPO / "examples" / "tiny-cpu.yaml")
+    data["spec"]["model"].pop("preset")
+    data["spec"]["model"]["architecture"] = architecture_of(preset_spec).model_dump(exclude_none=True)
+    isvc = InferenceService.model_validate(data)
+    objects = by_kind(r.render(isvc, plan(isvc.spec)))
+    served = ModelSpec.from_hf_config(json.loads(objects["ConfigMap"]["data"][r.MODEL_CONFIG_KEY]))
+    assert served.moe is not None and preset_spec.moe is not None
+    for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "norm_topk_prob", "scoring_func", "topk_method"):
+        assert getattr(served.moe, field) == getattr(preset_spec.moe, field), field
+    assert served.moe_layers == preset_spec.moe_layers
+    assert served.mla == preset_spec.mla
+    assert served.num_parameters == preset_spec.num_parameters
+
+
 def test_owner_reference_when_the_object_has_a_uid() -> None:
     data = load_yaml(REPO / "examples" / "qwq-32b-first-token.yaml")
     data["metadata"].update(uid="1234", namespace="serving")
