@@ -17,7 +17,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_vs_transformers import run_npuserve, run_static
@@ -36,7 +35,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2, help="each measurement's best of this many runs")
+    p.add_argument("--repeats", type=int, default=3, help="each measurement's best of this many (interleaved) runs")
     p.add_argument("--model-dir", help="reuse a model folder (else one is written to a temp dir)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (0: torch's default); 1 by default: on a shared machine, small ops on several "
@@ -62,10 +61,6 @@ def write_model(args: argparse.Namespace, out: Path) -> Path:
     return write_dummy_model(spec, out, seed=0, init_std=0.02)
 
 
-def _best(run: Any, repeats: int) -> float:
-    return min(run() for _ in range(repeats))
-
-
 def main() -> int:
     args = parse_args()
     import torch
@@ -88,14 +83,15 @@ def main() -> int:
         prompts = [torch.randint(5, args.vocab_size, (args.prompt_len,), generator=gen).tolist()
                    for _ in range(batch)]
         timings: dict[str, dict[int, float]] = {"npuserve": {}, "transformers": {}}
-        for tokens in (1, args.max_tokens):
-            run_args = argparse.Namespace(max_tokens=tokens, block_size=args.block_size, max_batch_size=batch,
-                                          static_batch_size=batch)
-            lengths = [tokens] * batch
-            timings["npuserve"][tokens] = _best(
-                lambda a=run_args, n=lengths, p=prompts: run_npuserve(a, model_dir, p, n), args.repeats)
-            timings["transformers"][tokens] = _best(
-                lambda a=run_args, n=lengths, p=prompts: run_static(a, model, p, n), args.repeats)
+        # interleaved, best of --repeats each: on a shared machine the load moves between the two systems' runs
+        for _ in range(args.repeats):
+            for tokens in (1, args.max_tokens):
+                run_args = argparse.Namespace(max_tokens=tokens, block_size=args.block_size, max_batch_size=batch,
+                                              static_batch_size=batch)
+                lengths = [tokens] * batch
+                for name, seconds in (("npuserve", run_npuserve(run_args, model_dir, prompts, lengths)),
+                                      ("transformers", run_static(run_args, model, prompts, lengths))):
+                    timings[name][tokens] = min(seconds, timings[name].get(tokens, seconds))
         decoded = batch * (args.max_tokens - 1)
         rates = {name: decoded / (t[args.max_tokens] - t[1]) for name, t in timings.items()}
         rates["ratio"] = rates["npuserve"] / rates["transformers"]
