@@ -157,6 +157,9 @@ class ModelRunner:
         self.delta_sender = DeltaSender() if channel is not None else None
         self.mirror = BatchMirror()
         graphs = graph_batch_size > 0 and backend.new_decode_graph() is not None
+        if graphs and self.spec.moe is not None and not backend.moe_in_decode_graphs:
+            log.info("decode graphs off: the %s backend's MoE experts read their routing on the host", backend.name)
+            graphs = False
         backend.configure(block_size=plan.block_size, head_dim=self.spec.head_dim,
                           max_seq_len=max_seq_len or self.spec.max_position_embeddings)
         self.kv_caches = backend.allocate_kv_cache(self.spec.num_layers, plan.num_blocks + int(graphs),

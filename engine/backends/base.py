@@ -68,6 +68,9 @@ class Backend(ABC):
     name: str = "base"
     # The torch.distributed backend of the all-reduces among tensor-parallel ranks on this device kind.
     dist_backend: str = "gloo"
+    # Whether `moe_experts` can be captured in a decode graph; the reference reads the experts' token counts on
+    # the host (one sync per layer), so an MoE model runs decode eagerly unless a backend says so.
+    moe_in_decode_graphs: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -124,6 +124,25 @@ def test_preemption_matches_transformers(model_dir: Path, hf_model: object) -> N
     assert engine.kv.num_used_blocks == 0
 
 
+def test_an_moe_model_decodes_eagerly_on_a_backend_with_graphs(model_dir: Path) -> None:
+    """The reference experts read their token counts on the host, which a captured graph cannot: the runner leaves
+    decode graphs off for an MoE model unless the backend says its experts can be captured."""
+    from test_decode_graphs import FakeGraphCPUBackend
+
+    from npuserve.engine.runner import KVPlan, ModelRunner
+
+    spec = ModelSpec.from_pretrained(model_dir)
+    model = build_model(spec, torch.float32, CPU)
+    load_hf_weights(model, model_dir)
+    plan = KVPlan(16, 0, 4, 0, "test")
+    assert ModelRunner(model, FakeGraphCPUBackend(), plan, torch.float32, graph_batch_size=4,
+                       max_seq_len=64).decode_graphs is None
+    capturable = FakeGraphCPUBackend()
+    capturable.moe_in_decode_graphs = True
+    assert ModelRunner(model, capturable, plan, torch.float32, graph_batch_size=4,
+                       max_seq_len=64).decode_graphs is not None
+
+
 def test_create_dummy_writes_a_folder_transformers_loads(tmp_path: Path) -> None:
     run = subprocess.run([NPUSERVE, "model", "create-dummy", "--preset", "tiny-qwen3-moe", "--out",
                           str(tmp_path / "m"), "--init-std", "0.3"], capture_output=True, text=True, timeout=120)
