@@ -40,9 +40,13 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def finish_build(self, device: torch.device) -> None:
-        """After the parameters were allocated on `device` (built on the meta device): re-tie what `to_empty`
-        untied and recompute the non-persistent tables. Nothing by default."""
-        return None
+        """After the parameters were allocated on `device` (built on the meta device), before they are filled:
+        re-tie what `to_empty` untied, recompute the non-persistent tables; a subclass calls this too. Here:
+        the modules that keep float32 parameters in a low-precision model (DeepSeek's router) get them back."""
+        for module in self.modules():
+            keep = getattr(module, "keep_float32", None)
+            if callable(keep):
+                keep()
 
     def bind_backend(self, backend: Backend) -> None:
         """Sets `backend` on every submodule that has the attribute (attention layers, MoE blocks)."""

@@ -140,6 +140,7 @@ class LlamaForCausalLM(CausalLM):
         return None
 
     def finish_build(self, device: torch.device) -> None:
+        super().finish_build(device)
         if self.spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.model.rotary.reset(device)

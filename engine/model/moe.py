@@ -31,6 +31,14 @@ class Router(nn.Module):
         # DeepSeek's routers compute the logits in float32; Qwen's in the model's dtype
         self.float32_logits = float32_logits
 
+    def keep_float32(self) -> None:
+        """DeepSeek's router weight and bias stay float32 whatever the model's dtype (transformers'
+        `_keep_in_fp32_modules_strict`); called after the model is cast and allocated, before it is filled."""
+        if self.float32_logits:
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.float(), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.float32_logits:
             return nn.functional.linear(x.float(), self.weight.float())

@@ -230,3 +230,20 @@ def test_the_cpu_backends_packed_experts_equal_the_reference(dtype: torch.dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
     assert backend._packed_experts or not torch.backends.mkldnn.is_available()
+
+
+def test_a_float32_router_keeps_its_weight_and_bias_in_float32_in_a_bfloat16_model() -> None:
+    """DeepSeek's router (transformers keeps `gate.weight` and `e_score_correction_bias` in float32)."""
+    from npuserve.catalog.models import get_model_preset
+    from npuserve.engine.model.base import CausalLM
+    from npuserve.engine.model.moe import SparseMoeBlock
+    from npuserve.engine.parallel.layout import TPLayout
+
+    spec = get_model_preset("tiny-deepseek-v3")
+    model = CausalLM(spec, TPLayout(0, 1, 48, 4, 4, 0, 0, 256, 1024, 1024, moe_intermediate=64,
+                                    shared_intermediate=64))
+    model.block = SparseMoeBlock(spec, model.layout, model.tp, float32_router=True)
+    model.to(torch.bfloat16).finish_build(torch.device("cpu"))
+    assert model.block.gate.weight.dtype == torch.float32
+    assert model.block.gate.e_score_correction_bias.dtype == torch.float32  # type: ignore[union-attr]
+    assert model.block.experts.w13.dtype == torch.bfloat16
