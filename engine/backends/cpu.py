@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo, grouped_experts
+from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo, grouped_experts, linear_expert
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,8 @@ class CPUBackend(Backend):
         inter = w2.shape[2]
 
         def run(rows: torch.Tensor, expert: int) -> torch.Tensor:
+            if rows.shape[0] == 1:  # one row: F.linear's matrix-vector product beats the packed matmul
+                return linear_expert(rows, w13[expert], w2[expert])
             p13, p2 = packed[expert]
             h = torch.ops.mkldnn._linear_pointwise(rows, p13, None, "none", [], "")
             out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(F.silu(h[:, :inter]) * h[:, inter:], p2, None,
