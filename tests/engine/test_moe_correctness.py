@@ -3,9 +3,9 @@
 Three checkpoints: a Qwen3-MoE written by transformers itself (`Qwen3MoeForCausalLM(config).save_pretrained`), one
 written by our `create-dummy` writer, and a Qwen2-MoE written by transformers (qkv bias, a shared expert with its
 sigmoid gate). Dense and MoE layers are mixed (mlp_only_layers, decoder_sparse_step). The correctness suite's
-patterns: 8 prompts of different lengths as one continuous batch with block size 4, prefix-cache hits, a forced
-preemption; then tensor parallel (worldSize 2) in the engine, through `npuserve generate` and `npuserve serve`.
-Float32, weights of std 0.3 (norm scales near 1) so argmax is not fragile.
+patterns: 8 prompts of different lengths as one continuous batch with block size 4, prefix-cache hits, forced
+preemptions (recompute, swap); then tensor parallel (worldSize 2) in the engine, through `npuserve generate`
+and `npuserve serve`. Float32, weights of std 0.3 (norm scales near 1) so argmax is not fragile.
 """
 
 from __future__ import annotations
@@ -115,11 +115,14 @@ def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object)
     assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
 
 
-def test_preemption_matches_transformers(model_dir: Path, hf_model: object) -> None:
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_matches_transformers(model_dir: Path, hf_model: object, preempt: str) -> None:
     batch = prompts()
-    engine = make_engine(model_dir, kv_blocks=40, threshold=0.99, maxPreemptCount=8)  # swap
+    engine = make_engine(model_dir, kv_blocks=40, threshold=0.99, maxPreemptCount=8 if preempt == "swap" else 0)
     outs = engine.generate(batch, GREEDY)
     assert engine.scheduler.num_preemptions_total > 0
+    if preempt == "swap":
+        assert engine.runner._host_kv_caches is not None
     assert [o.token_ids for o in outs] == reference(hf_model, batch)
     assert engine.kv.num_used_blocks == 0
 
