@@ -237,8 +237,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
 
 
 def linear_expert(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert: w13 (2I, H) gate rows then up rows, w2 (H, I). `F.linear`, not `rows @ w.t()`: on the CPU the
-    latter copies the transposed weight (10x slower)."""
+    """One expert: w13 (2I, H) gate rows then up rows, w2 (H, I)."""
     h = nn.functional.linear(rows, w13)
     inter = w2.shape[1]
     return nn.functional.linear(nn.functional.silu(h[:, :inter]) * h[:, inter:], w2)

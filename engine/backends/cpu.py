@@ -6,8 +6,9 @@ axis, so K and V are never repeated: q `(B, kv_heads, group * q_len, d)` against
 
 Mixture of experts: the base's grouped reference, except that `prepare_model` hands each expert's weights to
 oneDNN once, packed in its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`), where this torch has it:
-a routed expert's matmul has only a few rows (its tokens), and `F.linear` then spends more time repacking the
-weight on every call than multiplying (measured 2x on the MoE decode benchmark's experts). The packed copy
+a routed expert's matmul has only a few rows (its tokens), and on those the packed matmul is 1.7x (one thread) to
+2x (two) faster than `F.linear` (32 tokens, 64 experts top-8, hidden 512, intermediate 256; one row: F.linear,
+which is then as fast or faster, is kept). The packed copy
 doubles the expert weights' host memory; the parameters stay as they are (the loader's, the other ranks').
 """
 
