@@ -137,3 +137,29 @@ def test_rms_norm_matches_float32_reference() -> None:
     torch.testing.assert_close(rms_norm(x, gamma, 1e-6), want)
     assert math.isclose(float(rms_norm(torch.tensor([[3.0, 4.0]]), torch.ones(2), 0.0).pow(2).mean()), 1.0,
                         rel_tol=1e-6)
+
+
+@pytest.mark.parametrize(("factor", "mscale", "mscale_all_dim", "original"),
+                         [(4.0, 1.0, 1.0, 128), (40.0, 0.707, 0.707, 4096), (8.0, 1.0, 0.0, 256), (16.0, 0.5, 1.0, 64)])
+def test_yarn_tables_and_scale_match_transformers(factor: float, mscale: float, mscale_all_dim: float,
+                                                   original: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    from npuserve.engine.model.layers import RotaryEmbedding, mla_softmax_scale
+
+    rope = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original, "beta_fast": 32,
+            "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale_all_dim, "rope_theta": 10000.0}
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, max_position_embeddings=original * int(factor), rope_parameters=rope)
+    theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(config)
+    positions = torch.tensor([[0, 1, 7, 100, original - 1, original * int(factor) - 1]])
+    cos, sin = theirs(torch.zeros(1, dtype=torch.float32), positions)
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    ours = RotaryEmbedding(16, original * int(factor), 10000.0, scaling)
+    our_cos, our_sin = ours.cos_sin(positions[0])
+    torch.testing.assert_close(our_cos, cos[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_sin, sin[0], rtol=1e-5, atol=1e-6)
+    attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(config, 0)
+    assert math.isclose(mla_softmax_scale(32, scaling), attention.scaling, rel_tol=1e-12)
+    assert mla_softmax_scale(32, None) == 32**-0.5
