@@ -102,10 +102,17 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, layout: TPLayout, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, spec.hidden_size, tp)
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+        rotary = self.make_rotary(spec)
         self.rotary = rotary
-        self.layers = nn.ModuleList([DecoderLayer(spec, rotary, layout, tp) for _ in range(spec.num_layers)])
+        self.layers = nn.ModuleList([self.make_layer(spec, i, rotary, layout, tp) for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def make_rotary(self, spec: ModelSpec) -> RotaryEmbedding:
+        return RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+
+    def make_layer(self, spec: ModelSpec, index: int, rotary: RotaryEmbedding, layout: TPLayout,
+                   tp: TensorParallel) -> nn.Module:
+        return DecoderLayer(spec, rotary, layout, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -116,14 +123,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings."""
+    """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings. Another family
+    with the same embedding, head and logits (DeepSeek) subclasses it with its own `decoder_class`."""
+
+    decoder_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, spec: ModelSpec, layout: TPLayout | None = None, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__()
         self.spec = spec
         self.layout = layout or TPLayout.of(spec)
         self.tp = tp
-        self.model = LlamaModel(spec, self.layout, tp)
+        self.model = self.decoder_class(spec, self.layout, tp)
         self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_rows, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

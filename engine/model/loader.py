@@ -6,6 +6,11 @@ HF tensor names are mapped onto the fused parameters: `q_proj`, `k_proj`, `v_pro
 each rank reads only its slice of each tensor (`TPLayout.hf_slice`, through safetensors' lazy slices), so no rank
 holds the whole model in memory; random weights are drawn whole, in the same order as with one rank, and sliced
 the same way, so a model split over ranks is the same model.
+
+DeepSeek-V2/V3 (`deepseek.py`): the attention tensors keep their HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or
+`q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`), each rank reading its heads' rows or
+columns; the tensors of the multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`, in the V3/R1
+releases) are skipped, since that layer is not served.
 """
 
 from __future__ import annotations
@@ -32,11 +37,20 @@ class WeightLoadError(RuntimeError):
     """The checkpoint does not match the model (missing, unexpected or misshapen tensors)."""
 
 
+def model_class(spec: ModelSpec) -> type[LlamaForCausalLM]:
+    """The module class that serves the spec's architecture."""
+    if spec.mla is not None:
+        from npuserve.engine.model.deepseek import DeepseekForCausalLM
+
+        return DeepseekForCausalLM
+    return LlamaForCausalLM
+
+
 def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, layout: TPLayout | None = None,
                 tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
     """An uninitialised model (this rank's slice of it) on `device` (parameters allocated, not filled)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, layout, tp)
+        model = model_class(spec)(spec, layout, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -103,7 +117,7 @@ def _load_tensor(params: dict[str, nn.Parameter], layout: TPLayout, name: str, t
     """Copies one HF tensor (already this rank's slice) into its parameter, or its piece of a fused one."""
     target, piece = name, None
     for hf, (ours, index) in _FUSED_PIECES.items():
-        if f".{hf}." in name:
+        if f".{hf}." in name and not (layout.mla_v_dim and hf.startswith("self_attn.")):  # MLA: names as in HF
             target, piece = name.replace(hf, ours), index
             break
     param = params.get(target)
@@ -143,13 +157,24 @@ def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
+    mtp_prefix = f"model.layers.{spec.num_layers}."
     for name, lazy in iterate_hf_tensors(Path(folder)):
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if spec.mla is not None and _is_mtp(name, spec.num_layers, mtp_prefix):
+            continue  # DeepSeek's multi-token-prediction layer: not served
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
         _load_tensor(params, layout, name, _take(layout, name, lazy), filled, fused_rows)
     _check_filled(model, params, filled, fused_rows)
+
+
+def _is_mtp(name: str, num_layers: int, prefix: str) -> bool:
+    """A tensor of a layer past the last decoder layer (DeepSeek's MTP layers, `num_nextn_predict_layers`)."""
+    if name.startswith(prefix):
+        return True
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:
@@ -170,7 +195,7 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02
                 param.copy_(_dummy_value(name, tuple(param.shape), gen, std))
         return
     with torch.device("meta"):
-        whole = LlamaForCausalLM(model.spec)
+        whole = type(model)(model.spec)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
