@@ -17,25 +17,20 @@ from npuserve.engine.backends.base import AttentionMetadata
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding
 from npuserve.engine.model.llama import MLP, LlamaForCausalLM, LlamaModel
 from npuserve.engine.model.mla import MLAttention
+from npuserve.engine.model.moe import SparseMoeBlock
 from npuserve.engine.parallel.comm import TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.modelspec import ModelSpec
 
 
-def _mlp(spec: ModelSpec, index: int, layout: TPLayout, tp: TensorParallel) -> nn.Module:
-    if spec.moe is None or not spec.moe.is_moe_layer(index):
-        return MLP(spec, layout, tp)
-    raise NotImplementedError("the DeepSeek MoE block is not built yet (engine/model/moe.py)")
-
-
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, index: int, rotary: RotaryEmbedding, layout: TPLayout,
-                 tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel,
+                 mlp: nn.Module | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = MLAttention(spec, rotary, layout, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = _mlp(spec, index, layout, tp)
+        self.mlp = mlp if mlp is not None else MLP(spec, layout, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -52,14 +47,22 @@ class DeepseekModel(LlamaModel):
                                spec.rope_scaling)
 
     def make_layer(self, spec: ModelSpec, index: int, rotary: RotaryEmbedding, layout: TPLayout,
-                   tp: TensorParallel) -> nn.Module:
-        return DeepseekDecoderLayer(spec, index, rotary, layout, tp)
+                   tp: TensorParallel, mlp: nn.Module | None) -> nn.Module:
+        return DeepseekDecoderLayer(spec, rotary, layout, tp, mlp)
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):
     """V2 and V3 alike: the spec's `mla` (q_lora or not, interleaved rope) and `moe` (routing) fields differ."""
 
     decoder_class = DeepseekModel
+
+    def layer_mlp(self, index: int) -> nn.Module | None:
+        """The MoE block (float32 router, DeepSeek's routing rule from the spec, the shared experts) on the layers
+        past `first_k_dense_replace`; the dense MLP (intermediate_size) before."""
+        moe = self.spec.moe
+        if moe is None or not moe.is_moe_layer(index):
+            return None
+        return SparseMoeBlock(self.spec, self.layout, self.tp, float32_router=True)
 
     def mla_layers(self) -> list[MLAttention]:
         return [cast(MLAttention, layer.self_attn) for layer in self.model.layers]
