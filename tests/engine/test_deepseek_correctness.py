@@ -62,14 +62,14 @@ def write_hf_checkpoint(kind: str, folder: Path, seed: int = 0, **config: int) -
     return folder
 
 
-def create_dummy(folder: Path, *overrides: str) -> Path:
-    """`npuserve model create-dummy --preset tiny-deepseek-v3`, std 0.3."""
+def create_dummy(folder: Path, preset: str = "tiny-deepseek-v3", *overrides: str) -> Path:
+    """`npuserve model create-dummy --preset <preset>`, std 0.3."""
     import subprocess
     import sys
 
     npuserve = str(Path(sys.executable).parent / "npuserve")
     sets = [arg for o in overrides for arg in ("--set", o)]
-    run = subprocess.run([npuserve, "model", "create-dummy", "--preset", "tiny-deepseek-v3", "--out", str(folder),
+    run = subprocess.run([npuserve, "model", "create-dummy", "--preset", preset, "--out", str(folder),
                           "--seed", "3", "--init-std", "0.3", *sets], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     return folder
@@ -122,6 +122,8 @@ def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: ob
     latent, rope = engine.runner.kv_caches[0]
     assert latent.shape[1:] == (4, 1, engine.spec.mla.kv_lora_rank)  # type: ignore[union-attr]
     assert rope.shape[1:] == (4, 1, engine.spec.mla.qk_rope_head_dim)  # type: ignore[union-attr]
+    layer_bytes = sum(t.numel() * t.element_size() for t in engine.runner.kv_caches[0])
+    assert engine.spec.kv_bytes_per_block(4) == layer_bytes // latent.shape[0] * engine.spec.num_layers
     outs = engine.generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == reference(hf_model, batch)
     assert all(o.metrics["prefill_batch_size"] == len(batch) for o in outs)
@@ -170,13 +172,17 @@ def test_chunked_prefill_with_recompute_matches_transformers(model_dir: Path, hf
     assert [outputs[r] for r in ids] == reference(hf_model, batch)
 
 
-def test_create_dummy_tiny_deepseek_v3_loads_in_transformers_and_matches(tmp_path: Path) -> None:
-    """The preset's folder (q_lora, YaRN, a dense layer then sigmoid grouped MoE with the correction bias) is a
-    DeepseekV3ForCausalLM to transformers, and the engine generates what it does."""
-    folder = create_dummy(tmp_path / "tiny-deepseek-v3")
+@pytest.mark.parametrize(("preset", "architecture"), [("tiny-deepseek-v3", "DeepseekV3ForCausalLM"),
+                                                     ("tiny-deepseek-v2-lite", "DeepseekV2ForCausalLM")])
+def test_create_dummy_loads_in_transformers_and_matches(tmp_path: Path, preset: str, architecture: str) -> None:
+    """The preset's folder (V3: q_lora, YaRN, a dense layer then sigmoid grouped MoE with the correction bias; V2-Lite:
+    q_proj, YaRN mscale 0.707, greedy softmax MoE) is that class to transformers, and the engine generates what it
+    does."""
+    folder = create_dummy(tmp_path / preset, preset)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
-    assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0  # written and read, not zeros
-    batch = prompts()[:4]
+    assert type(hf).__name__ == architecture
+    if preset == "tiny-deepseek-v3":
+        assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0  # written and read, not zeros
+    batch = prompts()[:3]
     outs = make_engine(folder).generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == reference(hf, batch)
