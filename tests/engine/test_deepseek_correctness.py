@@ -186,3 +186,14 @@ def test_create_dummy_loads_in_transformers_and_matches(tmp_path: Path, preset: 
     batch = prompts()[:3]
     outs = make_engine(folder).generate(batch, GREEDY)
     assert [o.token_ids for o in outs] == reference(hf, batch)
+
+
+def test_forked_greedy_choices_match_transformers(model_dir: Path, hf_model: object) -> None:
+    """n=3 forks at the first prefill: the partial last block is copied (both MLA caches) for each choice."""
+    batch = prompts()[:4]  # 3, 7, 12 and 1 tokens: partial last blocks (block size 4) and a full one
+    engine = make_engine(model_dir, maxBatchSize=12)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=3)
+    outs = engine.generate_all(batch, params)
+    for choices, ref in zip(outs, reference(hf_model, batch), strict=True):
+        assert [c.token_ids for c in choices] == [ref] * 3
+    assert engine.kv.num_used_blocks == 0

@@ -163,3 +163,48 @@ def test_yarn_tables_and_scale_match_transformers(factor: float, mscale: float, 
     attention = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention(config, 0)
     assert math.isclose(mla_softmax_scale(32, scaling), attention.scaling, rel_tol=1e-12)
     assert mla_softmax_scale(32, None) == 32**-0.5
+
+
+def test_the_backend_interface_the_npu_backend_overrides() -> None:
+    """The MLA methods' signatures are a contract with the npu backend: a change here is a change there."""
+    import inspect
+
+    from npuserve.engine.backends.base import Backend
+
+    def params(name: str) -> list[str]:
+        return list(inspect.signature(getattr(Backend, name)).parameters)
+
+    assert params("allocate_mla_cache") == ["self", "num_layers", "num_blocks", "block_size", "kv_lora_rank",
+                                            "rope_dim", "dtype", "device"]
+    assert params("mla_write_cache") == ["self", "kv_a", "gamma", "eps", "cos", "sin", "slot_mapping", "latent_cache",
+                                         "rope_cache", "interleaved"]
+    assert params("mla_decode_attention") == ["self", "q_latent", "q_pe", "latent_cache", "rope_cache", "meta",
+                                              "scale"]
+    assert params("mla_rotate_q") == ["self", "q_pe", "cos", "sin", "interleaved"]
+    assert params("mla_gather_context") == ["self", "latent_cache", "rope_cache", "meta"]
+    assert params("mla_prefill_attention") == ["self", "q", "k", "v", "meta", "scale"]
+
+
+def test_block_copies_reach_both_mla_caches() -> None:
+    """The runner hands `copy_blocks` each MLA cache as a (1, blocks, ...) view: a fork copy and a swap out and back
+    land in the caches themselves."""
+    from npuserve.engine.runner import _block_tensors
+
+    backend = CPUBackend()
+    device = backend.allocate_mla_cache(2, 5, BLOCK, RANK, ROPE, torch.float32)
+    host = backend.allocate_mla_cache(2, 3, BLOCK, RANK, ROPE, torch.float32)
+    for latent, rope in device:
+        latent.normal_()
+        rope.normal_()
+    blocks, host_blocks = _block_tensors(device), _block_tensors(host)
+    assert len(blocks) == 4 and all(t.shape[0] == 1 for t in blocks)
+    backend.copy_blocks(blocks, blocks, [(1, 4)])
+    backend.copy_blocks(blocks, host_blocks, [(2, 0)])
+    before = [(latent[2].clone(), rope[2].clone()) for latent, rope in device]
+    for latent, rope in device:
+        latent[2].zero_()
+        rope[2].zero_()
+    backend.copy_blocks(host_blocks, blocks, [(0, 2)])
+    for (latent, rope), (was_latent, was_rope) in zip(device, before, strict=True):
+        assert torch.equal(latent[4], latent[1]) and torch.equal(rope[4], rope[1])
+        assert torch.equal(latent[2], was_latent) and torch.equal(rope[2], was_rope)
