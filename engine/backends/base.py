@@ -4,6 +4,10 @@ A backend owns the device: it allocates the paged KV cache (one tensor per layer
 `(2, num_blocks, block_size, num_kv_heads, head_dim)`), writes the new tokens' K and V into their slots, runs
 prefill attention (the new tokens over any prefix-cache hit plus themselves) and decode attention (one token
 over its block table), copies blocks between device and host for swapping, synchronizes and reports memory.
+
+Mixture of experts: `moe_select_experts` (the router's rule: which experts each token goes to, with which weight)
+and `moe_experts` (the routed experts' SwiGLU MLPs over the tokens sent to them, weighted and summed per token).
+The torch reference here is the CPU's; a device backend overrides them with its fused kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from npuserve.modelspec import MoESpec
 
 
 @dataclass(slots=True)
@@ -154,3 +160,70 @@ class Backend(ABC):
         if meta.is_prefill:
             return self.prefill_attention(q, kv_cache, meta)
         return self.decode_attention(q, kv_cache, meta)
+
+    # --- mixture of experts -------------------------------------------------------------------------------------
+
+    def moe_select_experts(self, router_logits: torch.Tensor, moe: MoESpec,
+                           correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's choice, as transformers computes it (the rules on `MoESpec`): router_logits `(T, E)` ->
+        (weights `(T, K)` float32, routed_scaling_factor applied; expert ids `(T, K)` int32). `correction_bias`
+        (E,): DeepSeek-V3's `e_score_correction_bias`, added to the scores for the choice only. The order of the K
+        columns is not part of the contract (only the (id, weight) pairs of each row are)."""
+        return select_experts(router_logits, moe, correction_bias)
+
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+        """The routed experts: x `(T, H)`, weights and ids `(T, K)` (from `moe_select_experts`), w13
+        `(E, 2*I, H)` (each expert's gate rows, then its up rows: this rank's I), w2 `(E, H, I)` ->
+        `(T, H)` in x's dtype, out[t] = sum_k weights[t, k] * w2[e] @ (silu(gate_e x[t]) * up_e x[t]) with
+        e = ids[t, k]. Under tensor parallel this is this rank's partial sum; no all-reduce inside."""
+        return grouped_experts(x, weights, ids, w13, w2)
+
+
+def select_experts(router_logits: torch.Tensor, moe: MoESpec,
+                   correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference of `Backend.moe_select_experts`, step for step as transformers' routers (float32)."""
+    logits = router_logits.float()
+    scores = logits.sigmoid() if moe.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if moe.grouped:
+        tokens, per_group = choice.shape[0], moe.num_experts // moe.n_group
+        grouped = choice.view(tokens, moe.n_group, per_group)
+        # DeepSeek-V3 (noaux_tc): a group's score is the sum of its best two; V2 (group_limited_greedy): its best
+        group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if moe.topk_method == "noaux_tc"
+                        else grouped.max(dim=-1).values)
+        kept = group_scores.topk(moe.topk_group, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        keep = keep.unsqueeze(-1).expand(-1, -1, per_group).reshape(tokens, moe.num_experts)
+        # transformers masks with -inf for V3 (the biased scores may be negative) and 0.0 for V2 (softmax >= 0)
+        choice = choice.masked_fill(~keep, float("-inf") if moe.topk_method == "noaux_tc" else 0.0)
+    ids = choice.topk(moe.num_experts_per_tok, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)  # the un-biased scores (with no bias these are the top-k values themselves)
+    if moe.norm_topk_prob:
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20 if moe.scoring_func == "sigmoid" else total)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return weights, ids.to(torch.int32)
+
+
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+    """The torch reference of `Backend.moe_experts`: the (token, k) pairs sorted by expert, each selected expert's
+    rows run as one contiguous group (only the experts the batch selects), weighted, summed back per token."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = flat.argsort(stable=True)
+    token_of = order // top_k  # the token of each sorted pair
+    counts = torch.bincount(flat, minlength=w13.shape[0])
+    rows = x.index_select(0, token_of)
+    inter = w2.shape[2]
+    out = torch.empty_like(rows)
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            h = rows[start : start + n] @ w13[expert].t()
+            out[start : start + n] = (nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[expert].t()
+            start += n
+    scaled = (out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1).float()).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, token_of, scaled)
