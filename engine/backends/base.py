@@ -8,6 +8,12 @@ over its block table), copies blocks between device and host for swapping, synch
 Mixture of experts: `moe_select_experts` (the router's rule: which experts each token goes to, with which weight)
 and `moe_experts` (the routed experts' SwiGLU MLPs over the tokens sent to them, weighted and summed per token).
 The torch reference here is the CPU's; a device backend overrides them with its fused kernels.
+
+Multi-head latent attention (DeepSeek-V2/V3, `mla_*` methods) keeps two caches per layer instead, as vllm-ascend does:
+`latent` `(num_blocks, block_size, 1, kv_lora_rank)` with the RMS-normed `c_kv` and `rope`
+`(num_blocks, block_size, 1, qk_rope_head_dim)` with the rotated shared key `k_pe`. Decode attends in the absorbed
+form over both caches; prefill expands the gathered latent with `kv_b_proj` and runs ordinary causal attention.
+The methods here are the torch reference; a device backend overrides them with its fused ops.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from npuserve.modelspec import MoESpec
@@ -128,6 +135,18 @@ class Backend(ABC):
         for s, d in zip(src, dst, strict=True):
             d[:, dst_idx] = s[:, src_idx].to(d.device, non_blocking=not to_host)
 
+    def allocate_mla_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+        dtype: torch.dtype, device: torch.device | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(latent, rope) per layer: `(num_blocks, block_size, 1, kv_lora_rank)` and `(num_blocks, block_size, 1,
+        rope_dim)`, both contiguous. The runner copies their blocks with `copy_blocks`, given as `(1, num_blocks, ...)`
+        views (block axis 1, like the dense cache's)."""
+        where = device or self.device
+        return [(torch.zeros((num_blocks, block_size, 1, kv_lora_rank), dtype=dtype, device=where),
+                 torch.zeros((num_blocks, block_size, 1, rope_dim), dtype=dtype, device=where))
+                for _ in range(num_layers)]
+
     def synchronize(self) -> None:
         return None
 
@@ -147,6 +166,97 @@ class Backend(ABC):
     @abstractmethod
     def decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: (batch, heads, head_dim), one token per sequence, over its block table. Returns the same shape."""
+
+    # --- multi-head latent attention (DeepSeek) ------------------------------------------------------------------
+    #
+    # Rope layout, shared by `mla_write_cache` (k_pe) and `mla_rotate_q` (q_pe): `cos`, `sin` are `(T, rope_dim)`,
+    # the rotary table's rows at the tokens' positions in the "halves" form (`cos[:, i] == cos[:, i + rope_dim/2]`
+    # = cos(position x inv_freq[i]) x YaRN's attention factor). `interleaved=False`: neox rope (channel i pairs with
+    # i + rope_dim/2). `interleaved=True` (DeepSeek): channel 2i pairs with 2i+1; the input is first de-interleaved
+    # (evens, then odds) and then rotated as neox, so the output is in the halves order, exactly as transformers'
+    # `apply_rotary_pos_emb_interleave` leaves it. q_pe and k_pe only ever meet in a dot product, so any order that
+    # the two methods share is right; a backend overriding one overrides both.
+
+    def mla_rotate_q(self, q_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """q_pe `(T, N, rope_dim)` rotated, in the same layout as `mla_write_cache`'s k_pe."""
+        return rope_rotate(q_pe, cos.unsqueeze(1), sin.unsqueeze(1), interleaved)
+
+    def mla_write_cache(
+        self, kv_a: torch.Tensor, gamma: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+        slot_mapping: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor, interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_a `(T, kv_lora_rank + rope_dim)` (kv_a_proj_with_mqa's output): the first `kv_lora_rank` channels
+        RMS-normalised with `gamma`/`eps` (in float32, cast back), the rest rotated with `cos`/`sin` (layout above);
+        both written at `slot_mapping` (block * block_size + offset). Returns (c_kv `(T, kv_lora_rank)`,
+        k_pe `(T, rope_dim)`). On Ascend: one `npu_kv_rmsnorm_rope_cache`."""
+        rank = latent_cache.shape[-1]
+        c, pe = kv_a[..., :rank], kv_a[..., rank:]
+        c_kv = rms_norm(c, gamma, eps)
+        k_pe = rope_rotate(pe, cos, sin, interleaved)
+        latent_cache.view(-1, rank).index_copy_(0, slot_mapping, c_kv.to(latent_cache.dtype))
+        rope_cache.view(-1, rope_cache.shape[-1]).index_copy_(0, slot_mapping, k_pe.to(rope_cache.dtype))
+        return c_kv, k_pe
+
+    def mla_decode_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """The absorbed decode: q_latent `(B, N, kv_lora_rank)` (q_nope times W_UK), q_pe `(B, N, rope_dim)`
+        rotated; one query per sequence over its block table. scores = (q_latent . c_kv + q_pe . k_pe) x scale,
+        values = c_kv. Returns `(B, N, kv_lora_rank)` (the layer applies W_UV, then o_proj). Reference: every
+        sequence's cache rows gathered to the longest context, one SDPA with the heads on the query axis (MQA)."""
+        if meta.cache is None:
+            meta.cache = {}
+        batch, heads, rank = q_latent.shape
+        slots, length = mla_padded_slots(meta, latent_cache.shape[1])
+        c_kv = latent_cache.view(-1, rank).index_select(0, slots).view(batch, 1, length, rank)
+        k_pe = rope_cache.view(-1, rope_cache.shape[-1]).index_select(0, slots).view(batch, 1, length, -1)
+        keys = torch.cat([c_kv, k_pe], dim=-1)
+        query = torch.cat([q_latent, q_pe], dim=-1).unsqueeze(1)  # (B, 1, N, rank + rope)
+        visible = torch.arange(length, device=slots.device).view(1, -1) < meta.context_lens.view(-1, 1)
+        out = F.scaled_dot_product_attention(query, keys, c_kv, attn_mask=visible.view(batch, 1, 1, length),
+                                             scale=scale)
+        return out.view(batch, heads, rank)
+
+    def mla_gather_context(
+        self, latent_cache: torch.Tensor, rope_cache: torch.Tensor, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's whole context (cached prefix and the new tokens, already written), concatenated in
+        sequence order: (c_kv `(S, kv_lora_rank)`, k_pe `(S, rope_dim)`), S = sum(context_lens). The expanded
+        prefill runs `kv_b_proj` over it (on Ascend: `npu_paged_cache_load`)."""
+        if meta.cache is None:
+            meta.cache = {}
+        slots = meta.cache.get("mla_context_slots")
+        if slots is None:
+            block_size = latent_cache.shape[1]
+            rows = []
+            for b, length in enumerate(meta.context_lens.tolist()):
+                pos = torch.arange(length, device=meta.block_tables.device)
+                rows.append(meta.block_tables[b].index_select(0, pos // block_size) * block_size + pos % block_size)
+            slots = torch.cat(rows)
+            meta.cache["mla_context_slots"] = slots
+        c_kv = latent_cache.view(-1, latent_cache.shape[-1]).index_select(0, slots)
+        k_pe = rope_cache.view(-1, rope_cache.shape[-1]).index_select(0, slots)
+        return c_kv, k_pe
+
+    def mla_prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        """The expanded prefill: q `(T, N, qk_head_dim)` of the new tokens; k `(S, N, qk_head_dim)` and v
+        `(S, N, v_head_dim)` of every sequence's whole context, laid out as `mla_gather_context` returns it. Causal:
+        new token i of sequence b sees context rows 0 .. context_len - query_len + i. Returns `(T, N, v_head_dim)`."""
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        key_start = 0
+        for b, (length, new) in enumerate(zip(meta.context_lens.tolist(), meta.query_lens.tolist(), strict=True)):
+            lo = meta.query_start[b]
+            qb = q[lo : lo + new].transpose(0, 1)  # (N, new, d)
+            keys = slice(key_start, key_start + length)
+            kb, vb = k[keys].transpose(0, 1), v[keys].transpose(0, 1)
+            rows = torch.arange(new, device=q.device).view(-1, 1) + (length - new)
+            mask = torch.arange(length, device=q.device).view(1, -1) <= rows
+            out[lo : lo + new] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale).transpose(0, 1)
+            key_start += length
+        return out
 
     def attention(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -227,3 +337,36 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w
             start += n
     scaled = (out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1).float()).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+# --- helpers of the MLA reference ------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32, cast back (as transformers' DeepseekV3RMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return gamma * xf.to(x.dtype)
+
+
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x `(..., d)` rotated with `cos`/`sin` broadcastable to it (halves form, `Backend` MLA comment); an interleaved
+    input is de-interleaved first, so the output is in the halves order."""
+    if interleaved:
+        x = x.reshape(*x.shape[:-1], -1, 2).transpose(-1, -2).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def mla_padded_slots(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, int]:
+    """The cache slots of every sequence's positions 0 .. max_context_len-1, `(B * L,)` (padding rows read slot
+    garbage that the mask hides), and L; built once per step."""
+    assert meta.cache is not None
+    slots = meta.cache.get("mla_slots")
+    length = meta.max_context_len
+    if slots is None:
+        positions = torch.arange(length, device=meta.block_tables.device)
+        blocks = meta.block_tables.index_select(1, positions // block_size)
+        slots = (blocks * block_size + positions % block_size).reshape(-1)
+        meta.cache["mla_slots"] = slots
+    return slots, length
