@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from npuserve.engine.backends import Backend, get_backend
-from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.model.base import CausalLM
 from npuserve.engine.model.loader import TORCH_DTYPES, load_model
 from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel, connect
 from npuserve.engine.parallel.layout import TPLayout
@@ -43,7 +43,7 @@ class BuiltRank:
     spec: ModelSpec
     backend: Backend
     dtype: torch.dtype
-    model: LlamaForCausalLM
+    model: CausalLM
     kv_plan: KVPlan
     runner: ModelRunner
     tp: TensorParallel
@@ -51,7 +51,7 @@ class BuiltRank:
     load_seconds: float
 
 
-def _profile_activations(model: LlamaForCausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> int:
+def _profile_activations(model: CausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> int:
     """A prefill of the largest step the scheduler may run, over scratch blocks, so that the KV budget leaves room
     for its activations: their peak in bytes where the backend measures it, else 0 (its blocks then stay in the
     allocator's cache, counted as used)."""

@@ -36,7 +36,7 @@ from npuserve.engine.backends.base import Backend
 from npuserve.engine.batch import FlatBatch, ScratchRow, build_decode, build_prefill
 from npuserve.engine.decode_graphs import DecodeGraphs
 from npuserve.engine.guided_mask import apply_bitmask
-from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.model.base import CausalLM
 from npuserve.engine.parallel.batch_delta import BatchKind, BatchMirror, DeltaSender
 from npuserve.engine.parallel.step_message import Op, StepChannel, StepMessage
 from npuserve.engine.sampler import Sampler, SamplerOutput
@@ -140,7 +140,7 @@ class OperationProgress:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
+    def __init__(self, model: CausalLM, backend: Backend, plan: KVPlan, kv_dtype: torch.dtype,
                  logprobs_mode: LogprobsMode = "processed_logprobs", channel: StepChannel | None = None,
                  graph_batch_size: int = 0, max_seq_len: int = 0) -> None:
         """`graph_batch_size` > 0 (with `max_seq_len`): decode graphs up to that batch when the backend has them;
@@ -168,8 +168,8 @@ class ModelRunner:
                                               block_size=plan.block_size, scratch_block=plan.num_blocks)
         self.kv_dtype = kv_dtype
         self._host_kv_caches: list[torch.Tensor] | None = None  # allocated at the first swap-out
+        model.bind_backend(backend)  # attention layers and MoE blocks
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
-            layer.backend = backend
             layer.kv_cache = cache
         self.sampler = Sampler(logprobs_mode)
         self.progress = OperationProgress()

@@ -39,12 +39,37 @@ def hf_weight_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield p + "self_attn.k_norm.weight", (spec.head_dim,)
         yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
-        yield p + "mlp.gate_proj.weight", (spec.intermediate_size, h)
-        yield p + "mlp.up_proj.weight", (spec.intermediate_size, h)
-        yield p + "mlp.down_proj.weight", (h, spec.intermediate_size)
+        yield from _mlp_shapes(spec, i, p)
     yield "model.norm.weight", (h,)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", (spec.vocab_size, h)
+
+
+def _mlp_shapes(spec: ModelSpec, index: int, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Layer `index`'s MLP tensors: dense, or the MoE block's (router, each routed expert, the shared expert) in
+    the per-expert naming of the published checkpoints and of transformers' `save_pretrained`."""
+    h, moe = spec.hidden_size, spec.moe
+    if moe is None or not moe.is_moe_layer(index):
+        yield p + "mlp.gate_proj.weight", (spec.intermediate_size, h)
+        yield p + "mlp.up_proj.weight", (spec.intermediate_size, h)
+        yield p + "mlp.down_proj.weight", (h, spec.intermediate_size)
+        return
+    inter = moe.moe_intermediate_size
+    yield p + "mlp.gate.weight", (moe.num_experts, h)
+    if moe.e_score_correction_bias:
+        yield p + "mlp.gate.e_score_correction_bias", (moe.num_experts,)
+    for e in range(moe.num_experts):
+        yield p + f"mlp.experts.{e}.gate_proj.weight", (inter, h)
+        yield p + f"mlp.experts.{e}.up_proj.weight", (inter, h)
+        yield p + f"mlp.experts.{e}.down_proj.weight", (h, inter)
+    shared, name = moe.shared_expert_intermediate_size, "shared_expert" if spec.model_type == "qwen2_moe" \
+        else "shared_experts"
+    if shared:
+        yield p + f"mlp.{name}.gate_proj.weight", (shared, h)
+        yield p + f"mlp.{name}.up_proj.weight", (shared, h)
+        yield p + f"mlp.{name}.down_proj.weight", (h, shared)
+    if moe.shared_expert_gate:
+        yield p + "mlp.shared_expert_gate.weight", (1, h)
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:

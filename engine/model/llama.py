@@ -11,12 +11,14 @@ and of the LM head (logits gathered to rank 0). With one rank every collective i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
 from torch import nn
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend
+from npuserve.engine.model.base import CausalLM
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
@@ -84,13 +86,18 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out * inside.unsqueeze(-1).to(out.dtype))
 
 
+# A layer's MLP by its index (a mixture-of-experts model puts its MoE block on some layers); None: the dense MLP.
+MLPFactory = Callable[[int], nn.Module | None]
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = Attention(spec, rotary, layout, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec, layout, tp)
+        self.mlp = mlp if mlp is not None else MLP(spec, layout, tp)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
@@ -99,12 +106,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, spec: ModelSpec, layout: TPLayout, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, layout: TPLayout, tp: TensorParallel,
+                 mlp_for: MLPFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, spec.hidden_size, tp)
         rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
         self.rotary = rotary
-        self.layers = nn.ModuleList([DecoderLayer(spec, rotary, layout, tp) for _ in range(spec.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(spec, rotary, layout, tp, mlp_for(i) if mlp_for else None)
+                                     for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -115,18 +124,25 @@ class LlamaModel(nn.Module):
         return out_
 
 
-class LlamaForCausalLM(nn.Module):
-    """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings."""
+class LlamaForCausalLM(CausalLM):
+    """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings. A subclass
+    changes some layers' MLP through `layer_mlp` (qwen_moe.py)."""
 
     def __init__(self, spec: ModelSpec, layout: TPLayout | None = None, tp: TensorParallel = SINGLE_RANK) -> None:
-        super().__init__()
-        self.spec = spec
-        self.layout = layout or TPLayout.of(spec)
-        self.tp = tp
-        self.model = LlamaModel(spec, self.layout, tp)
+        super().__init__(spec, layout, tp)
+        self.model = LlamaModel(spec, self.layout, tp, lambda i: self.layer_mlp(i))
         self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_rows, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def layer_mlp(self, index: int) -> nn.Module | None:
+        """Layer `index`'s MLP; None: the dense one. Called while the model is built (self.spec, layout, tp set)."""
+        return None
+
+    def finish_build(self, device: torch.device) -> None:
+        if self.spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model.rotary.reset(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states of every token, `(num_tokens, hidden)`."""

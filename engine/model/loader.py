@@ -4,13 +4,19 @@
 HF tensor names are mapped onto the fused parameters: `q_proj`, `k_proj`, `v_proj` into `qkv_proj` and
 `gate_proj`, `up_proj` into `gate_up_proj`, each at its offset along the output dimension. Under tensor parallel
 each rank reads only its slice of each tensor (`TPLayout.hf_slice`, through safetensors' lazy slices), so no rank
-holds the whole model in memory; random weights are drawn whole, in the same order as with one rank, and sliced
+holds the whole model in memory;
+Mixture of experts: the per-expert HF tensors `mlp.experts.E.{gate_proj,up_proj,down_proj}.weight` (what the
+published checkpoints and transformers' `save_pretrained` write) go into expert E of the fused `w13` (gate rows,
+then up rows) and `w2`; transformers' in-memory fused layout `mlp.experts.gate_up_proj` (E, 2I, H) and
+`mlp.experts.down_proj` (E, H, I) is read too. DeepSeek's `shared_experts` is our `shared_expert`.
+ random weights are drawn whole, in the same order as with one rank, and sliced
 the same way, so a model split over ranks is the same model.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from npuserve.engine.model.llama import LlamaForCausalLM
+from npuserve.engine.model.base import CausalLM
+from npuserve.engine.model.registry import model_class
 from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.engine_contract import DTYPE_BYTES
@@ -33,14 +40,12 @@ class WeightLoadError(RuntimeError):
 
 
 def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, layout: TPLayout | None = None,
-                tp: TensorParallel = SINGLE_RANK) -> LlamaForCausalLM:
+                tp: TensorParallel = SINGLE_RANK) -> CausalLM:
     """An uninitialised model (this rank's slice of it) on `device` (parameters allocated, not filled)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec, layout, tp)
+        model = model_class(spec)(spec, layout, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary.reset(device)
+    model.finish_build(device)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -53,18 +58,37 @@ _FUSED_PIECES: dict[str, tuple[str, int]] = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_expert.gate_proj": ("mlp.shared_expert.gate_up_proj", 0),
+    "mlp.shared_expert.up_proj": ("mlp.shared_expert.gate_up_proj", 1),
 }
+# a routed expert's HF tensor: (the experts module, expert index, projection)
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers' fused in-memory layout: gate_up_proj (E, 2I, H), gate rows first; down_proj (E, H, I)
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
-def _piece_offset(layout: TPLayout, fused: str, piece: int) -> int:
-    """Row offset of a piece inside this rank's fused parameter."""
+def _piece_offset(layout: TPLayout, fused: str, rows: int, piece: int) -> int:
+    """Row offset of a piece inside this rank's fused parameter of `rows` rows (gate-up: two equal halves)."""
     if ".qkv_proj." in fused:
         return (0, layout.q_size, layout.q_size + layout.kv_size)[piece]
-    return piece * layout.intermediate
+    return piece * (rows // 2)
+
+
+def hf_name(name: str) -> str:
+    """The name we read a checkpoint tensor under (DeepSeek's `shared_experts` is our `shared_expert`)."""
+    return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
 
 
 def _take(layout: TPLayout, name: str, tensor: Any) -> torch.Tensor:
     """This rank's slice of an HF tensor (`tensor`: a torch tensor or a safetensors lazy slice)."""
+    if _FUSED_EXPERTS.match(name) and layout.world_size > 1:
+        inter, start = layout.moe_intermediate, layout.rank * layout.moe_intermediate
+        if name.endswith("gate_up_proj"):  # this rank's gate rows and its up rows, each a run of `inter`
+            whole_inter = tensor.get_shape()[1] // 2 if not isinstance(tensor, torch.Tensor) else tensor.shape[1] // 2
+            return torch.cat([tensor[:, start : start + inter], tensor[:, whole_inter + start : whole_inter + start
+                                                                          + inter]], dim=1)
+        fused: torch.Tensor = tensor[:, :, start : start + inter]
+        return fused
     cut = layout.hf_slice(name) if layout.world_size > 1 else None
     if cut is None:
         whole: torch.Tensor = tensor if isinstance(tensor, torch.Tensor) else tensor[:]
@@ -98,9 +122,37 @@ def iterate_hf_tensors(folder: Path) -> Iterator[tuple[str, Any]]:
                 yield name, f.get_slice(name)
 
 
+def _load_expert(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor,
+                 fused_rows: dict[str, int]) -> bool:
+    """A routed expert's tensor (this rank's slice) into its place in `w13` / `w2`; False: not an expert's."""
+    match = _EXPERT.match(name)
+    if match is None:
+        return False
+    experts, index, proj = match.group(1), int(match.group(2)), match.group(3)
+    target = f"{experts}.{'w2' if proj == 'down_proj' else 'w13'}"
+    param = params.get(target)
+    if param is None or index >= param.shape[0]:
+        raise WeightLoadError(f"unexpected tensor {name} in the checkpoint")
+    dest = param[index]
+    if proj != "down_proj":
+        half = param.shape[1] // 2
+        dest = dest[half:] if proj == "up_proj" else dest[:half]
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)}, model wants {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+    fused_rows[target] = fused_rows.get(target, 0) + tensor.numel()
+    return True
+
+
 def _load_tensor(params: dict[str, nn.Parameter], layout: TPLayout, name: str, tensor: torch.Tensor,
                  filled: set[str], fused_rows: dict[str, int]) -> None:
     """Copies one HF tensor (already this rank's slice) into its parameter, or its piece of a fused one."""
+    if _load_expert(params, name, tensor, fused_rows):
+        return
+    fused = _FUSED_EXPERTS.match(name)
+    if fused is not None:  # transformers' fused layout: our w13 / w2 as they are
+        name = f"{fused.group(1)}.{'w13' if fused.group(2) == 'gate_up_proj' else 'w2'}"
     target, piece = name, None
     for hf, (ours, index) in _FUSED_PIECES.items():
         if f".{hf}." in name:
@@ -119,17 +171,18 @@ def _load_tensor(params: dict[str, nn.Parameter], layout: TPLayout, name: str, t
             param.copy_(tensor)
             filled.add(target)
             return
-        offset, rows = _piece_offset(layout, target, piece), tensor.shape[0]
+        offset, rows = _piece_offset(layout, target, param.shape[0], piece), tensor.shape[0]
         if offset + rows > param.shape[0] or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
             raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} does not fit {target}")
         param[offset : offset + rows].copy_(tensor)
-        fused_rows[target] = fused_rows.get(target, 0) + rows
+        fused_rows[target] = fused_rows.get(target, 0) + tensor.numel()
 
 
-def _check_filled(model: LlamaForCausalLM, params: dict[str, nn.Parameter], filled: set[str],
+def _check_filled(model: CausalLM, params: dict[str, nn.Parameter], filled: set[str],
                   fused_rows: dict[str, int]) -> None:
-    for target, rows in fused_rows.items():
-        if rows == params[target].shape[0]:
+    """`fused_rows`: the elements copied into each fused parameter piece by piece (full when all are there)."""
+    for target, elements in fused_rows.items():
+        if elements == params[target].numel():
             filled.add(target)
     if model.spec.tie_word_embeddings:
         filled.add("lm_head.weight")
@@ -138,7 +191,7 @@ def _check_filled(model: LlamaForCausalLM, params: dict[str, nn.Parameter], fill
         raise WeightLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:8])}")
 
 
-def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
+def load_hf_weights(model: CausalLM, folder: str | Path) -> None:
     spec, layout = model.spec, model.layout
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
@@ -148,8 +201,27 @@ def load_hf_weights(model: LlamaForCausalLM, folder: str | Path) -> None:
             continue
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
+        name = hf_name(name)
         _load_tensor(params, layout, name, _take(layout, name, lazy), filled, fused_rows)
     _check_filled(model, params, filled, fused_rows)
+
+
+def _hf_pieces(name: str, value: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+    """A whole parameter's value as the HF tensors it stands for (fused ones split, experts one by one)."""
+    if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+        q, k, v = torch.split(value, [spec.q_size, spec.kv_size, spec.kv_size])
+        return [(name.replace("qkv_proj", p), t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
+    if name.endswith("gate_up_proj.weight"):
+        gate, up = value.chunk(2)
+        return [(name.replace("gate_up_proj", "gate_proj"), gate), (name.replace("gate_up_proj", "up_proj"), up)]
+    if name.endswith(".experts.w13"):
+        base = name.removesuffix(".w13")
+        return [(f"{base}.{e}.{proj}.weight", half) for e in range(value.shape[0])
+                for proj, half in zip(("gate_proj", "up_proj"), value[e].chunk(2), strict=True)]
+    if name.endswith(".experts.w2"):
+        base = name.removesuffix(".w2")
+        return [(f"{base}.{e}.down_proj.weight", value[e]) for e in range(value.shape[0])]
+    return [(name, value)]
 
 
 def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator, std: float) -> torch.Tensor:
@@ -158,7 +230,7 @@ def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator, std: f
     return torch.randn(shape, generator=gen) * std
 
 
-def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights with no files (`loadFormat: dummy`): normal(0, std), norm scales near 1. The whole model's
     values are drawn in one order whatever the ranks; each rank keeps its slice (a fused parameter's pieces are
     sliced as the HF tensors they stand for)."""
@@ -170,22 +242,14 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02
                 param.copy_(_dummy_value(name, tuple(param.shape), gen, std))
         return
     with torch.device("meta"):
-        whole = LlamaForCausalLM(model.spec)
+        whole = model_class(model.spec)(model.spec)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
-    spec = model.spec
     for name, meta in whole.named_parameters():
         value = _dummy_value(name, tuple(meta.shape), gen, std)
-        pieces: list[tuple[str, torch.Tensor]] = [(name, value)]
-        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-            q, k, v = torch.split(value, [spec.q_size, spec.kv_size, spec.kv_size])
-            pieces = [(name.replace("qkv_proj", p), t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v))]
-        elif name.endswith("gate_up_proj.weight"):
-            gate, up = torch.split(value, [spec.intermediate_size, spec.intermediate_size])
-            pieces = [(name.replace("gate_up_proj", "gate_proj"), gate), (name.replace("gate_up_proj", "up_proj"), up)]
-        for hf_name, tensor in pieces:
-            _load_tensor(params, layout, hf_name, _take(layout, hf_name, tensor), filled, fused_rows)
+        for piece_name, tensor in _hf_pieces(name, value, model.spec):
+            _load_tensor(params, layout, piece_name, _take(layout, piece_name, tensor), filled, fused_rows)
     _check_filled(model, params, filled, fused_rows)
 
 
@@ -198,7 +262,7 @@ def load_model(
     seed: int = 0,
     layout: TPLayout | None = None,
     tp: TensorParallel = SINGLE_RANK,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     model = build_model(spec, dtype, device, layout, tp)
     if load_format == "dummy" or folder is None:
         init_dummy_weights(model, seed=seed)

@@ -29,6 +29,8 @@ class TPLayout:
     intermediate: int  # MLP rows on this rank
     vocab_size: int  # the model's whole vocabulary
     vocab_rows: int  # embedding / LM-head rows per rank (padded: the last rank may hold fewer real ones)
+    moe_intermediate: int = 0  # each routed expert's intermediate rows on this rank (0: not an MoE model)
+    shared_intermediate: int = 0  # the shared expert's intermediate rows on this rank (0: none)
 
     @classmethod
     def of(cls, spec: ModelSpec, rank: int = 0, world_size: int = 1) -> TPLayout:
@@ -38,8 +40,14 @@ class TPLayout:
         problems = []
         if heads % world_size:
             problems.append(f"num_attention_heads {heads}")
-        if inter % world_size:
+        moe = spec.moe
+        dense_layers = moe is None or len(spec.moe_layers) < spec.num_layers
+        if dense_layers and inter % world_size:
             problems.append(f"intermediate_size {inter}")
+        if moe is not None and moe.moe_intermediate_size % world_size:
+            problems.append(f"moe_intermediate_size {moe.moe_intermediate_size}")
+        if moe is not None and moe.shared_expert_intermediate_size % world_size:
+            problems.append(f"shared_expert_intermediate_size {moe.shared_expert_intermediate_size}")
         if kv_heads >= world_size and kv_heads % world_size:
             problems.append(f"num_key_value_heads {kv_heads}")
         if kv_heads < world_size and world_size % kv_heads:
@@ -54,7 +62,9 @@ class TPLayout:
             local_kv, first_kv = 1, (rank * local_heads) // (heads // kv_heads)
         return cls(rank=rank, world_size=world_size, head_dim=spec.head_dim, heads=local_heads, kv_heads=local_kv,
                    first_head=rank * local_heads, first_kv_head=first_kv, intermediate=inter // world_size,
-                   vocab_size=spec.vocab_size, vocab_rows=-(-spec.vocab_size // world_size))
+                   vocab_size=spec.vocab_size, vocab_rows=-(-spec.vocab_size // world_size),
+                   moe_intermediate=moe.moe_intermediate_size // world_size if moe is not None else 0,
+                   shared_intermediate=moe.shared_expert_intermediate_size // world_size if moe is not None else 0)
 
     @property
     def q_size(self) -> int:
@@ -79,6 +89,12 @@ class TPLayout:
             return 0, self.first_head * self.head_dim, self.q_size
         if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:
             return 0, self.first_kv_head * self.head_dim, self.kv_size
+        if ".mlp.experts." in name:  # a routed expert's gate_proj / up_proj / down_proj
+            return (1 if name.endswith(".down_proj.weight") else 0), self.rank * self.moe_intermediate, \
+                self.moe_intermediate
+        if ".mlp.shared_expert." in name or ".mlp.shared_experts." in name:  # Qwen2-MoE, DeepSeek
+            return (1 if name.endswith(".down_proj.weight") else 0), self.rank * self.shared_intermediate, \
+                self.shared_intermediate
         if ".mlp.gate_proj." in name or ".mlp.up_proj." in name:
             return 0, self.rank * self.intermediate, self.intermediate
         if name.endswith(".self_attn.o_proj.weight"):
