@@ -1,0 +1,220 @@
+"""Greedy output of the engine's Qwen3-MoE and Qwen2-MoE equals transformers' greedy `generate`, token for token.
+
+Three checkpoints: a Qwen3-MoE written by transformers itself (`Qwen3MoeForCausalLM(config).save_pretrained`), one
+written by our `create-dummy` writer, and a Qwen2-MoE written by transformers (qkv bias, a shared expert with its
+sigmoid gate). Dense and MoE layers are mixed (mlp_only_layers, decoder_sparse_step). The correctness suite's
+patterns: 8 prompts of different lengths as one continuous batch with block size 4, prefix-cache hits, a forced
+preemption; then tensor parallel (worldSize 2) in the engine, through `npuserve generate` and `npuserve serve`.
+Float32, weights of std 0.3 (norm scales near 1) so argmax is not fragile.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from npuserve.engine.engine import LLMEngine  # noqa: E402
+from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
+from npuserve.engine.model.dummy_tokenizer import write_tokenizer  # noqa: E402
+from npuserve.engine.model.loader import build_model, init_dummy_weights, load_hf_weights  # noqa: E402
+from npuserve.engine.model.moe import SparseMoeBlock  # noqa: E402
+from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout  # noqa: E402
+from npuserve.engine.sequence import SamplingParams  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_correctness import GREEDY, make_engine, prompts, reference  # noqa: E402
+
+from tests.serve_process import wait_ready  # noqa: E402
+
+CPU = torch.device("cpu")
+NPUSERVE = str(Path(sys.executable).parent / "npuserve")
+SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-5,
+             tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2)
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.1 * value if name.endswith("norm.weight") else 0.3 * value)
+
+
+def _save_transformers(kind: str, folder: Path) -> Path:
+    if kind == "qwen3_moe":  # layers: MoE, dense (mlp_only_layers), MoE
+        config = transformers.Qwen3MoeConfig(**SHAPE, num_hidden_layers=3, norm_topk_prob=True, mlp_only_layers=[1])
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:  # layers: dense, MoE, dense, MoE (decoder_sparse_step 2); shared expert and its gate; no renormalisation
+        config = transformers.Qwen2MoeConfig(**SHAPE, num_hidden_layers=4, norm_topk_prob=False,
+                                             decoder_sparse_step=2, shared_expert_intermediate_size=48)
+        model = transformers.Qwen2MoeForCausalLM(config)
+    _randomise(model, seed=11)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, config.vocab_size, config.max_position_embeddings)
+    return folder
+
+
+def _dummy_spec() -> ModelSpec:
+    return ModelSpec(model_type="qwen3_moe", num_layers=3, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, intermediate_size=96, vocab_size=512, max_position_embeddings=512, dtype="float32",
+                     rms_norm_eps=1e-5, qk_norm=True,
+                     moe={"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                          "norm_topk_prob": True, "mlp_only_layers": (2,)})
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe-transformers", "qwen3_moe-create-dummy", "qwen2_moe-transformers"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "qwen3_moe-create-dummy":
+        return write_dummy_model(_dummy_spec(), folder, seed=3, init_std=0.3)
+    return _save_transformers(request.param.split("-")[0], folder)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> object:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_the_checkpoint_builds_the_moe_layers_it_declares(model_dir: Path) -> None:
+    spec = ModelSpec.from_pretrained(model_dir)
+    assert spec.moe is not None and 0 < len(spec.moe_layers) < spec.num_layers  # MoE and dense layers mixed
+    model = build_model(spec, torch.float32, CPU)
+    load_hf_weights(model, model_dir)
+    moe_layers = [i for i, layer in enumerate(model.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+    assert moe_layers == spec.moe_layers
+
+
+def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = make_engine(model_dir)
+    outs = engine.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == reference(hf_model, batch)
+    assert all(o.metrics["prefill_batch_size"] == len(batch) for o in outs)
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
+    shared = prompts(seed=7)[4][:13]
+    batch = prompts(seed=2, prefix=shared)
+    engine = make_engine(model_dir)
+    first = engine.generate(batch[:2], GREEDY)
+    hits_before = engine.kv.prefix_hits
+    rest = engine.generate(batch[2:], GREEDY)
+    assert engine.kv.prefix_hits > hits_before
+    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+
+
+def test_preemption_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = make_engine(model_dir, kv_blocks=40, threshold=0.99, maxPreemptCount=8)  # swap
+    outs = engine.generate(batch, GREEDY)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert [o.token_ids for o in outs] == reference(hf_model, batch)
+    assert engine.kv.num_used_blocks == 0
+
+
+# --- tensor parallel -----------------------------------------------------------------------------------------------
+
+
+def test_a_world_size_that_does_not_divide_the_experts_is_refused_by_name() -> None:
+    spec = _dummy_spec().model_copy(update={"moe": _dummy_spec().moe.model_copy(  # type: ignore[union-attr]
+        update={"moe_intermediate_size": 36})})
+    with pytest.raises(TensorParallelLayoutError, match="moe_intermediate_size 36"):
+        TPLayout.of(spec, 0, 8)
+    assert TPLayout.of(spec, 1, 2).moe_intermediate == 18
+
+
+def test_a_rank_holds_every_experts_slice_and_random_weights_are_the_whole_models(model_dir: Path) -> None:
+    spec = ModelSpec.from_pretrained(model_dir)
+    layer = f"model.layers.{spec.moe_layers[0]}.mlp."
+    inter, half = spec.moe.moe_intermediate_size, spec.moe.moe_intermediate_size // 2  # type: ignore[union-attr]
+    for fill in ("checkpoint", "dummy"):
+        whole = build_model(spec, torch.float32, CPU)
+        part = build_model(spec, torch.float32, CPU, TPLayout.of(spec, 1, 2))
+        for model in (whole, part):
+            load_hf_weights(model, model_dir) if fill == "checkpoint" else init_dummy_weights(model, seed=5)
+        w, p = dict(whole.named_parameters()), dict(part.named_parameters())
+        w13 = w[layer + "experts.w13"]
+        assert torch.equal(p[layer + "experts.w13"], torch.cat([w13[:, half:inter], w13[:, inter + half:]], dim=1))
+        assert torch.equal(p[layer + "experts.w2"], w[layer + "experts.w2"][:, :, half:])
+        assert torch.equal(p[layer + "gate.weight"], w[layer + "gate.weight"])  # the router is replicated
+        if spec.moe.shared_expert_intermediate_size:  # type: ignore[union-attr]
+            shared = w[layer + "shared_expert.down_proj.weight"]
+            assert torch.equal(p[layer + "shared_expert.down_proj.weight"], shared[:, shared.shape[1] // 2:])
+            assert torch.equal(p[layer + "shared_expert_gate.weight"], w[layer + "shared_expert_gate.weight"])
+
+
+def _tp_engine(model_dir: Path, world_size: int) -> LLMEngine:
+    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
+                            cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
+                            maxIterTimes=128)
+    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=0.99))
+
+
+def test_world_size_2_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = _tp_engine(model_dir, 2)
+    try:
+        outs = engine.generate(batch, GREEDY)
+        assert engine.info().worldSize == 2
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == reference(hf_model, batch)
+
+
+TEXTS = ["the quick brown fox", "a", "mixture of experts over two ranks", "hello world, again"]
+
+
+@pytest.fixture(scope="module")
+def dummy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dummy_model(_dummy_spec(), tmp_path_factory.mktemp("moe-cli"), seed=3, init_std=0.3)
+
+
+def _in_process(model_dir: Path) -> list[tuple[list[int], str]]:
+    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
+    outs = engine.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    return [(o.token_ids, o.text) for o in outs]
+
+
+def test_npuserve_generate_with_world_size_2(dummy_dir: Path, tmp_path: Path) -> None:
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
+    run = subprocess.run([NPUSERVE, "generate", "--model", str(dummy_dir), "--prompts-file", str(prompts_file),
+                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(dummy_dir)]
+
+
+def test_npuserve_serve_with_world_size_2(dummy_dir: Path) -> None:
+    import httpx
+
+    from npuserve.engine.parallel.ranks import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(dummy_dir), "--host", "127.0.0.1", "--port",
+                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
+        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                         json={"model": dummy_dir.name, "prompt": TEXTS[2], "max_tokens": 12, "temperature": 0.0,
+                               "ignore_eos": True}).json()
+        assert httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()["worldSize"] == 2
+        assert out["choices"][0]["text"] == _in_process(dummy_dir)[2][1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, log
