@@ -24,7 +24,14 @@ import torch
 
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend, refuse_unusable
-from npuserve.engine.backends.npu_stack import NPUStack, detect, matrix_lines, signature_problem
+from npuserve.engine.backends.npu_stack import (
+    FIRST_LINE,
+    MLA_OPS,
+    NPUStack,
+    detect,
+    matrix_lines,
+    signature_problem,
+)
 from npuserve.engine.doctor.report import DoctorCheck, DoctorReport, Status
 from npuserve.engine.doctor.smoke import smoke_checks
 from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV
@@ -151,10 +158,18 @@ def check_release(stack: NPUStack) -> DoctorCheck:
 
 
 def check_ops(ops: Any, stack: NPUStack) -> list[DoctorCheck]:
+    """Each op the backend calls: present, with the keywords it passes. A MoE or MLA op that is absent is a
+    warning, not a failure: only a model with MoE layers or latent attention needs it (the backend refuses such a
+    model on this stack, naming the op)."""
     checks = []
-    for name in stack.used_ops():
+    optional = {op: "MoE" for op in stack.moe_ops() if op != "npu_swiglu"} | {op: "MLA" for op in MLA_OPS}
+    for name in (*stack.used_ops(), *optional):
         op = getattr(ops, name, None)
         if not callable(op):
+            if name in optional:
+                checks.append(_check(f"op {name}", "warn", f"absent from {stack.describe()}: a {optional[name]} "
+                                     f"model is refused on this stack (op-plugin {FIRST_LINE[name]} has it)"))
+                continue
             checks.append(_check(f"op {name}", "fail", f"absent from {stack.describe()}"))
             continue
         problem = signature_problem(name, op)
