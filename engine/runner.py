@@ -29,6 +29,7 @@ import math
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -109,6 +110,18 @@ def plan_kv_blocks(
     return KVPlan(int(num_blocks), int(host_blocks), block_size, per_block, source)
 
 
+def _block_tensors(caches: list[Any]) -> list[torch.Tensor]:
+    """The tensors `Backend.copy_blocks` moves blocks of, each with the block axis at 1: the dense caches as they
+    are, each MLA layer's latent and rope caches as `(1, blocks, ...)` views (a copy into a view lands in the cache)."""
+    tensors: list[torch.Tensor] = []
+    for cache in caches:
+        if isinstance(cache, torch.Tensor):
+            tensors.append(cache)
+        else:
+            tensors.extend(part.unsqueeze(0) for part in cache)
+    return tensors
+
+
 @dataclass(slots=True)
 class OperationProgress:
     """The operation a runner last started, numbered (on rank 0 the number of operations sent to the other ranks
@@ -156,18 +169,21 @@ class ModelRunner:
         # rank 0 of several: the forward's delta and batch (the step builder's too); the other ranks: their mirror
         self.delta_sender = DeltaSender() if channel is not None else None
         self.mirror = BatchMirror()
-        graphs = graph_batch_size > 0 and backend.new_decode_graph() is not None
+        # no decode graphs for latent attention yet: they are captured over the dense cache's kernels
+        graphs = graph_batch_size > 0 and self.spec.mla is None and backend.new_decode_graph() is not None
         backend.configure(block_size=plan.block_size, head_dim=self.spec.head_dim,
                           max_seq_len=max_seq_len or self.spec.max_position_embeddings)
-        self.kv_caches = backend.allocate_kv_cache(self.spec.num_layers, plan.num_blocks + int(graphs),
-                                                   plan.block_size, self.num_kv_heads, self.spec.head_dim, kv_dtype)
+        self.kv_dtype = kv_dtype
+        # per layer: the dense (2, blocks, block_size, kv_heads, head_dim) tensor, or MLA's (latent, rope) pair
+        self.kv_caches: list[Any] = self._allocate(plan.num_blocks + int(graphs), None)
+        self._kv_blocks = _block_tensors(self.kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
         if graphs:
             self.decode_graphs = DecodeGraphs(model, backend, max_batch_size=graph_batch_size,
                                               max_blocks_per_seq=math.ceil(max_seq_len / plan.block_size),
                                               block_size=plan.block_size, scratch_block=plan.num_blocks)
-        self.kv_dtype = kv_dtype
-        self._host_kv_caches: list[torch.Tensor] | None = None  # allocated at the first swap-out
+        self._host_kv_caches: list[Any] | None = None  # allocated at the first swap-out
+        self._host_kv_blocks: list[torch.Tensor] = []
         model.bind_backend(backend)  # attention layers and MoE blocks
         for layer, cache in zip(model.attention_layers(), self.kv_caches, strict=True):
             layer.kv_cache = cache
@@ -176,17 +192,30 @@ class ModelRunner:
 
     # --- one step -----------------------------------------------------------------------------------------------
 
+    def _allocate(self, num_blocks: int, device: torch.device | None) -> list[Any]:
+        mla = self.spec.mla
+        if mla is not None:
+            return list(self.backend.allocate_mla_cache(self.spec.num_layers, num_blocks, self.block_size,
+                                                        mla.kv_lora_rank, mla.qk_rope_head_dim, self.kv_dtype,
+                                                        device=device))
+        return self.backend.allocate_kv_cache(self.spec.num_layers, num_blocks, self.block_size, self.num_kv_heads,
+                                              self.spec.head_dim, self.kv_dtype, device=device)
+
     @property
-    def host_kv_caches(self) -> list[torch.Tensor]:
+    def host_kv_caches(self) -> list[Any]:
         """The host (swap) cache, same layout as the device one; allocated on first use."""
         if self._host_kv_caches is None:
             if not self.num_host_blocks:
                 raise RuntimeError("a swap was planned but no host KV blocks exist (cpuMemSize 0)")
-            self._host_kv_caches = self.backend.allocate_kv_cache(
-                self.spec.num_layers, self.num_host_blocks, self.block_size, self.num_kv_heads,
-                self.spec.head_dim, self.kv_dtype, device=torch.device("cpu"),
-            )
+            self._host_kv_caches = self._allocate(self.num_host_blocks, torch.device("cpu"))
+            self._host_kv_blocks = _block_tensors(self._host_kv_caches)
         return self._host_kv_caches
+
+    @property
+    def host_kv_blocks(self) -> list[torch.Tensor]:
+        """`host_kv_caches` as `copy_blocks` takes them (`_block_tensors`)."""
+        self.host_kv_caches  # noqa: B018 (allocates on first use)
+        return self._host_kv_blocks
 
     def _begin(self, msg: StepMessage, detail: str) -> None:
         """Records the operation, then sends it to the other ranks (rank 0 of several) before running it here."""
@@ -204,7 +233,7 @@ class ModelRunner:
                      swap_in: Seq[tuple[int, int]]) -> None:
         if copies:
             self._begin(StepMessage(Op.COPY, pairs=list(copies)), f"{len(copies)} blocks")
-            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(copies))
+            self.backend.copy_blocks(self._kv_blocks, self._kv_blocks, list(copies))
             self.progress.phase = "done"
         if swap_out or swap_in:
             self._begin(StepMessage(Op.SWAP, pairs=list(swap_out), pairs_in=list(swap_in)),
@@ -214,9 +243,9 @@ class ModelRunner:
 
     def _swap(self, swap_out: Seq[tuple[int, int]], swap_in: Seq[tuple[int, int]]) -> None:
         if swap_out:
-            self.backend.copy_blocks(self.kv_caches, self.host_kv_caches, list(swap_out))
+            self.backend.copy_blocks(self._kv_blocks, self.host_kv_blocks, list(swap_out))
         if swap_in:
-            self.backend.copy_blocks(self.host_kv_caches, self.kv_caches, list(swap_in))
+            self.backend.copy_blocks(self.host_kv_blocks, self._kv_blocks, list(swap_in))
 
     @torch.inference_mode()
     def follow(self, msg: StepMessage) -> None:
@@ -232,7 +261,7 @@ class ModelRunner:
         elif msg.op is Op.SWAP:
             self._swap(msg.pairs, msg.pairs_in)
         elif msg.op is Op.COPY:
-            self.backend.copy_blocks(self.kv_caches, self.kv_caches, list(msg.pairs))
+            self.backend.copy_blocks(self._kv_blocks, self._kv_blocks, list(msg.pairs))
         elif msg.op is Op.CAPTURE:
             self.capture_graphs()
         self.progress.phase = "done"

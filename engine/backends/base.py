@@ -5,15 +5,14 @@ A backend owns the device: it allocates the paged KV cache (one tensor per layer
 prefill attention (the new tokens over any prefix-cache hit plus themselves) and decode attention (one token
 over its block table), copies blocks between device and host for swapping, synchronizes and reports memory.
 
-Mixture of experts: `moe_select_experts` (the router's rule: which experts each token goes to, with which weight)
-and `moe_experts` (the routed experts' SwiGLU MLPs over the tokens sent to them, weighted and summed per token).
-The torch reference here is the CPU's; a device backend overrides them with its fused kernels.
-
 Multi-head latent attention (DeepSeek-V2/V3, `mla_*` methods) keeps two caches per layer instead, as vllm-ascend does:
 `latent` `(num_blocks, block_size, 1, kv_lora_rank)` with the RMS-normed `c_kv` and `rope`
 `(num_blocks, block_size, 1, qk_rope_head_dim)` with the rotated shared key `k_pe`. Decode attends in the absorbed
 form over both caches; prefill expands the gathered latent with `kv_b_proj` and runs ordinary causal attention.
 The methods here are the torch reference; a device backend overrides them with its fused ops.
+Mixture of experts: `moe_select_experts` (the router's rule: which experts each token goes to, with which weight)
+and `moe_experts` (the routed experts' SwiGLU MLPs over the tokens sent to them, weighted and summed per token).
+The torch reference here is the CPU's; a device backend overrides them with its fused kernels.
 """
 
 from __future__ import annotations

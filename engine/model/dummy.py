@@ -27,22 +27,47 @@ def hf_weight_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
         yield p + "input_layernorm.weight", (h,)
-        yield p + "self_attn.q_proj.weight", (q, h)
-        yield p + "self_attn.k_proj.weight", (kv, h)
-        yield p + "self_attn.v_proj.weight", (kv, h)
-        if spec.attention_bias:
-            yield p + "self_attn.q_proj.bias", (q,)
-            yield p + "self_attn.k_proj.bias", (kv,)
-            yield p + "self_attn.v_proj.bias", (kv,)
-        if spec.qk_norm:
-            yield p + "self_attn.q_norm.weight", (spec.head_dim,)
-            yield p + "self_attn.k_norm.weight", (spec.head_dim,)
-        yield p + "self_attn.o_proj.weight", (h, q)
+        if spec.mla is not None:
+            yield from _mla_attention_shapes(spec, p)
+        else:
+            yield p + "self_attn.q_proj.weight", (q, h)
+            yield p + "self_attn.k_proj.weight", (kv, h)
+            yield p + "self_attn.v_proj.weight", (kv, h)
+            if spec.attention_bias:
+                yield p + "self_attn.q_proj.bias", (q,)
+                yield p + "self_attn.k_proj.bias", (kv,)
+                yield p + "self_attn.v_proj.bias", (kv,)
+            if spec.qk_norm:
+                yield p + "self_attn.q_norm.weight", (spec.head_dim,)
+                yield p + "self_attn.k_norm.weight", (spec.head_dim,)
+            yield p + "self_attn.o_proj.weight", (h, q)
         yield p + "post_attention_layernorm.weight", (h,)
         yield from _mlp_shapes(spec, i, p)
     yield "model.norm.weight", (h,)
     if not spec.tie_word_embeddings:
         yield "lm_head.weight", (spec.vocab_size, h)
+
+
+def _mla_attention_shapes(spec: ModelSpec, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """DeepSeek's latent attention, as transformers' DeepseekV2/V3Attention names it."""
+    mla, h, heads, bias = spec.mla, spec.hidden_size, spec.num_attention_heads, spec.attention_bias
+    assert mla is not None
+    if mla.q_lora_rank is None:
+        yield p + "self_attn.q_proj.weight", (heads * mla.qk_head_dim, h)
+    else:
+        yield p + "self_attn.q_a_proj.weight", (mla.q_lora_rank, h)
+        if bias:
+            yield p + "self_attn.q_a_proj.bias", (mla.q_lora_rank,)
+        yield p + "self_attn.q_a_layernorm.weight", (mla.q_lora_rank,)
+        yield p + "self_attn.q_b_proj.weight", (heads * mla.qk_head_dim, mla.q_lora_rank)
+    yield p + "self_attn.kv_a_proj_with_mqa.weight", (mla.cache_dim, h)
+    if bias:
+        yield p + "self_attn.kv_a_proj_with_mqa.bias", (mla.cache_dim,)
+    yield p + "self_attn.kv_a_layernorm.weight", (mla.kv_lora_rank,)
+    yield p + "self_attn.kv_b_proj.weight", (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+    yield p + "self_attn.o_proj.weight", (h, heads * mla.v_head_dim)
+    if bias:
+        yield p + "self_attn.o_proj.bias", (h,)
 
 
 def _mlp_shapes(spec: ModelSpec, index: int, p: str) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -110,11 +110,19 @@ class LlamaModel(nn.Module):
                  mlp_for: MLPFactory | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout, spec.hidden_size, tp)
-        rotary = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+        rotary = self.make_rotary(spec)
         self.rotary = rotary
-        self.layers = nn.ModuleList([DecoderLayer(spec, rotary, layout, tp, mlp_for(i) if mlp_for else None)
+        self.layers = nn.ModuleList([self.make_layer(spec, i, rotary, layout, tp, mlp_for(i) if mlp_for else None)
                                      for i in range(spec.num_layers)])
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def make_rotary(self, spec: ModelSpec) -> RotaryEmbedding:
+        return RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope_theta, spec.rope_scaling)
+
+    def make_layer(self, spec: ModelSpec, index: int, rotary: RotaryEmbedding, layout: TPLayout,
+                   tp: TensorParallel, mlp: nn.Module | None) -> nn.Module:
+        """Layer `index` (`mlp`: its MLP when not the dense one)."""
+        return DecoderLayer(spec, rotary, layout, tp, mlp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -126,11 +134,14 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     """One class for the whole family; the spec's flags select qkv bias, q/k norm and tied embeddings. A subclass
-    changes some layers' MLP through `layer_mlp` (qwen_moe.py)."""
+    changes some layers' MLP through `layer_mlp` (qwen_moe.py); another family with the same embedding, head and
+    logits (DeepSeek) brings its own `decoder_class`."""
+
+    decoder_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, spec: ModelSpec, layout: TPLayout | None = None, tp: TensorParallel = SINGLE_RANK) -> None:
         super().__init__(spec, layout, tp)
-        self.model = LlamaModel(spec, self.layout, tp, lambda i: self.layer_mlp(i))
+        self.model = self.decoder_class(spec, self.layout, tp, lambda i: self.layer_mlp(i))
         self.lm_head = nn.Linear(spec.hidden_size, self.layout.vocab_rows, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -4,13 +4,18 @@
 HF tensor names are mapped onto the fused parameters: `q_proj`, `k_proj`, `v_proj` into `qkv_proj` and
 `gate_proj`, `up_proj` into `gate_up_proj`, each at its offset along the output dimension. Under tensor parallel
 each rank reads only its slice of each tensor (`TPLayout.hf_slice`, through safetensors' lazy slices), so no rank
-holds the whole model in memory;
+holds the whole model in memory; random weights are drawn whole, in the same order as with one rank, and sliced
+the same way, so a model split over ranks is the same model.
+
 Mixture of experts: the per-expert HF tensors `mlp.experts.E.{gate_proj,up_proj,down_proj}.weight` (what the
 published checkpoints and transformers' `save_pretrained` write) go into expert E of the fused `w13` (gate rows,
 then up rows) and `w2`; transformers' in-memory fused layout `mlp.experts.gate_up_proj` (E, 2I, H) and
 `mlp.experts.down_proj` (E, H, I) is read too. DeepSeek's `shared_experts` is our `shared_expert`.
- random weights are drawn whole, in the same order as with one rank, and sliced
-the same way, so a model split over ranks is the same model.
+
+DeepSeek-V2/V3 (`deepseek.py`): the attention tensors keep their HF names (`q_a_proj`, `q_a_layernorm`, `q_b_proj` or
+`q_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`), each rank reading its heads' rows or
+columns; the tensors of the multi-token-prediction layer (`model.layers.{num_hidden_layers}.*`, in the V3/R1
+releases) are skipped, since that layer is not served.
 """
 
 from __future__ import annotations
@@ -155,7 +160,7 @@ def _load_tensor(params: dict[str, nn.Parameter], layout: TPLayout, name: str, t
         name = f"{fused.group(1)}.{'w13' if fused.group(2) == 'gate_up_proj' else 'w2'}"
     target, piece = name, None
     for hf, (ours, index) in _FUSED_PIECES.items():
-        if f".{hf}." in name:
+        if f".{hf}." in name and not (layout.mla_v_dim and hf.startswith("self_attn.")):  # MLA: names as in HF
             target, piece = name.replace(hf, ours), index
             break
     param = params.get(target)
@@ -196,14 +201,25 @@ def load_hf_weights(model: CausalLM, folder: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
+    mtp_prefix = f"model.layers.{spec.num_layers}."
     for name, lazy in iterate_hf_tensors(Path(folder)):
         if name.endswith("rotary_emb.inv_freq"):
             continue
+        if spec.mla is not None and _is_mtp(name, spec.num_layers, mtp_prefix):
+            continue  # DeepSeek's multi-token-prediction layer: not served
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
         name = hf_name(name)
         _load_tensor(params, layout, name, _take(layout, name, lazy), filled, fused_rows)
     _check_filled(model, params, filled, fused_rows)
+
+
+def _is_mtp(name: str, num_layers: int, prefix: str) -> bool:
+    """A tensor of a layer past the last decoder layer (DeepSeek's MTP layers, `num_nextn_predict_layers`)."""
+    if name.startswith(prefix):
+        return True
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def _hf_pieces(name: str, value: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from npuserve.engine.model.base import CausalLM
+from npuserve.engine.model.deepseek import DeepseekForCausalLM
 from npuserve.engine.model.llama import LlamaForCausalLM
 from npuserve.engine.model.qwen_moe import QwenMoeForCausalLM
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
@@ -14,6 +15,8 @@ _CLASSES: dict[str, type[CausalLM]] = {
     "mistral": LlamaForCausalLM,
     "qwen2_moe": QwenMoeForCausalLM,
     "qwen3_moe": QwenMoeForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
 

@@ -4,6 +4,9 @@ Column-parallel QKV and gate-up (each rank a contiguous run of heads / intermedi
 down_proj (the matching input columns), vocab-parallel embedding and LM head (rows padded to an equal count per
 rank, so the logits gather concatenates equal pieces). KV heads are split across ranks when there are at least as
 many as ranks, and replicated (one per rank, the one its query heads use) when there are fewer.
+
+Latent attention (DeepSeek): each rank holds its heads' rows of `q_b_proj`/`q_proj` and `kv_b_proj` and the matching
+input columns of `o_proj` (`v_head_dim` per head); the latent projections are replicated.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class TPLayout:
     intermediate: int  # MLP rows on this rank
     vocab_size: int  # the model's whole vocabulary
     vocab_rows: int  # embedding / LM-head rows per rank (padded: the last rank may hold fewer real ones)
+    mla_v_dim: int = 0  # latent attention: v_head_dim (o_proj's input columns per head); 0 without MLA
+    mla_kv_b_dim: int = 0  # latent attention: kv_b_proj's rows per head (qk_nope_head_dim + v_head_dim)
     moe_intermediate: int = 0  # each routed expert's intermediate rows on this rank (0: not an MoE model)
     shared_intermediate: int = 0  # the shared expert's intermediate rows on this rank (0: none)
 
@@ -63,6 +68,8 @@ class TPLayout:
         return cls(rank=rank, world_size=world_size, head_dim=spec.head_dim, heads=local_heads, kv_heads=local_kv,
                    first_head=rank * local_heads, first_kv_head=first_kv, intermediate=inter // world_size,
                    vocab_size=spec.vocab_size, vocab_rows=-(-spec.vocab_size // world_size),
+                   mla_v_dim=spec.mla.v_head_dim if spec.mla is not None else 0,
+                   mla_kv_b_dim=spec.mla.qk_nope_head_dim + spec.mla.v_head_dim if spec.mla is not None else 0,
                    moe_intermediate=moe.moe_intermediate_size // world_size if moe is not None else 0,
                    shared_intermediate=moe.shared_expert_intermediate_size // world_size if moe is not None else 0)
 
@@ -85,6 +92,13 @@ class TPLayout:
 
     def hf_slice(self, name: str) -> tuple[int, int, int] | None:
         """The slice of an HF checkpoint tensor this rank reads, as (dim, start, length); None: all of it."""
+        if self.mla_v_dim:
+            if ".self_attn.q_b_proj." in name:
+                return 0, self.first_head * self.head_dim, self.q_size
+            if ".self_attn.kv_b_proj." in name:
+                return 0, self.first_head * self.mla_kv_b_dim, self.heads * self.mla_kv_b_dim
+            if name.endswith(".self_attn.o_proj.weight"):
+                return 1, self.first_head * self.mla_v_dim, self.heads * self.mla_v_dim
         if ".self_attn.q_proj." in name:
             return 0, self.first_head * self.head_dim, self.q_size
         if ".self_attn.k_proj." in name or ".self_attn.v_proj." in name:

@@ -1,0 +1,161 @@
+"""DeepSeek-V2/V3 greedy output equals transformers' token for token: multi-head latent attention over the two MLA
+caches, YaRN rope and scale, V3's interleaved rope with q_lora, V2-Lite's plain q_proj.
+
+Checkpoints transformers itself writes (`DeepseekV3ForCausalLM(config).save_pretrained`, and V2) and
+`npuserve model create-dummy`'s folder; float32, weights of std 0.3 so argmax is not fragile. 8 prompts of
+different lengths in one continuous batch with block size 4; prefix-cache hits (the expanded prefill reads the
+cached latent back); forced preemption by swap (both caches go to the host and back); chunked prefill (mixed steps:
+decodes absorbed, chunks expanded over their earlier chunks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from npuserve.engine.engine import LLMEngine  # noqa: E402
+from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
+from npuserve.engine.sequence import SamplingParams  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+
+NEW_TOKENS = 24
+PROMPT_LENS = [3, 7, 12, 1, 20, 9, 5, 16]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def yarn(mscale: float) -> dict[str, object]:
+    return {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1, "mscale": mscale, "mscale_all_dim": mscale}
+
+
+def hf_config(kind: str, num_layers: int = 2) -> object:
+    """A small V3 (q_lora, interleaved rope) or V2 (no q_lora) config, every layer dense."""
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=num_layers,
+                  n_routed_experts=4, num_experts_per_tok=2, max_position_embeddings=256, initializer_range=0.3,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "v3":
+        return transformers.DeepseekV3Config(q_lora_rank=48, n_group=1, topk_group=1,
+                                             rope_parameters={**yarn(1.0), "rope_theta": 10000.0}, **common)
+    return transformers.DeepseekV2Config(q_lora_rank=None, rope_parameters={**yarn(0.707), "rope_theta": 10000.0},
+                                         **common)
+
+
+def write_hf_checkpoint(kind: str, folder: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model_cls = transformers.DeepseekV3ForCausalLM if kind == "v3" else transformers.DeepseekV2ForCausalLM
+    model_cls(hf_config(kind)).save_pretrained(folder)
+    return folder
+
+
+def dense_tiny_v3() -> ModelSpec:
+    """The tiny-deepseek-v3 preset's attention (q_lora, YaRN) with every layer dense."""
+    from npuserve.catalog.models import get_model_preset
+
+    spec = get_model_preset("tiny-deepseek-v3")
+    assert spec.moe is not None
+    return spec.model_copy(update={"moe": spec.moe.model_copy(update={"first_k_dense_replace": spec.num_layers})})
+
+
+@pytest.fixture(scope="module", params=["v3", "v2", "dummy-v3"])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "dummy-v3":
+        return write_dummy_model(dense_tiny_v3(), folder, seed=3, init_std=0.3)
+    return write_hf_checkpoint(request.param, folder)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir: Path) -> object:
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def prompts(seed: int = 1, prefix: list[int] | None = None) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(prefix or []) + torch.randint(5, 500, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+_REFERENCES: dict[tuple[str, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
+
+
+def reference(hf_model: object, batch: list[list[int]]) -> list[list[int]]:
+    """transformers greedy output, one prompt at a time (no padding), cached per model and batch."""
+    key = (str(hf_model.name_or_path), tuple(tuple(p) for p in batch))  # type: ignore[attr-defined]
+    if key not in _REFERENCES:
+        outs = []
+        with torch.no_grad():
+            for p in batch:
+                out = hf_model.generate(  # type: ignore[attr-defined]
+                    torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                    pad_token_id=0)
+                outs.append(out[0, len(p):].tolist())
+        _REFERENCES[key] = outs
+    return _REFERENCES[key]
+
+
+def make_engine(model_dir: Path, kv_blocks: int | None = None, threshold: float = 0.5, **schedule: object) -> LLMEngine:
+    sched: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
+                                    maxIterTimes=128)
+    sched.update(schedule)
+    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, **sched)
+    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=threshold), num_kv_blocks=kv_blocks)
+
+
+def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = make_engine(model_dir)
+    latent, rope = engine.runner.kv_caches[0]
+    assert latent.shape[1:] == (4, 1, engine.spec.mla.kv_lora_rank)  # type: ignore[union-attr]
+    assert rope.shape[1:] == (4, 1, engine.spec.mla.qk_rope_head_dim)  # type: ignore[union-attr]
+    outs = engine.generate(batch, GREEDY)
+    assert [o.token_ids for o in outs] == reference(hf_model, batch)
+    assert all(o.metrics["prefill_batch_size"] == len(batch) for o in outs)
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
+    shared = prompts(seed=7)[4][:13]
+    batch = prompts(seed=2, prefix=shared)
+    engine = make_engine(model_dir)
+    first = engine.generate(batch[:2], GREEDY)
+    hits_before = engine.kv.prefix_hits
+    rest = engine.generate(batch[2:], GREEDY)
+    assert engine.kv.prefix_hits > hits_before
+    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+
+
+def test_swap_preemption_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    batch = prompts()
+    engine = make_engine(model_dir, kv_blocks=36, threshold=0.99, maxPreemptCount=8)
+    outs = engine.generate(batch, GREEDY)
+    assert engine.scheduler.num_preemptions_total > 0
+    assert engine.runner._host_kv_caches is not None  # both caches went to the host and back
+    assert [o.token_ids for o in outs] == reference(hf_model, batch)
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_chunked_prefill_with_recompute_matches_transformers(model_dir: Path, hf_model: object) -> None:
+    engine = make_engine(model_dir, kv_blocks=36, threshold=0.99, extensions={"chunkedPrefill": True},
+                         maxPrefillTokens=6, maxPreemptCount=0)
+    ids = [f"c{i}" for i in range(8)]
+    batch = prompts()
+    for rid, prompt in zip(ids, batch, strict=True):
+        engine.add_request(rid, None, GREEDY, prompt_token_ids=prompt)
+    outputs: dict[str, list[int]] = {}
+    mixed = False
+    while engine.has_unfinished():
+        result = engine.step()
+        if result.stats is not None and result.stats.num_prefill_seqs and result.stats.num_decode_seqs:
+            mixed = True
+        for o in result.outputs:
+            if o.finished:
+                outputs[o.request_id] = o.token_ids
+    assert mixed  # chunks rode along with decodes
+    assert engine.scheduler.num_preemptions_total > 0
+    assert [outputs[r] for r in ids] == reference(hf_model, batch)

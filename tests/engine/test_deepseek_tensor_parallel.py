@@ -1,0 +1,183 @@
+"""DeepSeek (latent attention) under tensor parallel on the CPU (gloo): the heads split over the ranks, the latent
+replicated (every rank writes the whole latent into its own caches); worldSize 2 generates what worldSize 1 does, in
+the engine (with prefix hits, chunked prefill and swap preemption), through `npuserve generate` and through
+`npuserve serve`. Also: each rank reads only its heads' rows and columns, the MTP layer's tensors are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from npuserve.engine.engine import LLMEngine  # noqa: E402
+from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
+from npuserve.engine.model.loader import build_model, load_hf_weights  # noqa: E402
+from npuserve.engine.parallel.layout import TPLayout  # noqa: E402
+from npuserve.engine.sequence import SamplingParams  # noqa: E402
+from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_deepseek_correctness import dense_tiny_v3, prompts, write_hf_checkpoint  # noqa: E402
+
+from tests.serve_process import wait_ready  # noqa: E402
+
+CPU = torch.device("cpu")
+NPUSERVE = str(Path(sys.executable).parent / "npuserve")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dummy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dummy_model(dense_tiny_v3(), tmp_path_factory.mktemp("dsv3"), seed=3, init_std=0.3)
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_hf_checkpoint("v3", tmp_path_factory.mktemp("hf-v3"))
+
+
+def test_the_layout_splits_mla_heads_and_replicates_the_latent() -> None:
+    spec = dense_tiny_v3()  # 4 heads; qk 32 + 16, v 32; q_lora 96, kv_lora 64
+    r1 = TPLayout.of(spec, 1, 2)
+    assert r1.hf_slice("model.layers.0.self_attn.q_b_proj.weight") == (0, 2 * 48, 2 * 48)
+    assert r1.hf_slice("model.layers.0.self_attn.kv_b_proj.weight") == (0, 2 * 64, 2 * 64)
+    assert r1.hf_slice("model.layers.0.self_attn.o_proj.weight") == (1, 2 * 32, 2 * 32)
+    for replicated in ("q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight",
+                       "kv_a_layernorm.weight"):
+        assert r1.hf_slice(f"model.layers.0.self_attn.{replicated}") is None
+    # every rank holds the whole latent: a block costs the same whatever the ranks
+    assert spec.kv_bytes_per_block(4, world_size=2) == spec.kv_bytes_per_block(4, world_size=1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_loads_its_heads_of_a_transformers_checkpoint(v3_dir: Path, rank: int) -> None:
+    spec = ModelSpec.from_pretrained(v3_dir)  # 4 heads, nope 16, rope 8, v 16
+    whole = build_model(spec, torch.float32, CPU)
+    load_hf_weights(whole, v3_dir)
+    part = build_model(spec, torch.float32, CPU, TPLayout.of(spec, rank, 2))
+    load_hf_weights(part, v3_dir)
+    w, p = dict(whole.named_parameters()), dict(part.named_parameters())
+    attn = "model.layers.1.self_attn."
+    assert torch.equal(p[attn + "q_b_proj.weight"], w[attn + "q_b_proj.weight"][rank * 48:(rank + 1) * 48])
+    assert torch.equal(p[attn + "kv_b_proj.weight"], w[attn + "kv_b_proj.weight"][rank * 64:(rank + 1) * 64])
+    assert torch.equal(p[attn + "o_proj.weight"], w[attn + "o_proj.weight"][:, rank * 32:(rank + 1) * 32])
+    assert torch.equal(p[attn + "kv_a_proj_with_mqa.weight"], w[attn + "kv_a_proj_with_mqa.weight"])
+    assert torch.equal(p[attn + "q_a_proj.weight"], w[attn + "q_a_proj.weight"])
+
+
+def test_the_mtp_layer_is_skipped(v3_dir: Path, tmp_path: Path) -> None:
+    """V3/R1 checkpoints carry the multi-token-prediction layer as `model.layers.{num_hidden_layers}`: not served,
+    its tensors are not read."""
+    tensors = load_file(str(v3_dir / "model.safetensors"))
+    spec = ModelSpec.from_pretrained(v3_dir)
+    mtp = f"model.layers.{spec.num_layers}."
+    extra = {name.replace("model.layers.1.", mtp): t.clone() for name, t in tensors.items()
+             if name.startswith("model.layers.1.")}
+    extra[mtp + "eh_proj.weight"] = torch.zeros(spec.hidden_size, 2 * spec.hidden_size)
+    extra[mtp + "enorm.weight"] = torch.ones(spec.hidden_size)
+    extra[mtp + "shared_head.head.weight"] = torch.zeros(spec.vocab_size, spec.hidden_size)
+    save_file({**tensors, **extra}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((v3_dir / "config.json").read_text())
+    with_mtp, plain = build_model(spec, torch.float32, CPU), build_model(spec, torch.float32, CPU)
+    load_hf_weights(with_mtp, tmp_path)
+    load_hf_weights(plain, v3_dir)
+    for (name, a), (_, b) in zip(with_mtp.named_parameters(), plain.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **extra: object) -> LLMEngine:
+    schedule: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
+                                       maxIterTimes=128)
+    extensions = extra.pop("extensions", None)
+    schedule.update(extra)
+    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
+                            extensions=extensions, **schedule)  # type: ignore[arg-type]
+    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=0.99), num_kv_blocks=kv_blocks)
+
+
+def _workload(engine: LLMEngine) -> list[list[int]]:
+    tokens = [o.token_ids for o in engine.generate(prompts(), GREEDY)]
+    shared = prompts(seed=7)[4][:13]
+    sharing = prompts(seed=2, prefix=shared)
+    tokens += [o.token_ids for o in engine.generate(sharing[:2], GREEDY)]
+    hits_before = engine.kv.prefix_hits
+    tokens += [o.token_ids for o in engine.generate(sharing[2:], GREEDY)]
+    assert engine.kv.prefix_hits > hits_before
+    return tokens
+
+
+def test_world_size_2_generates_what_world_size_1_does(dummy_dir: Path) -> None:
+    results: dict[int, list[object]] = {1: [], 2: []}
+    for world_size in (1, 2):
+        engine = _engine(dummy_dir, world_size)
+        try:
+            results[world_size].append(_workload(engine))
+        finally:
+            engine.close()
+        squeezed = _engine(dummy_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
+                           extensions={"chunkedPrefill": True})
+        try:
+            outs = squeezed.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+            assert squeezed.scheduler.num_preemptions_total > 0 and squeezed.runner._host_kv_caches is not None
+            results[world_size].append([o.token_ids for o in outs])
+        finally:
+            squeezed.close()
+    assert results[2] == results[1]
+
+
+TEXTS = ["the quick brown fox", "a", "latent attention over two ranks", "hello world, again"]
+
+
+def _in_process(model_dir: Path) -> list[tuple[list[int], str]]:
+    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
+    outs = engine.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    return [(o.token_ids, o.text) for o in outs]
+
+
+def test_npuserve_generate_with_world_size_2(dummy_dir: Path, tmp_path: Path) -> None:
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
+    run = subprocess.run([NPUSERVE, "generate", "--model", str(dummy_dir), "--prompts-file", str(prompts_file),
+                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(dummy_dir)]
+
+
+def test_npuserve_serve_with_world_size_2(dummy_dir: Path) -> None:
+    from openai import OpenAI
+
+    from npuserve.engine.parallel.ranks import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(dummy_dir), "--host", "127.0.0.1", "--port",
+                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        served = []
+        for text in TEXTS:
+            out = client.completions.create(model=dummy_dir.name, prompt=text, max_tokens=12, temperature=0.0,
+                                            extra_body={"ignore_eos": True})
+            served.append((out.usage.completion_tokens if out.usage else None, out.choices[0].text))
+        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
+        assert info["worldSize"] == 2
+        assert served == [(len(t), text) for t, text in _in_process(dummy_dir)]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
