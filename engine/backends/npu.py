@@ -61,6 +61,7 @@ from npuserve.npu_contract import (
     COMPRESSED_MASK_SIZE,
     PREFIX_ENCODER_PREFIX_MULTIPLE,
     npu_block_size_problem,
+    npu_mla_block_size_problem,
     prefix_encoder_takes,
 )
 
@@ -123,6 +124,7 @@ class NPUBackend(Backend):
         self._max_seq_len: int | None = None  # set by `configure`: the prefill mask's size
         self._flash_masks: dict[torch.dtype, torch.Tensor] = {}
         self._compressed_masks: dict[torch.dtype, torch.Tensor] = {}
+        self._mla_model = False  # set by `prepare_model`: every layer attends through the MLA methods
         self._moe = NPUMoE(self._ops, self.stack)
         self._mla = NPUMLA(self._ops, self.stack)
 
@@ -162,7 +164,10 @@ class NPUBackend(Backend):
         self._npu.synchronize()
 
     def configure(self, *, block_size: int, head_dim: int, max_seq_len: int) -> None:
-        problem = npu_block_size_problem(block_size, head_dim)
+        """The dense kernels' block-size rule; a model with latent attention (seen by `prepare_model`) calls none of
+        them, so its cache takes FIA's rule instead (a multiple of 16 up to 1024; outside it, the reference)."""
+        problem = (npu_block_size_problem(block_size, head_dim) if not self._mla_model
+                   else npu_mla_block_size_problem(block_size))
         if problem is not None:
             raise ValueError(problem)
         if max_seq_len != self._max_seq_len:
@@ -191,6 +196,7 @@ class NPUBackend(Backend):
             log.info("npu: %d MoE expert weights laid out (E, K, N) for npu_grouped_matmul", lay_out_experts(model))
         if getattr(spec, "mla", None) is not None:
             self._mla.require()
+            self._mla_model = True
         swap_fused_kernels(self._ops, model)
 
     def new_decode_graph(self) -> Any | None:

@@ -36,7 +36,7 @@ from npuserve.engine.doctor.report import DoctorCheck, DoctorReport, Status
 from npuserve.engine.doctor.smoke import smoke_checks
 from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV
 from npuserve.modelspec import ModelSpec
-from npuserve.npu_contract import NPU_BLOCK_SIZE, npu_block_size_problem
+from npuserve.npu_contract import NPU_BLOCK_SIZE, block_size_problem
 
 GiB = 1024**3
 DEFAULT_MEMORY_FRACTION = 0.8
@@ -189,7 +189,7 @@ def check_memory(backend: NPUBackend, options: DoctorOptions, environ: dict[str,
               "weights and a warm-up's activations")
     if options.model is not None:
         spec = ModelSpec.from_pretrained(options.model)
-        problem = npu_block_size_problem(options.block_size, spec.head_dim)
+        problem = block_size_problem("npu", options.block_size, spec.head_dim, latent_attention=spec.mla is not None)
         if problem:
             return _check("memory", "fail", problem)
         dtype = spec.dtype if spec.dtype in ("float16", "bfloat16") else "bfloat16"

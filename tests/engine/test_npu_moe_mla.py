@@ -13,7 +13,7 @@ from npuserve.engine.backends.base import BackendUnavailableError, grouped_exper
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_moe import lay_out_experts
-from npuserve.engine.backends.npu_stack import KEYWORDS, MLA_OPS, MOE_COMBINE_OPS, MOE_OPS
+from npuserve.engine.backends.npu_stack import FIRST_LINE, KEYWORDS, MLA_OPS, MOE_COMBINE_OPS, MOE_OPS
 from npuserve.engine.batch import build_decode
 from npuserve.modelspec import MoESpec
 from tests.fake_torch_npu import RELEASES, FakeTorchNPU, install_fake_torch_npu
@@ -213,3 +213,30 @@ def test_the_moe_and_mla_calls_pass_exactly_the_keywords_the_doctor_checks(monke
     combine = "npu_moe_finalize_routing" if release == "7.0.0" else "npu_moe_token_unpermute"
     assert set(used) == names - set(MOE_COMBINE_OPS) | {combine}
     assert all(used[op] == KEYWORDS[op] for op in used), used
+
+
+def test_an_mla_model_takes_fias_block_rule_not_the_dense_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, npu = _backend(monkeypatch, "7.3.0")
+    with pytest.raises(ValueError, match="128 x head size 192"):  # DeepSeek-V3's qk head (128 + 64), dense rule
+        npu.configure(block_size=128, head_dim=192, max_seq_len=4096)
+    model = _MoEModel(None)
+    model.spec.mla = object()  # type: ignore[attr-defined]
+    npu.prepare_model(model)
+    npu.configure(block_size=128, head_dim=192, max_seq_len=4096)  # no dense kernel runs: FIA's rule
+    with pytest.raises(ValueError, match="multiple of 16 up to 1024"):
+        npu.configure(block_size=40, head_dim=192, max_seq_len=4096)
+
+
+@pytest.mark.parametrize("release", LINES)
+def test_the_stack_table_and_the_fake_agree_on_each_ops_first_line(monkeypatch: pytest.MonkeyPatch,
+                                                                   release: str) -> None:
+    _, npu = _backend(monkeypatch, release)
+
+    def line(name: str) -> tuple[int, ...]:
+        return tuple(int(p) if p.isdigit() else 0 for p in name.replace("rc", "").split("."))
+
+    for op, first in FIRST_LINE.items():
+        assert (op in npu.stack.present) == (line(release) >= line(first)), op
+    assert npu.stack.moe_combine_op == ("npu_moe_finalize_routing" if release == "7.0.0"
+                                        else "npu_moe_token_unpermute")
+    assert not npu.stack.missing_moe() and not npu.stack.missing_mla()
