@@ -41,10 +41,11 @@ DTYPES = (torch.float16, torch.bfloat16)
 # Relative to the reference's largest value: the kernels accumulate in float32 and round once more or less.
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
 CPU = torch.device("cpu")
-# Qwen3-MoE's routing and DeepSeek-V3's (sigmoid, correction bias, groups by their best two), a few experts each
-MOE_SPECS = (MoESpec(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96, norm_topk_prob=True),
-             MoESpec(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=96, norm_topk_prob=True,
-                     scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2,
+# Qwen3-MoE's routing (128 experts, 8 per token) and DeepSeek-V3's exactly (256 experts in 8 groups, 4 kept, 8 per
+# token: an older vllm-ascend calls npu_moe_gating_top_k for that pattern only), at a small hidden and intermediate
+MOE_SPECS = (MoESpec(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=96, norm_topk_prob=True),
+             MoESpec(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=96, norm_topk_prob=True,
+                     scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
                      routed_scaling_factor=2.5))
 MOE_HIDDEN = 128
 MLA_HEADS, KV_LORA, ROPE = 16, 512, 64  # DeepSeek-V3's latent and rope widths, its 128 heads over 8 ranks

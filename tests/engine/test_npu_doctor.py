@@ -13,12 +13,14 @@ from typing import Any
 import pytest
 import torch
 
+from npuserve.catalog.models import get_model_preset
 from npuserve.engine import rank_runner
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_stack import SPLITFUSE_OP
-from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose
+from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose, preflight
 from npuserve.mindie_config import minimal_config
+from npuserve.modelspec import ModelSpec
 from tests.fake_npu_attention import _npu_paged_attention
 from tests.fake_torch_npu import RELEASES, FakeTorchNPU, install_fake_torch_npu
 
@@ -227,3 +229,22 @@ def test_the_engine_runs_the_checks_at_start_up_on_npu(monkeypatch: pytest.Monke
     config = minimal_config(tiny_model_dir, max_seq_len=256)
     with pytest.raises(BackendUnavailableError, match=r"npuserve doctor's checks failed on card 0 .*smoke: decode"):
         rank_runner.build_rank_runner(config, tiny_model_dir, seed=0)
+
+
+def test_the_start_up_checks_count_the_moe_and_mla_smoke_tests_only_for_models_that_need_them(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    fake = _install(monkeypatch)
+    right = fake.module.npu_fused_infer_attention_score
+
+    def wrong(*args: Any, **kwargs: Any) -> Any:
+        out, lse = right(*args, **kwargs)
+        return out + 0.5, lse
+
+    wrong.default = right.default  # type: ignore[attr-defined]
+    monkeypatch.setattr(fake.module, "npu_fused_infer_attention_score", wrong)
+    backend = NPUBackend(device=fake.device)
+    dense = ModelSpec.from_pretrained(tiny_model_dir)
+    preflight(backend, dense)  # a dense model never calls FIA's MLA decode
+    deepseek = get_model_preset("tiny-deepseek-v3")
+    with pytest.raises(BackendUnavailableError, match="smoke: mla"):
+        preflight(backend, deepseek)
