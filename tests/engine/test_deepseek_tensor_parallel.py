@@ -1,6 +1,6 @@
-"""DeepSeek (latent attention) under tensor parallel on the CPU (gloo): the heads split over the ranks, the latent
-replicated (every rank writes the whole latent into its own caches); worldSize 2 generates what worldSize 1 does, in
-the engine (with prefix hits, chunked prefill and swap preemption), through `npuserve generate` and through
+"""DeepSeek (latent attention, MoE layers) under tensor parallel on the CPU (gloo): the heads split over the ranks,
+the latent replicated (every rank writes the whole latent into its own caches); worldSize 2 generates what worldSize 1
+does, in the engine (with prefix hits, chunked prefill and swap preemption), through `npuserve generate` and through
 `npuserve serve`. Also: each rank reads only its heads' rows and columns, the MTP layer's tensors are skipped.
 """
 
@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import build_model, load_hf_weights  # noqa: E402
@@ -29,7 +30,7 @@ from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E4
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_deepseek_correctness import dense_tiny_v3, prompts, write_hf_checkpoint  # noqa: E402
+from test_deepseek_correctness import prompts, write_hf_checkpoint  # noqa: E402
 
 from tests.serve_process import wait_ready  # noqa: E402
 
@@ -40,7 +41,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def dummy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_dummy_model(dense_tiny_v3(), tmp_path_factory.mktemp("dsv3"), seed=3, init_std=0.3)
+    return write_dummy_model(get_model_preset("tiny-deepseek-v3"), tmp_path_factory.mktemp("dsv3"), seed=3,
+                             init_std=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_layout_splits_mla_heads_and_replicates_the_latent() -> None:
-    spec = dense_tiny_v3()  # 4 heads; qk 32 + 16, v 32; q_lora 96, kv_lora 64
+    spec = get_model_preset("tiny-deepseek-v3")  # 4 heads; qk 32 + 16, v 32; q_lora 96, kv_lora 64
     r1 = TPLayout.of(spec, 1, 2)
     assert r1.hf_slice("model.layers.0.self_attn.q_b_proj.weight") == (0, 2 * 48, 2 * 48)
     assert r1.hf_slice("model.layers.0.self_attn.kv_b_proj.weight") == (0, 2 * 64, 2 * 64)
