@@ -316,26 +316,39 @@ def select_experts(router_logits: torch.Tensor, moe: MoESpec,
     return weights, ids.to(torch.int32)
 
 
+# One expert's SwiGLU MLP over its rows: (rows (n, H), expert index) -> (n, H)
+ExpertMLP = Callable[[torch.Tensor, int], torch.Tensor]
+
+
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor) -> torch.Tensor:
+                    w2: torch.Tensor, expert_mlp: ExpertMLP | None = None) -> torch.Tensor:
     """The torch reference of `Backend.moe_experts`: the (token, k) pairs sorted by expert, each selected expert's
-    rows run as one contiguous group (only the experts the batch selects), weighted, summed back per token."""
+    rows run as one contiguous group (only the experts the batch selects), weighted, summed back per token.
+    `expert_mlp`: how one expert runs over its rows (default: `F.linear` on its slices of w13 and w2)."""
     top_k = ids.shape[1]
     flat = ids.reshape(-1).long()
     order = flat.argsort(stable=True)
     token_of = order // top_k  # the token of each sorted pair
     counts = torch.bincount(flat, minlength=w13.shape[0])
     rows = x.index_select(0, token_of)
-    inter = w2.shape[2]
+    run = expert_mlp or (lambda r, e: linear_expert(r, w13[e], w2[e]))
     out = torch.empty_like(rows)
     start = 0
     for expert, n in enumerate(counts.tolist()):
         if n:
-            h = rows[start : start + n] @ w13[expert].t()
-            out[start : start + n] = (nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[expert].t()
+            out[start : start + n] = run(rows[start : start + n], expert)
             start += n
     scaled = (out.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1).float()).to(x.dtype)
     return torch.zeros_like(x).index_add_(0, token_of, scaled)
+
+
+def linear_expert(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One expert: w13 (2I, H) gate rows then up rows, w2 (H, I). `F.linear`, not `rows @ w.t()`: on the CPU the
+    latter copies the transposed weight (10x slower)."""
+    h = nn.functional.linear(rows, w13)
+    inter = w2.shape[1]
+    return nn.functional.linear(nn.functional.silu(h[:, :inter]) * h[:, inter:], w2)
+
 
 # --- helpers of the MLA reference ------------------------------------------------------------------------------
 

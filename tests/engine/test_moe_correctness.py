@@ -124,6 +124,39 @@ def test_preemption_matches_transformers(model_dir: Path, hf_model: object) -> N
     assert engine.kv.num_used_blocks == 0
 
 
+def test_create_dummy_writes_a_folder_transformers_loads(tmp_path: Path) -> None:
+    run = subprocess.run([NPUSERVE, "model", "create-dummy", "--preset", "tiny-qwen3-moe", "--out",
+                          str(tmp_path / "m"), "--init-std", "0.3"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    model = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    spec = ModelSpec.from_pretrained(tmp_path / "m")
+    ours = build_model(spec, torch.float32, CPU)
+    load_hf_weights(ours, tmp_path / "m")
+    theirs = model.model.layers[1].mlp.experts
+    assert torch.equal(ours.model.layers[1].mlp.experts.w13, theirs.gate_up_proj)
+    assert torch.equal(ours.model.layers[1].mlp.experts.w2, theirs.down_proj)
+
+
+def test_the_fused_layout_of_transformers_state_dict_loads_too(model_dir: Path, tmp_path: Path) -> None:
+    """transformers keeps the experts fused in memory (`mlp.experts.gate_up_proj` (E, 2I, H), `down_proj`
+    (E, H, I)); a checkpoint saved from its state dict as it is loads into the same weights, whole and per rank."""
+    from safetensors.torch import save_file
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight" or
+             not hf.config.tie_word_embeddings}
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    spec = ModelSpec.from_pretrained(model_dir)
+    for layout in (None, TPLayout.of(spec, 1, 2)):
+        fused, per_expert = build_model(spec, torch.float32, CPU, layout), build_model(spec, torch.float32, CPU, layout)
+        load_hf_weights(fused, tmp_path)
+        load_hf_weights(per_expert, model_dir)
+        for (name, a), (_, b) in zip(fused.named_parameters(), per_expert.named_parameters(), strict=True):
+            assert torch.equal(a, b), name
+
+
 # --- tensor parallel -----------------------------------------------------------------------------------------------
 
 

@@ -207,3 +207,26 @@ def test_moe_experts_equals_the_dense_reference(tokens: int) -> None:
             for r in range(2)]
     parts = [BACKEND.moe_experts(x, weights, ids, rows[r], w2[:, :, r * half:(r + 1) * half]) for r in range(2)]
     torch.testing.assert_close(parts[0] + parts[1], out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_backends_packed_experts_equal_the_reference(dtype: torch.dtype) -> None:
+    """After `prepare_model` the CPU backend runs the experts on weights packed once (where oneDNN is there)."""
+    from npuserve.engine.model.moe import FusedExperts
+
+    gen = torch.Generator().manual_seed(6)
+    experts = FusedExperts(16, 32, 24)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    experts = experts.to(dtype)
+    backend = CPUBackend()
+    backend.prepare_model(experts)
+    x = torch.randn(9, 32, generator=gen).to(dtype)
+    moe = MoESpec(num_experts=16, num_experts_per_tok=K, moe_intermediate_size=24)
+    weights, ids = backend.moe_select_experts(torch.randn(9, 16, generator=gen), moe, None)
+    out = backend.moe_experts(x, weights, ids, experts.w13, experts.w2)
+    want = CPUBackend().moe_experts(x, weights, ids, experts.w13, experts.w2)  # not prepared: the reference
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, want, rtol=tolerance, atol=tolerance)
+    assert backend._packed_experts or not torch.backends.mkldnn.is_available()
