@@ -59,6 +59,15 @@ def test_routing_through_the_gating_ops_equals_the_reference(monkeypatch: pytest
     assert fake.calls[op] == 1
 
 
+def test_sigmoid_routing_without_renormalisation_runs_on_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, npu = _backend(monkeypatch, "26.1.0")
+    moe = V3.model_copy(update={"norm_topk_prob": False})  # npu_moe_gating_top_k would renormalise
+    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(16))
+    bias = torch.zeros(16)
+    assert _pairs(*npu.moe_select_experts(logits, moe, bias)) == _pairs(*select_experts(logits, moe, bias))
+    assert fake.calls["npu_moe_gating_top_k"] == 0
+
+
 def test_deepseek_v2_grouped_softmax_routing_runs_on_the_reference(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     fake, npu = _backend(monkeypatch, "7.3.0")
