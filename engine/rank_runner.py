@@ -97,7 +97,7 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
         from npuserve.engine.doctor import preflight
 
         assert isinstance(backend, NPUBackend)
-        preflight(backend)
+        preflight(backend, spec)
     tp, channel = SINGLE_RANK, None
     if world_size > 1:
         if init_method is None:

@@ -34,7 +34,8 @@ def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -
         except TensorParallelLayoutError as e:
             out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: {e}")
     if spec is not None:
-        problem = block_size_problem(device, config.schedule.cacheBlockSize, spec.head_dim)
+        problem = block_size_problem(device, config.schedule.cacheBlockSize, spec.head_dim,
+                                     latent_attention=spec.mla is not None)
         if problem is not None:
             out.append(f"BackendConfig.ScheduleConfig.cacheBlockSize: {problem}")
     cards = backend.npuDeviceIds[0] if backend.npuDeviceIds else []

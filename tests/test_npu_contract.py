@@ -63,3 +63,12 @@ def test_the_plan_states_the_npu_rule_and_refuses_a_pinned_block_size_the_kernel
 def test_the_plan_leaves_other_devices_block_size_alone() -> None:
     p = plan(_spec("nvidia-h100-80gb", cacheBlockSize=256))
     assert p.schedule.cacheBlockSize == 256 and "on npu" not in p.explained("schedule.cacheBlockSize").note
+
+
+def test_a_latent_attention_model_takes_fias_block_rule_on_npu() -> None:
+    # DeepSeek-V3's qk head (192) at block 128 breaks the dense kernels' rule, which its attention never meets
+    assert block_size_problem("npu", 128, 192) is not None
+    assert block_size_problem("npu", 128, 192, latent_attention=True) is None
+    assert block_size_problem("npu", 1024, 192, latent_attention=True) is None
+    assert "multiple of 16 up to 1024" in str(block_size_problem("npu", 2048, 192, latent_attention=True))
+    assert block_size_problem("cpu", 8, 192, latent_attention=True) is None

@@ -23,6 +23,11 @@ The cache write: `npu_scatter_pa_kv_cache(..., cache_mode="Norm")` where the op 
 Per-step tensors (int32 tables, host lengths, the SplitFuse mask, the kernel chosen) are made once per step and
 shared by every layer through `AttentionMetadata.cache`.
 
+Mixture of experts (`moe_select_experts`, `moe_experts`): `npu_moe.py`; multi-head latent attention
+(`mla_write_cache`, `mla_decode_attention`): `npu_mla.py`. Their ops are required only by a model that has MoE
+layers or MLA (`prepare_model` refuses a stack without them, naming them); a shape an op's contract excludes runs on
+the torch reference, said once in the log.
+
 Memory: `memory_info` empties torch_npu's caching allocator before `mem_get_info` (as vllm-ascend's worker does), and
 `measure_peak` reports a warm-up's peak, which KV sizing sets aside. Tensor parallel: HCCL. Fused kernels:
 `npu_fused.py`. Decode graphs: off (`new_decode_graph` says why).
@@ -48,11 +53,15 @@ from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUna
 from npuserve.engine.backends.npu_device import local_device_index
 from npuserve.engine.backends.npu_fused import swap_fused_kernels
 from npuserve.engine.backends.npu_masks import causal_mask, check_kernel_dtype, splitfuse_mask
+from npuserve.engine.backends.npu_mla import NPUMLA, host_lengths
+from npuserve.engine.backends.npu_moe import NPUMoE, lay_out_experts
 from npuserve.engine.backends.npu_stack import DECODE_OP, FLASH_OP, PREFIX_OP, SPLITFUSE_OP, NPUStack
+from npuserve.modelspec import MoESpec
 from npuserve.npu_contract import (
     COMPRESSED_MASK_SIZE,
     PREFIX_ENCODER_PREFIX_MULTIPLE,
     npu_block_size_problem,
+    npu_mla_block_size_problem,
     prefix_encoder_takes,
 )
 
@@ -115,6 +124,9 @@ class NPUBackend(Backend):
         self._max_seq_len: int | None = None  # set by `configure`: the prefill mask's size
         self._flash_masks: dict[torch.dtype, torch.Tensor] = {}
         self._compressed_masks: dict[torch.dtype, torch.Tensor] = {}
+        self._mla_model = False  # set by `prepare_model`: every layer attends through the MLA methods
+        self._moe = NPUMoE(self._ops, self.stack)
+        self._mla = NPUMLA(self._ops, self.stack)
 
     def _check_nnal(self) -> None:
         """torch_npu loads NNAL's libatb.so at the first ATB call (op-plugin `op_plugin/python/atb/_atb_ops.py`) and
@@ -152,7 +164,10 @@ class NPUBackend(Backend):
         self._npu.synchronize()
 
     def configure(self, *, block_size: int, head_dim: int, max_seq_len: int) -> None:
-        problem = npu_block_size_problem(block_size, head_dim)
+        """The dense kernels' block-size rule; a model with latent attention (seen by `prepare_model`) calls none of
+        them, so its cache takes FIA's rule instead (a multiple of 16 up to 1024; outside it, the reference)."""
+        problem = (npu_block_size_problem(block_size, head_dim) if not self._mla_model
+                   else npu_mla_block_size_problem(block_size))
         if problem is not None:
             raise ValueError(problem)
         if max_seq_len != self._max_seq_len:
@@ -173,6 +188,15 @@ class NPUBackend(Backend):
     # --- the model: fused kernels, decode graphs ------------------------------------------------------------------
 
     def prepare_model(self, model: nn.Module) -> None:
+        """The fused kernels; for a MoE or MLA model, its ops (BackendUnavailableError naming any the stack lacks)
+        and, for MoE, the expert weights laid out for the grouped matmul (`npu_moe.lay_out_experts`)."""
+        spec = getattr(model, "spec", None)
+        if getattr(spec, "moe", None) is not None:
+            self._moe.require()
+            log.info("npu: %d MoE expert weights laid out (E, K, N) for npu_grouped_matmul", lay_out_experts(model))
+        if getattr(spec, "mla", None) is not None:
+            self._mla.require()
+            self._mla_model = True
         swap_fused_kernels(self._ops, model)
 
     def new_decode_graph(self) -> Any | None:
@@ -184,6 +208,49 @@ class NPUBackend(Backend):
         `torch.npu.ExternalEvent`s): a per-replay hook the device-generic decode graphs do not have, over APIs no
         card here can check."""
         return None
+
+    # --- mixture of experts, multi-head latent attention (npu_moe.py, npu_mla.py) ----------------------------------
+
+    def moe_select_experts(self, router_logits: torch.Tensor, moe: MoESpec,
+                           correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = self._moe.select(router_logits, moe, correction_bias)
+        return chosen if chosen is not None else super().moe_select_experts(router_logits, moe, correction_bias)
+
+    def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor) -> torch.Tensor:
+        return self._moe.experts(x, weights, ids, w13, w2)
+
+    def allocate_mla_cache(
+        self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,
+        dtype: torch.dtype, device: torch.device | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            check_kernel_dtype(dtype)
+        except ValueError as e:
+            raise ValueError(f"{e}: set the model's dtype (npuserve.dtype) to float16 or bfloat16 on the npu "
+                             "backend") from None
+        return super().allocate_mla_cache(num_layers, num_blocks, block_size, kv_lora_rank, rope_dim, dtype, device)
+
+    def mla_write_cache(
+        self, kv_a: torch.Tensor, gamma: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+        slot_mapping: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor, interleaved: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        written = self._mla.write_cache(kv_a, gamma, eps, cos, sin, slot_mapping, latent_cache, rope_cache,
+                                        interleaved)
+        if written is not None:
+            return written
+        return super().mla_write_cache(kv_a, gamma, eps, cos, sin, slot_mapping, latent_cache, rope_cache,
+                                       interleaved)
+
+    def mla_decode_attention(
+        self, q_latent: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor:
+        out = self._mla.decode(q_latent, q_pe, latent_cache, rope_cache, self._block_tables(meta),
+                               host_lengths(meta), scale)
+        if out is not None:
+            return out
+        return super().mla_decode_attention(q_latent, q_pe, latent_cache, rope_cache, meta, scale)
 
     # --- per-step tensors (built once, shared by every layer) -----------------------------------------------------
 

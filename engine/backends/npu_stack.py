@@ -13,6 +13,14 @@ torch_npu exposes its `npu` namespace ops as `torch.ops.npu.<op>` packets, whose
 arguments; that is how `cache_mode` is found. The ATB ops (`_npu_*`) are Python functions until their first call
 loads libatb.so and puts the `torch.ops.atb.<op>` packets in their place (op-plugin `_atb_ops.py`, `_patch_atb_ops`),
 so at detection only their presence is looked at; `npuserve doctor` reads their schemas after the first call.
+
+The MoE and MLA ops (MOE_OPS, MLA_OPS) are required only by a model that has MoE layers or multi-head latent
+attention: a dense model runs on a stack without them. The line that first has each (op-plugin
+`op_plugin_functions.yaml` per branch; shared/notes/moe-mla-lws.md): `npu_moe_gating_top_k_softmax` and
+`npu_moe_finalize_routing` 6.0.rc2; `npu_moe_gating_top_k`, `npu_moe_init_routing_v2`, `npu_grouped_matmul` with a
+Tensor group_list, `npu_kv_rmsnorm_rope_cache`, `npu_fused_infer_attention_score` with query_rope/key_rope 7.0.0;
+`npu_moe_token_unpermute` 7.1.0. So every supported line has them all but token_unpermute, whose place 7.0.0's
+MoE takes `npu_moe_finalize_routing` (`NPUStack.moe_combine_op`).
 """
 
 from __future__ import annotations
@@ -32,6 +40,24 @@ FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu")
 ATTENTION_OPS = (FLASH_OP, PREFIX_OP, DECODE_OP, SPLITFUSE_OP)
 REQUIRED_OPS = (RESHAPE_AND_CACHE_OP, *ATTENTION_OPS, *FUSED_OPS)
 
+GATING_SOFTMAX_OP = "npu_moe_gating_top_k_softmax"
+GATING_TOP_K_OP = "npu_moe_gating_top_k"
+INIT_ROUTING_OP = "npu_moe_init_routing_v2"
+GROUPED_MATMUL_OP = "npu_grouped_matmul"
+UNPERMUTE_OP = "npu_moe_token_unpermute"
+FINALIZE_OP = "npu_moe_finalize_routing"
+KV_RMSNORM_ROPE_CACHE_OP = "npu_kv_rmsnorm_rope_cache"
+FIA_OP = "npu_fused_infer_attention_score"
+# The MoE chain without its combine step (token_unpermute where the line has it, else finalize_routing).
+MOE_OPS = (GATING_SOFTMAX_OP, GATING_TOP_K_OP, INIT_ROUTING_OP, GROUPED_MATMUL_OP, "npu_swiglu")
+MOE_COMBINE_OPS = (UNPERMUTE_OP, FINALIZE_OP)
+MLA_OPS = (KV_RMSNORM_ROPE_CACHE_OP, FIA_OP)
+# The first op-plugin line with each MoE/MLA op (under the schema the backend calls).
+FIRST_LINE: dict[str, str] = {
+    GATING_SOFTMAX_OP: "6.0.rc2", FINALIZE_OP: "6.0.rc2", GATING_TOP_K_OP: "7.0.0", INIT_ROUTING_OP: "7.0.0",
+    GROUPED_MATMUL_OP: "7.0.0", KV_RMSNORM_ROPE_CACHE_OP: "7.0.0", FIA_OP: "7.0.0", UNPERMUTE_OP: "7.1.0",
+}
+
 
 # The keywords the backend passes to each op: argument names of the ops' schemas in every supported line (op-plugin
 # `op_plugin/ops/atb/*.cpp` m.def, `op_plugin_functions.yaml`); the fused kernels take their tensors by position.
@@ -49,6 +75,19 @@ KEYWORDS: dict[str, frozenset[str]] = {
     "npu_rms_norm": frozenset({"epsilon"}),
     "npu_rotary_mul": frozenset(),
     "npu_swiglu": frozenset({"dim"}),
+    GATING_SOFTMAX_OP: frozenset({"x", "finished", "k"}),
+    GATING_TOP_K_OP: frozenset({"x", "k", "bias", "k_group", "group_count", "group_select_mode", "renorm",
+                                "norm_type", "routed_scaling_factor", "eps"}),
+    INIT_ROUTING_OP: frozenset({"x", "expert_idx", "active_num", "expert_num", "expert_tokens_num_type",
+                                "expert_tokens_num_flag", "quant_mode"}),
+    GROUPED_MATMUL_OP: frozenset({"x", "weight", "group_list", "split_item", "group_type", "group_list_type"}),
+    UNPERMUTE_OP: frozenset({"permuted_tokens", "sorted_indices", "probs"}),
+    FINALIZE_OP: frozenset({"expanded_permuted_rows", "skip1", "skip2", "bias", "scales", "expanded_src_to_dst_row",
+                            "export_for_source_row", "drop_pad_mode"}),
+    # its seven tensors go by position, as vllm-ascend passes them
+    KV_RMSNORM_ROPE_CACHE_OP: frozenset({"epsilon", "cache_mode", "is_output_kv"}),
+    FIA_OP: frozenset({"query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
+                       "antiquant_mode", "block_table", "block_size", "actual_seq_lengths_kv"}),
 }
 
 
@@ -127,6 +166,21 @@ class NPUStack:
     def cache_write_op(self) -> str:
         return SCATTER_OP if self.scatter_cache_mode else RESHAPE_AND_CACHE_OP
 
+    @property
+    def moe_combine_op(self) -> str:
+        """`npu_moe_token_unpermute` where the line has it (7.1.0 on), else `npu_moe_finalize_routing`."""
+        return UNPERMUTE_OP if UNPERMUTE_OP in self.present else FINALIZE_OP
+
+    def moe_ops(self) -> tuple[str, ...]:
+        """The ops a MoE layer calls on this stack (the gating op used depends on the model's routing rule)."""
+        return (*MOE_OPS, self.moe_combine_op)
+
+    def missing_moe(self) -> list[str]:
+        return [op for op in self.moe_ops() if op not in self.present]
+
+    def missing_mla(self) -> list[str]:
+        return [op for op in MLA_OPS if op not in self.present]
+
     def missing(self) -> list[str]:
         needed = [op for op in REQUIRED_OPS if op != RESHAPE_AND_CACHE_OP] + [self.cache_write_op]
         return [op for op in needed if op not in self.present]
@@ -147,7 +201,8 @@ def detect(ops: Any, torch_version: str) -> NPUStack:
     """The stack behind the imported torch_npu module `ops`."""
     version = str(getattr(ops, "__version__", "unknown"))
     release = release_of(version)
-    present = frozenset(op for op in (*REQUIRED_OPS, SCATTER_OP) if callable(getattr(ops, op, None)))
+    present = frozenset(op for op in (*REQUIRED_OPS, SCATTER_OP, *MOE_OPS, *MOE_COMBINE_OPS, *MLA_OPS)
+                        if callable(getattr(ops, op, None)))
     scatter_mode = False
     if SCATTER_OP in present:
         names = argument_names(getattr(ops, SCATTER_OP))

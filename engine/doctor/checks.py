@@ -24,12 +24,19 @@ import torch
 
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend, refuse_unusable
-from npuserve.engine.backends.npu_stack import NPUStack, detect, matrix_lines, signature_problem
+from npuserve.engine.backends.npu_stack import (
+    FIRST_LINE,
+    MLA_OPS,
+    NPUStack,
+    detect,
+    matrix_lines,
+    signature_problem,
+)
 from npuserve.engine.doctor.report import DoctorCheck, DoctorReport, Status
 from npuserve.engine.doctor.smoke import smoke_checks
 from npuserve.engine_contract import NPU_MEMORY_FRACTION_ENV
 from npuserve.modelspec import ModelSpec
-from npuserve.npu_contract import NPU_BLOCK_SIZE, npu_block_size_problem
+from npuserve.npu_contract import NPU_BLOCK_SIZE, block_size_problem
 
 GiB = 1024**3
 DEFAULT_MEMORY_FRACTION = 0.8
@@ -151,10 +158,18 @@ def check_release(stack: NPUStack) -> DoctorCheck:
 
 
 def check_ops(ops: Any, stack: NPUStack) -> list[DoctorCheck]:
+    """Each op the backend calls: present, with the keywords it passes. A MoE or MLA op that is absent is a
+    warning, not a failure: only a model with MoE layers or latent attention needs it (the backend refuses such a
+    model on this stack, naming the op)."""
     checks = []
-    for name in stack.used_ops():
+    optional = {op: "MoE" for op in stack.moe_ops() if op != "npu_swiglu"} | {op: "MLA" for op in MLA_OPS}
+    for name in (*stack.used_ops(), *optional):
         op = getattr(ops, name, None)
         if not callable(op):
+            if name in optional:
+                checks.append(_check(f"op {name}", "warn", f"absent from {stack.describe()}: a {optional[name]} "
+                                     f"model is refused on this stack (op-plugin {FIRST_LINE[name]} has it)"))
+                continue
             checks.append(_check(f"op {name}", "fail", f"absent from {stack.describe()}"))
             continue
         problem = signature_problem(name, op)
@@ -174,7 +189,7 @@ def check_memory(backend: NPUBackend, options: DoctorOptions, environ: dict[str,
               "weights and a warm-up's activations")
     if options.model is not None:
         spec = ModelSpec.from_pretrained(options.model)
-        problem = npu_block_size_problem(options.block_size, spec.head_dim)
+        problem = block_size_problem("npu", options.block_size, spec.head_dim, latent_attention=spec.mla is not None)
         if problem:
             return _check("memory", "fail", problem)
         dtype = spec.dtype if spec.dtype in ("float16", "bfloat16") else "bfloat16"
@@ -240,10 +255,18 @@ def diagnose(options: DoctorOptions, probes: Probes | None = None) -> DoctorRepo
     return finish(True)
 
 
-def preflight(backend: NPUBackend) -> None:
+def preflight(backend: NPUBackend, spec: ModelSpec | None = None) -> None:
     """The engine's start-up run of the op checks and the smoke tests on its card (the stack and NNAL were checked
-    when the backend was built): BackendUnavailableError naming each failed check."""
-    failed = [c for c in (*check_ops(backend._ops, backend.stack), *smoke_checks(backend)) if c.status == "fail"]
+    when the backend was built): BackendUnavailableError naming each failed check. With the model's `spec`, the MoE
+    and MLA smoke tests count only for a model that has MoE layers / latent attention: a dense model does not wait
+    on ops it never calls."""
+    unused = set()
+    if spec is not None and spec.moe is None:
+        unused.add("smoke: moe")
+    if spec is not None and spec.mla is None:
+        unused.add("smoke: mla")
+    failed = [c for c in (*check_ops(backend._ops, backend.stack), *smoke_checks(backend))
+              if c.status == "fail" and c.name not in unused]
     if failed:
         raise BackendUnavailableError(
             f"npuserve doctor's checks failed on card {backend.device_index} ({backend.stack.describe()}): "

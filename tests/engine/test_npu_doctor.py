@@ -13,18 +13,20 @@ from typing import Any
 import pytest
 import torch
 
+from npuserve.catalog.models import get_model_preset
 from npuserve.engine import rank_runner
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_stack import SPLITFUSE_OP
-from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose
+from npuserve.engine.doctor import DoctorOptions, DoctorReport, Probes, diagnose, preflight
 from npuserve.mindie_config import minimal_config
+from npuserve.modelspec import ModelSpec
 from tests.fake_npu_attention import _npu_paged_attention
 from tests.fake_torch_npu import RELEASES, FakeTorchNPU, install_fake_torch_npu
 
 OPS = ["npu_scatter_pa_kv_cache", "_npu_reshape_and_cache"]  # one of the two, per release
 SMOKES = ["smoke: cache write", "smoke: prefill", "smoke: prefix prefill", "smoke: decode", "smoke: chunked prefill",
-          "smoke: rms_norm", "smoke: rope", "smoke: swiglu"]
+          "smoke: rms_norm", "smoke: rope", "smoke: swiglu", "smoke: moe", "smoke: mla"]
 
 
 def _install(monkeypatch: pytest.MonkeyPatch, release: str = "7.3.0", **kwargs: Any) -> FakeTorchNPU:
@@ -78,6 +80,28 @@ def test_a_missing_op_fails_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "op _npu_paged_attention_splitfuse" in report.verdict
 
 
+@pytest.mark.parametrize(("op", "smoke"), [("npu_moe_init_routing_v2", "smoke: moe"),
+                                           ("npu_fused_infer_attention_score", "smoke: mla")])
+def test_a_missing_moe_or_mla_op_warns_and_skips_its_smoke_test_only(monkeypatch: pytest.MonkeyPatch, op: str,
+                                                                     smoke: str) -> None:
+    fake = _install(monkeypatch)
+    delattr(fake.module, op)  # a torch_npu outside the matrix: a dense model still runs, a MoE/MLA one is refused
+    report = diagnose(DoctorOptions(), _probes(fake))
+    status = _status(report)
+    assert report.ok, report.lines()
+    assert status[f"op {op}"] == "warn" and status[smoke] == "skip"
+    assert "refused on this stack" in next(c.detail for c in report.checks if c.name == f"op {op}")
+
+
+def test_on_7_0_0_the_moe_smoke_test_runs_finalize_routing(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _install(monkeypatch, "7.0.0")
+    report = diagnose(DoctorOptions(), _probes(fake))
+    status = _status(report)
+    assert status["smoke: moe"] == "ok" and status["op npu_moe_finalize_routing"] == "ok"
+    assert "op npu_moe_token_unpermute" not in status
+    assert "npu_moe_finalize_routing" in next(c.detail for c in report.checks if c.name == "smoke: moe")
+
+
 def test_an_op_without_the_backends_keyword_fails_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _install(monkeypatch)
     wrapped = fake.module._npu_paged_attention
@@ -88,16 +112,21 @@ def test_an_op_without_the_backends_keyword_fails_by_name(monkeypatch: pytest.Mo
     assert check.status == "fail" and "lacks context_lens" in check.detail
 
 
-@pytest.mark.parametrize(("op", "smoke"), [("_npu_paged_attention", "smoke: decode"),
-                                           ("_npu_flash_attention_qlens", "smoke: prefix prefill"),
-                                           ("_npu_paged_attention_splitfuse", "smoke: chunked prefill"),
-                                           ("_npu_flash_attention", "smoke: prefill"),
-                                           ("_npu_reshape_and_cache", "smoke: cache write"),
-                                           ("npu_rms_norm", "smoke: rms_norm"),
-                                           ("npu_rotary_mul", "smoke: rope"),
-                                           ("npu_swiglu", "smoke: swiglu")])
+@pytest.mark.parametrize(("op", "smokes"), [("_npu_paged_attention", ["smoke: decode"]),
+                                            ("_npu_flash_attention_qlens", ["smoke: prefix prefill"]),
+                                            ("_npu_paged_attention_splitfuse", ["smoke: chunked prefill"]),
+                                            ("_npu_flash_attention", ["smoke: prefill"]),
+                                            ("_npu_reshape_and_cache", ["smoke: cache write"]),
+                                            ("npu_rms_norm", ["smoke: rms_norm"]),
+                                            ("npu_rotary_mul", ["smoke: rope"]),
+                                            ("npu_swiglu", ["smoke: swiglu", "smoke: moe"]),  # the MoE chain's too
+                                            ("npu_grouped_matmul", ["smoke: moe"]),
+                                            ("npu_moe_token_unpermute", ["smoke: moe"]),
+                                            ("npu_moe_gating_top_k", ["smoke: moe"]),
+                                            ("npu_kv_rmsnorm_rope_cache", ["smoke: mla"]),
+                                            ("npu_fused_infer_attention_score", ["smoke: mla"])])
 def test_an_op_that_computes_wrong_numbers_fails_its_smoke_test(monkeypatch: pytest.MonkeyPatch, op: str,
-                                                                smoke: str) -> None:
+                                                                smokes: list[str]) -> None:
     fake = _install(monkeypatch)
     right = getattr(fake.module, op)
 
@@ -106,15 +135,17 @@ def test_an_op_that_computes_wrong_numbers_fails_its_smoke_test(monkeypatch: pyt
         for tensor in (kwargs.get("out"), kwargs.get("key_cache"), result):  # spoil what the op produced
             if isinstance(tensor, torch.Tensor):
                 tensor.add_(0.5)
-            elif isinstance(tensor, tuple):
-                tensor[0].add_(0.5)
+            elif isinstance(tensor, tuple | list):
+                for t in tensor:
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        t.add_(0.5)
         return result
 
     wrong.default = right.default  # type: ignore[attr-defined]
     monkeypatch.setattr(fake.module, op, wrong)
     report = diagnose(DoctorOptions(), _probes(fake))
     failed = [c.name for c in report.failed()]
-    assert failed == [smoke], report.lines()
+    assert failed == smokes, report.lines()
 
 
 def test_a_smoke_test_fails_when_its_step_goes_to_another_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,3 +229,22 @@ def test_the_engine_runs_the_checks_at_start_up_on_npu(monkeypatch: pytest.Monke
     config = minimal_config(tiny_model_dir, max_seq_len=256)
     with pytest.raises(BackendUnavailableError, match=r"npuserve doctor's checks failed on card 0 .*smoke: decode"):
         rank_runner.build_rank_runner(config, tiny_model_dir, seed=0)
+
+
+def test_the_start_up_checks_count_the_moe_and_mla_smoke_tests_only_for_models_that_need_them(
+        monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
+    fake = _install(monkeypatch)
+    right = fake.module.npu_fused_infer_attention_score
+
+    def wrong(*args: Any, **kwargs: Any) -> Any:
+        out, lse = right(*args, **kwargs)
+        return out + 0.5, lse
+
+    wrong.default = right.default  # type: ignore[attr-defined]
+    monkeypatch.setattr(fake.module, "npu_fused_infer_attention_score", wrong)
+    backend = NPUBackend(device=fake.device)
+    dense = ModelSpec.from_pretrained(tiny_model_dir)
+    preflight(backend, dense)  # a dense model never calls FIA's MLA decode
+    deepseek = get_model_preset("tiny-deepseek-v3")
+    with pytest.raises(BackendUnavailableError, match="smoke: mla"):
+        preflight(backend, deepseek)
