@@ -34,6 +34,10 @@ NPU_BLOCK_RULE = (f"a multiple of {PAGED_BLOCK_MULTIPLE} up to {SPLITFUSE_MAX_BL
                   "kernel take every prefill whose prefix is whole blocks")
 
 
+NPU_MLA_BLOCK_RULE = (f"a multiple of {PAGED_BLOCK_MULTIPLE} up to {MLA_MAX_BLOCK_SIZE} for latent attention "
+                      "(FIA's MLA decode)")
+
+
 def npu_block_size_problem(block_size: int, head_dim: int) -> str | None:
     """Why the npu kernels cannot run a KV cache of `block_size` tokens per block and `head_dim`, or None."""
     if not 0 < head_dim <= MAX_HEAD_SIZE:

@@ -22,7 +22,7 @@ from npuserve.mindie_config import (
     ScheduleSection,
 )
 from npuserve.modelspec import MLASpec, ModelSpec, MoESpec
-from npuserve.npu_contract import NPU_BLOCK_RULE, block_size_problem
+from npuserve.npu_contract import NPU_BLOCK_RULE, NPU_MLA_BLOCK_RULE, block_size_problem
 from npuserve.planning.api import (
     Architecture,
     ExplainEntry,
@@ -142,11 +142,12 @@ class _Planner:
         it at start-up)."""
         device = self.accelerator.npu_device_type
         note = "pinned in spec.engine.schedule" if "cacheBlockSize" in self.pinned else "MindIE default"
+        latent = self.model.mla is not None
         if device == "npu":
-            note += f"; on npu: {NPU_BLOCK_RULE}"
+            note += f"; on npu: {NPU_MLA_BLOCK_RULE if latent else NPU_BLOCK_RULE}"
         self.add(0, "schedule.cacheBlockSize", self.block_size, "tokens per KV block (MindIE cacheBlockSize)", "tokens",
                  note)
-        problem = block_size_problem(device, self.block_size, self.model.head_dim)
+        problem = block_size_problem(device, self.block_size, self.model.head_dim, latent_attention=latent)
         if problem is None:
             return
         if "cacheBlockSize" in self.pinned:

@@ -210,3 +210,10 @@ def test_ttft_floor_computes_the_active_parameters() -> None:
     assert tflops
     floor_ms = 2 * 3_041_867_776 * 186 / (tflops * 1e12) * 1000  # one card, 186 prompt tokens
     assert f"below {floor_ms:.2f} ms" in warning
+
+
+def test_deepseek_v3_at_the_default_block_size_gets_no_npu_block_warning() -> None:
+    # Latent attention goes to FIA's MLA decode (a multiple of 16 up to 1024), not the dense kernels' 128 x 128
+    # rule, which DeepSeek's 192-wide qk head would break at block 128.
+    result = plan(spec_of("deepseek-v3"))
+    assert not [w for w in result.warnings if "cacheBlockSize" in w], result.warnings
