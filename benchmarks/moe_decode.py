@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (0: torch's default); 1 by default: on a shared machine, small ops on several "
                         "threads wait on each other's descheduled threads (measured 12x slower under load)")
+    p.add_argument("--experts-implementation", choices=["grouped_mm", "batched_mm", "eager"], default=None,
+                   help="transformers' experts kernel (default: its own default, grouped_mm in 5.x; eager is the "
+                        "loop over the hit experts that transformers 4.x ran)")
     args = p.parse_args()
     args.batch = args.batch or [1, 32]
     return args
@@ -71,7 +74,8 @@ def main() -> int:
     tmp = tempfile.TemporaryDirectory(prefix="npuserve-moe-bench-")
     model_dir = Path(args.model_dir) if args.model_dir else write_model(args, Path(tmp.name) / "model")
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    extra = {"experts_implementation": args.experts_implementation} if args.experts_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra).eval()
     print(f"Qwen3-MoE dummy: {args.num_layers} layers, hidden {args.hidden_size}, {args.experts} experts top-"
           f"{args.top_k}, moe_intermediate {args.moe_intermediate}, vocab {args.vocab_size}, {args.dtype}; "
           f"prompts of {args.prompt_len} tokens, {args.max_tokens} output tokens; torch threads "
