@@ -6,13 +6,9 @@ does, in the engine (with prefix hits, chunked prefill and swap preemption), thr
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -32,10 +28,9 @@ from npuserve.modelspec import ModelSpec  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from test_deepseek_correctness import prompts, write_hf_checkpoint  # noqa: E402
 
-from tests.serve_process import wait_ready  # noqa: E402
+from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
 
 CPU = torch.device("cpu")
-NPUSERVE = str(Path(sys.executable).parent / "npuserve")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
@@ -142,44 +137,10 @@ def test_world_size_2_generates_what_world_size_1_does(dummy_dir: Path) -> None:
 TEXTS = ["the quick brown fox", "a", "latent attention over two ranks", "hello world, again"]
 
 
-def _in_process(model_dir: Path) -> list[tuple[list[int], str]]:
-    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
-    outs = engine.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    return [(o.token_ids, o.text) for o in outs]
-
-
 def test_npuserve_generate_with_world_size_2(dummy_dir: Path, tmp_path: Path) -> None:
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
-    run = subprocess.run([NPUSERVE, "generate", "--model", str(dummy_dir), "--prompts-file", str(prompts_file),
-                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    lines = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(dummy_dir)]
+    tokens, _ = generate_world_size_2(dummy_dir, TEXTS, tmp_path)
+    assert tokens == [t for t, _ in in_process(dummy_dir, TEXTS)]
 
 
 def test_npuserve_serve_with_world_size_2(dummy_dir: Path) -> None:
-    from openai import OpenAI
-
-    from npuserve.engine.parallel.ranks import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(dummy_dir), "--host", "127.0.0.1", "--port",
-                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        served = []
-        for text in TEXTS:
-            out = client.completions.create(model=dummy_dir.name, prompt=text, max_tokens=12, temperature=0.0,
-                                            extra_body={"ignore_eos": True})
-            served.append((out.usage.completion_tokens if out.usage else None, out.choices[0].text))
-        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
-        assert info["worldSize"] == 2
-        assert served == [(len(t), text) for t, text in _in_process(dummy_dir)]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    assert serve_world_size_2(dummy_dir, TEXTS) == [(len(t), text) for t, text in in_process(dummy_dir, TEXTS)]

@@ -10,8 +10,6 @@ and `npuserve serve`. Float32, weights of std 0.3 (norm scales near 1) so argmax
 
 from __future__ import annotations
 
-import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,14 +25,13 @@ from npuserve.engine.model.dummy_tokenizer import write_tokenizer  # noqa: E402
 from npuserve.engine.model.loader import build_model, init_dummy_weights, load_hf_weights  # noqa: E402
 from npuserve.engine.model.moe import SparseMoeBlock  # noqa: E402
 from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout  # noqa: E402
-from npuserve.engine.sequence import SamplingParams  # noqa: E402
 from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_correctness import GREEDY, make_engine, prompts, reference  # noqa: E402
 
-from tests.serve_process import wait_ready  # noqa: E402
+from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
 
 CPU = torch.device("cpu")
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
@@ -236,40 +233,10 @@ def dummy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dummy_model(_dummy_spec(), tmp_path_factory.mktemp("moe-cli"), seed=3, init_std=0.3)
 
 
-def _in_process(model_dir: Path) -> list[tuple[list[int], str]]:
-    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
-    outs = engine.generate(TEXTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    return [(o.token_ids, o.text) for o in outs]
-
-
 def test_npuserve_generate_with_world_size_2(dummy_dir: Path, tmp_path: Path) -> None:
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
-    run = subprocess.run([NPUSERVE, "generate", "--model", str(dummy_dir), "--prompts-file", str(prompts_file),
-                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    lines = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(dummy_dir)]
+    tokens, _ = generate_world_size_2(dummy_dir, TEXTS, tmp_path)
+    assert tokens == [t for t, _ in in_process(dummy_dir, TEXTS)]
 
 
 def test_npuserve_serve_with_world_size_2(dummy_dir: Path) -> None:
-    import httpx
-
-    from npuserve.engine.parallel.ranks import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(dummy_dir), "--host", "127.0.0.1", "--port",
-                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
-        out = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                         json={"model": dummy_dir.name, "prompt": TEXTS[2], "max_tokens": 12, "temperature": 0.0,
-                               "ignore_eos": True}).json()
-        assert httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()["worldSize"] == 2
-        assert out["choices"][0]["text"] == _in_process(dummy_dir)[2][1]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        log, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, log
+    assert serve_world_size_2(dummy_dir, TEXTS) == [(len(t), text) for t, text in in_process(dummy_dir, TEXTS)]

@@ -8,7 +8,6 @@ products in another order than one rank does, and near-ties would flip).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -37,6 +36,7 @@ from test_batch_delta import assert_same_batch  # noqa: E402
 from test_correctness import ARCHS, prompts, small_spec  # noqa: E402
 
 from tests.serve_process import wait_ready  # noqa: E402
+from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
 
 CPU = torch.device("cpu")
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
@@ -221,23 +221,9 @@ def test_one_process_holds_one_tensor_parallel_engine_at_a_time(model_dir: Path)
 TEXTS = ["the quick brown fox", "a", "tensor parallel over two ranks of one pod", "hello world, again"]
 
 
-def _in_process(model_dir: Path, texts: list[str]) -> list[tuple[list[int], str]]:
-    """worldSize 1's greedy tokens and text for each prompt."""
-    engine = LLMEngine(minimal_config(model_dir, max_seq_len=128), env=EngineEnvironment())
-    outs = engine.generate(texts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    return [(o.token_ids, o.text) for o in outs]
-
-
 def test_npuserve_generate_with_world_size_2(model_dir: Path, tmp_path: Path) -> None:
-    prompts_file = tmp_path / "prompts.jsonl"
-    prompts_file.write_text("".join(json.dumps(t) + "\n" for t in TEXTS))
-    run = subprocess.run([NPUSERVE, "generate", "--model", str(model_dir), "--prompts-file", str(prompts_file),
-                          "--max-tokens", "12", "--ignore-eos", "--world-size", "2"],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    lines = [json.loads(line) for line in run.stdout.splitlines()]
-    ready = json.loads(run.stderr.splitlines()[-1]) if run.stderr.strip().startswith("{") else None
-    assert [line["token_ids"] for line in lines if "index" in line] == [t for t, _ in _in_process(model_dir, TEXTS)]
+    tokens, ready = generate_world_size_2(model_dir, TEXTS, tmp_path)
+    assert tokens == [t for t, _ in in_process(model_dir, TEXTS)]
     if ready is not None:
         assert ready.get("worldSize") == 2
 
@@ -248,29 +234,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_npuserve_serve_with_world_size_2(model_dir: Path) -> None:
-    from openai import OpenAI
-
-    from npuserve.engine.parallel.ranks import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",
-                             str(port), "--world-size", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc, timeout=180)
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        served = []
-        for text in TEXTS:
-            out = client.completions.create(model=model_dir.name, prompt=text, max_tokens=12, temperature=0.0,
-                                            extra_body={"ignore_eos": True})
-            served.append((out.usage.completion_tokens if out.usage else None, out.choices[0].text))
-        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=5).json()
-        assert info["worldSize"] == 2
-        assert served == [(len(t), text) for t, text in _in_process(model_dir, TEXTS)]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    assert serve_world_size_2(model_dir, TEXTS) == [(len(t), text) for t, text in in_process(model_dir, TEXTS)]
 
 
 def _allowed_cpus(pid: int) -> set[int]:
