@@ -90,15 +90,25 @@ def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: ob
     assert engine.kv.num_used_blocks == 0
 
 
-def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
-    shared = prompts(seed=7)[4][:13]  # 13 shared tokens: 3 full blocks of 4
-    batch = prompts(seed=2, prefix=shared)
-    engine = make_engine(model_dir)
-    first = engine.generate(batch[:2], GREEDY)
+def sharing_prompts() -> list[list[int]]:
+    """8 prompts that begin with the same 13 tokens (3 full blocks of 4)."""
+    return prompts(seed=2, prefix=prompts(seed=7)[4][:13])
+
+
+def prefix_sharing_run(engine: LLMEngine, params: SamplingParams = GREEDY) -> list[list[int]]:
+    """`sharing_prompts()` in two rounds (2, then 6), so the second round hits the first's cached blocks; asserts
+    that it did. Each prompt's greedy tokens, in order."""
+    batch = sharing_prompts()
+    first = engine.generate(batch[:2], params)
     hits_before = engine.kv.prefix_hits
-    rest = engine.generate(batch[2:], GREEDY)
+    rest = engine.generate(batch[2:], params)
     assert engine.kv.prefix_hits > hits_before
-    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+    return [o.token_ids for o in first + rest]
+
+
+def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
+    engine = make_engine(model_dir)
+    assert prefix_sharing_run(engine) == reference(hf_model, sharing_prompts())
     assert engine.kv.num_used_blocks == 0
 
 
@@ -144,14 +154,8 @@ def test_chunked_prefill_matches_transformers(model_dir: Path, hf_model: object)
 
 def test_chunked_prefill_with_prefix_hits_and_recompute_matches_transformers(model_dir: Path,
                                                                               hf_model: object) -> None:
-    shared = prompts(seed=7)[4][:13]
-    batch = prompts(seed=2, prefix=shared)
     engine = _chunked(model_dir)
-    first = engine.generate(batch[:2], GREEDY)
-    hits_before = engine.kv.prefix_hits
-    rest = engine.generate(batch[2:], GREEDY)
-    assert engine.kv.prefix_hits > hits_before
-    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+    assert prefix_sharing_run(engine) == reference(hf_model, sharing_prompts())
     squeezed = _chunked(model_dir, kv_blocks=40, threshold=0.99)
     outs = squeezed.generate(prompts(), GREEDY)
     assert squeezed.scheduler.num_preemptions_total > 0

@@ -12,6 +12,7 @@ decodes absorbed, chunks expanded over their earlier chunks).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from npuserve.engine.engine import LLMEngine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+from test_correctness import make_engine, prefix_sharing_run, prompts, sharing_prompts  # noqa: E402
+
 from npuserve.engine.sequence import SamplingParams  # noqa: E402
-from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 
 NEW_TOKENS = 16
-PROMPT_LENS = [3, 7, 12, 1, 20, 9, 5, 16]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -85,11 +86,6 @@ def hf_model(model_dir: Path) -> object:
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def prompts(seed: int = 1, prefix: list[int] | None = None) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(prefix or []) + torch.randint(5, 500, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-
 _REFERENCES: dict[tuple[str, tuple[tuple[int, ...], ...]], list[list[int]]] = {}
 
 
@@ -108,14 +104,6 @@ def reference(hf_model: object, batch: list[list[int]]) -> list[list[int]]:
     return _REFERENCES[key]
 
 
-def make_engine(model_dir: Path, kv_blocks: int | None = None, threshold: float = 0.5, **schedule: object) -> LLMEngine:
-    sched: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
-                                    maxIterTimes=128)
-    sched.update(schedule)
-    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, **sched)
-    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=threshold), num_kv_blocks=kv_blocks)
-
-
 def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: object) -> None:
     batch = prompts()
     engine = make_engine(model_dir)
@@ -131,14 +119,7 @@ def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: ob
 
 
 def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
-    shared = prompts(seed=7)[4][:13]
-    batch = prompts(seed=2, prefix=shared)
-    engine = make_engine(model_dir)
-    first = engine.generate(batch[:2], GREEDY)
-    hits_before = engine.kv.prefix_hits
-    rest = engine.generate(batch[2:], GREEDY)
-    assert engine.kv.prefix_hits > hits_before
-    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+    assert prefix_sharing_run(make_engine(model_dir), GREEDY) == reference(hf_model, sharing_prompts())
 
 
 def test_swap_preemption_matches_transformers(model_dir: Path, hf_model: object) -> None:

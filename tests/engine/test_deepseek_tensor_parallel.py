@@ -26,6 +26,7 @@ from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E4
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_correctness import prefix_sharing_run  # noqa: E402
 from test_deepseek_correctness import prompts, write_hf_checkpoint  # noqa: E402
 
 from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
@@ -105,14 +106,7 @@ def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **ex
 
 
 def _workload(engine: LLMEngine) -> list[list[int]]:
-    tokens = [o.token_ids for o in engine.generate(prompts(), GREEDY)]
-    shared = prompts(seed=7)[4][:13]
-    sharing = prompts(seed=2, prefix=shared)
-    tokens += [o.token_ids for o in engine.generate(sharing[:2], GREEDY)]
-    hits_before = engine.kv.prefix_hits
-    tokens += [o.token_ids for o in engine.generate(sharing[2:], GREEDY)]
-    assert engine.kv.prefix_hits > hits_before
-    return tokens
+    return [o.token_ids for o in engine.generate(prompts(), GREEDY)] + prefix_sharing_run(engine, GREEDY)
 
 
 def test_world_size_2_generates_what_world_size_1_does(dummy_dir: Path) -> None:

@@ -29,7 +29,7 @@ from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E4
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_correctness import GREEDY, make_engine, prompts, reference  # noqa: E402
+from test_correctness import GREEDY, make_engine, prefix_sharing_run, prompts, reference, sharing_prompts  # noqa: E402
 
 from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
 
@@ -102,14 +102,7 @@ def test_one_continuous_batch_matches_transformers(model_dir: Path, hf_model: ob
 
 
 def test_prefix_cache_hits_match_transformers(model_dir: Path, hf_model: object) -> None:
-    shared = prompts(seed=7)[4][:13]
-    batch = prompts(seed=2, prefix=shared)
-    engine = make_engine(model_dir)
-    first = engine.generate(batch[:2], GREEDY)
-    hits_before = engine.kv.prefix_hits
-    rest = engine.generate(batch[2:], GREEDY)
-    assert engine.kv.prefix_hits > hits_before
-    assert [o.token_ids for o in first + rest] == reference(hf_model, batch)
+    assert prefix_sharing_run(make_engine(model_dir)) == reference(hf_model, sharing_prompts())
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

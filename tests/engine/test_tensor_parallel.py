@@ -33,7 +33,7 @@ from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_batch_delta import assert_same_batch  # noqa: E402
-from test_correctness import ARCHS, prompts, small_spec  # noqa: E402
+from test_correctness import ARCHS, prefix_sharing_run, prompts, small_spec  # noqa: E402
 
 from tests.serve_process import wait_ready  # noqa: E402
 from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
@@ -167,13 +167,7 @@ def _workload(engine: LLMEngine) -> list[object]:
     params[1] = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2)
     params[4] = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
     first = engine.generate_all(batch, params)
-    shared = prompts(seed=7)[4][:13]
-    sharing = prompts(seed=2, prefix=shared)
-    second = engine.generate(sharing[:2], GREEDY)
-    hits_before = engine.kv.prefix_hits
-    second += engine.generate(sharing[2:], GREEDY)
-    assert engine.kv.prefix_hits > hits_before
-    tokens = [[o.token_ids for o in outs] for outs in first] + [o.token_ids for o in second]
+    tokens = [[o.token_ids for o in outs] for outs in first] + prefix_sharing_run(engine, GREEDY)
     logprobs = [(lp.rank, round(lp.logprob, 3)) for lp in first[4][0].prompt_logprobs or []]
     assert len(logprobs) == len(batch[4]) - 1
     return [tokens, logprobs]
