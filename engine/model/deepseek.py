@@ -10,32 +10,15 @@ from __future__ import annotations
 
 from typing import cast
 
-import torch
 from torch import nn
 
-from npuserve.engine.backends.base import AttentionMetadata
-from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding
-from npuserve.engine.model.llama import MLP, LlamaForCausalLM, LlamaModel
+from npuserve.engine.model.layers import RotaryEmbedding
+from npuserve.engine.model.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 from npuserve.engine.model.mla import MLAttention
 from npuserve.engine.model.moe import SparseMoeBlock
 from npuserve.engine.parallel.comm import TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.modelspec import ModelSpec
-
-
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel,
-                 mlp: nn.Module | None) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = MLAttention(spec, rotary, layout, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else MLP(spec, layout, tp)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        out_: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out_
 
 
 class DeepseekModel(LlamaModel):
@@ -48,7 +31,7 @@ class DeepseekModel(LlamaModel):
 
     def make_layer(self, spec: ModelSpec, index: int, rotary: RotaryEmbedding, layout: TPLayout,
                    tp: TensorParallel, mlp: nn.Module | None) -> nn.Module:
-        return DeepseekDecoderLayer(spec, rotary, layout, tp, mlp)
+        return DecoderLayer(spec, rotary, layout, tp, mlp, attention=MLAttention(spec, rotary, layout, tp))
 
 
 class DeepseekForCausalLM(LlamaForCausalLM):

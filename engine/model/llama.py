@@ -91,11 +91,14 @@ MLPFactory = Callable[[int], nn.Module | None]
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual. `mlp`: an MoE block instead of the dense MLP;
+    `attention`: latent attention (DeepSeek) instead of the Llama family's."""
+
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, layout: TPLayout, tp: TensorParallel,
-                 mlp: nn.Module | None = None) -> None:
+                 mlp: nn.Module | None = None, attention: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, rotary, layout, tp)
+        self.self_attn = attention if attention is not None else Attention(spec, rotary, layout, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = mlp if mlp is not None else MLP(spec, layout, tp)
 
