@@ -4,9 +4,15 @@ comparison with the CPU backend within float16/bfloat16 rounding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from npuserve.engine.backends.base import Backend
+from npuserve.engine.model.loader import load_model
+from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import Sequence
+from npuserve.modelspec import ModelSpec
 from tests.paged_inputs import HEAD_DIM, HEADS, KV_HEADS, assert_close, qkv, random_kv_cache, shuffled_sequences
 
 __all__ = [
@@ -37,3 +43,12 @@ def sequences(total: list[int], cached: list[int], seed: int, block_size: int = 
 def kv_cache(dtype: torch.dtype, seed: int, block_size: int = SMALL_BLOCK) -> torch.Tensor:
     return random_kv_cache(dtype, seed, num_blocks=NUM_BLOCKS, block_size=block_size, kv_heads=KV_HEADS,
                            head_dim=HEAD_DIM)
+
+
+def runner_of(model_dir: Path, backend: Backend, dtype: torch.dtype, max_seq_len: int = 512) -> ModelRunner:
+    """A model folder loaded on the host, prepared by `backend` (the fake npu's ops swapped in, or the CPU's), and a
+    runner of 16 blocks of `BLOCK` tokens over it: the greedy tests' npu-versus-CPU pair."""
+    model = load_model(ModelSpec.from_pretrained(model_dir), model_dir, dtype, CPU)
+    backend.prepare_model(model)
+    plan = KVPlan(num_blocks=16, num_host_blocks=0, block_size=BLOCK, bytes_per_block=0, source="test")
+    return ModelRunner(model, backend, plan, dtype, max_seq_len=max_seq_len)

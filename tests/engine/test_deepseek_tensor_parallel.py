@@ -22,12 +22,12 @@ from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import build_model, load_hf_weights  # noqa: E402
 from npuserve.engine.parallel.layout import TPLayout  # noqa: E402
 from npuserve.engine.sequence import SamplingParams  # noqa: E402
-from npuserve.mindie_config import EngineEnvironment, minimal_config  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_correctness import prefix_sharing_run  # noqa: E402
 from test_deepseek_correctness import prompts, write_hf_checkpoint  # noqa: E402
+from test_tensor_parallel import tp_engine  # noqa: E402
 
 from tests.world_size_2 import generate_world_size_2, in_process, serve_world_size_2  # noqa: E402
 
@@ -95,16 +95,6 @@ def test_the_mtp_layer_is_skipped(v3_dir: Path, tmp_path: Path) -> None:
         assert torch.equal(a, b), name
 
 
-def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **extra: object) -> LLMEngine:
-    schedule: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
-                                       maxIterTimes=128)
-    extensions = extra.pop("extensions", None)
-    schedule.update(extra)
-    config = minimal_config(model_dir, max_seq_len=128, max_input_len=96, model={"worldSize": world_size},
-                            extensions=extensions, **schedule)  # type: ignore[arg-type]
-    return LLMEngine(config, env=EngineEnvironment(recompute_threshold=0.99), num_kv_blocks=kv_blocks)
-
-
 def _workload(engine: LLMEngine) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts(), GREEDY)] + prefix_sharing_run(engine, GREEDY)
 
@@ -112,12 +102,12 @@ def _workload(engine: LLMEngine) -> list[list[int]]:
 def test_world_size_2_generates_what_world_size_1_does(dummy_dir: Path) -> None:
     results: dict[int, list[object]] = {1: [], 2: []}
     for world_size in (1, 2):
-        engine = _engine(dummy_dir, world_size)
+        engine = tp_engine(dummy_dir, world_size)
         try:
             results[world_size].append(_workload(engine))
         finally:
             engine.close()
-        squeezed = _engine(dummy_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
+        squeezed = tp_engine(dummy_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
                            extensions={"chunkedPrefill": True})
         try:
             outs = squeezed.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))

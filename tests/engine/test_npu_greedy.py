@@ -12,17 +12,15 @@ import torch
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.backends.npu_stack import KEYWORDS, MLA_OPS, MOE_COMBINE_OPS, MOE_OPS
-from npuserve.engine.model.loader import load_model
-from npuserve.engine.runner import KVPlan, ModelRunner
+from npuserve.engine.runner import ModelRunner
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import RELEASES, install_fake_torch_npu
-from tests.npu_testing import BLOCK, CPU
+from tests.npu_testing import runner_of
 from tests.paged_inputs import greedy_tokens, greedy_tokens_chunked
 
 DTYPE = torch.float16  # the Ascend kernels take float16 or bfloat16, not the preset's float32
 STEPS = 6
 CHUNK = 100  # chunked prefill's tokens per prompt per step: continuation chunks start off the 128 grid
-MAX_SEQ_LEN = 512
 _expected: dict[bool, list[list[int]]] = {}
 
 
@@ -38,24 +36,16 @@ def _generate(runner: ModelRunner, prompts: list[list[int]], chunked: bool) -> l
     return greedy_tokens(runner, prompts, steps=STEPS, seed=18)
 
 
-def _runner(model_dir: Path, backend: CPUBackend | NPUBackend) -> ModelRunner:
-    spec = ModelSpec.from_pretrained(model_dir)
-    model = load_model(spec, model_dir, DTYPE, CPU)
-    backend.prepare_model(model)
-    plan = KVPlan(num_blocks=16, num_host_blocks=0, block_size=BLOCK, bytes_per_block=0, source="test")
-    return ModelRunner(model, backend, plan, DTYPE, max_seq_len=MAX_SEQ_LEN)
-
-
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole-prefills", "chunked-prefill"])
 @pytest.mark.parametrize("release", sorted(RELEASES))
 def test_greedy_generation_equals_the_cpu_backend(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path,
                                                   release: str, chunked: bool) -> None:
     prompts = _prompts(ModelSpec.from_pretrained(tiny_model_dir).vocab_size)
     if chunked not in _expected:
-        _expected[chunked] = _generate(_runner(tiny_model_dir, CPUBackend()), prompts, chunked)
+        _expected[chunked] = _generate(runner_of(tiny_model_dir, CPUBackend(), DTYPE), prompts, chunked)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch, release=release)
-    actual = _generate(_runner(tiny_model_dir, NPUBackend(device=fake.device)), prompts, chunked)
+    actual = _generate(runner_of(tiny_model_dir, NPUBackend(device=fake.device), DTYPE), prompts, chunked)
     assert actual == _expected[chunked]
     calls = fake.calls
     assert calls["_npu_flash_attention_qlens"] > 0 and calls["_npu_paged_attention"] > 0  # prefills, decodes
@@ -68,12 +58,12 @@ def test_greedy_generation_without_the_fused_kernels_equals_the_cpu_backend(monk
                                                                            tiny_model_dir: Path) -> None:
     prompts = _prompts(ModelSpec.from_pretrained(tiny_model_dir).vocab_size)
     if False not in _expected:
-        _expected[False] = _generate(_runner(tiny_model_dir, CPUBackend()), prompts, chunked=False)
+        _expected[False] = _generate(runner_of(tiny_model_dir, CPUBackend(), DTYPE), prompts, chunked=False)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch)
     npu = NPUBackend(device=fake.device)
     monkeypatch.setattr(npu, "prepare_model", lambda model: None)
-    assert _generate(_runner(tiny_model_dir, npu), prompts, chunked=False) == _expected[False]
+    assert _generate(runner_of(tiny_model_dir, npu, DTYPE), prompts, chunked=False) == _expected[False]
     assert not any(fake.calls[op] for op in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu"))
 
 
@@ -84,7 +74,7 @@ def test_the_backend_passes_each_op_exactly_the_keywords_the_doctor_checks(monke
     fake = install_fake_torch_npu(monkeypatch, release="26.0.0")
     fake.record.update(KEYWORDS)
     prompts = _prompts(ModelSpec.from_pretrained(tiny_model_dir).vocab_size)
-    _generate(_runner(tiny_model_dir, NPUBackend(device=fake.device)), prompts, chunked=True)
+    _generate(runner_of(tiny_model_dir, NPUBackend(device=fake.device), DTYPE), prompts, chunked=True)
     used = {op: set().union(*(call.keys() for call in calls)) for op, calls in fake.args.items()}
     # on 26.0.0 at block 128 every op but the flash kernel runs (reshape-and-cache in the backend's NNAL check)
     moe_mla = (set(MOE_OPS) | set(MOE_COMBINE_OPS) | set(MLA_OPS)) - {"npu_swiglu"}  # a dense model: none of them

@@ -19,11 +19,10 @@ from npuserve.catalog.models import get_model_preset
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.model.dummy import write_dummy_model
-from npuserve.engine.model.loader import load_model
-from npuserve.engine.runner import KVPlan, ModelRunner
+from npuserve.engine.runner import ModelRunner
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import RELEASES, install_fake_torch_npu
-from tests.npu_testing import BLOCK, CPU
+from tests.npu_testing import runner_of
 from tests.paged_inputs import greedy_tokens, greedy_tokens_chunked
 
 DTYPE = torch.float16
@@ -45,14 +44,6 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "legal": write_dummy_model(_legal_spec(), tmp_path_factory.mktemp("v3-512"), seed=0)}
 
 
-def _runner(model_dir: Path, backend: CPUBackend | NPUBackend) -> ModelRunner:
-    spec = ModelSpec.from_pretrained(model_dir)
-    model = load_model(spec, model_dir, DTYPE, CPU)
-    backend.prepare_model(model)
-    plan = KVPlan(num_blocks=16, num_host_blocks=0, block_size=BLOCK, bytes_per_block=0, source="test")
-    return ModelRunner(model, backend, plan, DTYPE, max_seq_len=512)
-
-
 def _generate(runner: ModelRunner, vocab: int, chunked: bool) -> list[list[int]]:
     gen = torch.Generator().manual_seed(31)
     prompts = [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (20, 300, 45, 60)]
@@ -68,10 +59,11 @@ def test_mla_greedy_generation_equals_the_cpu_backend(monkeypatch: pytest.Monkey
     model_dir = model_dirs["legal"]
     vocab = ModelSpec.from_pretrained(model_dir).vocab_size
     if ("legal", chunked) not in _expected:
-        _expected["legal", chunked] = _generate(_runner(model_dir, CPUBackend()), vocab, chunked)
+        _expected["legal", chunked] = _generate(runner_of(model_dir, CPUBackend(), DTYPE), vocab, chunked)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch, release=release)
-    assert _generate(_runner(model_dir, NPUBackend(device=fake.device)), vocab, chunked) == _expected["legal", chunked]
+    npu = runner_of(model_dir, NPUBackend(device=fake.device), DTYPE)
+    assert _generate(npu, vocab, chunked) == _expected["legal", chunked]
     calls = fake.calls
     assert calls["npu_kv_rmsnorm_rope_cache"] > 0 and calls["npu_fused_infer_attention_score"] > 0
     assert calls["npu_moe_gating_top_k"] > 0 and calls["npu_grouped_matmul"] > 0  # DeepSeek-V3's MoE layers
@@ -81,11 +73,11 @@ def test_the_tiny_preset_runs_its_mla_on_the_reference_and_equals_the_cpu_backen
         monkeypatch: pytest.MonkeyPatch, model_dirs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     model_dir = model_dirs["tiny"]
     vocab = ModelSpec.from_pretrained(model_dir).vocab_size
-    expected = _generate(_runner(model_dir, CPUBackend()), vocab, chunked=False)
+    expected = _generate(runner_of(model_dir, CPUBackend(), DTYPE), vocab, chunked=False)
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch, release="7.3.0")
     with caplog.at_level(logging.WARNING):
-        assert _generate(_runner(model_dir, NPUBackend(device=fake.device)), vocab, chunked=False) == expected
+        assert _generate(runner_of(model_dir, NPUBackend(device=fake.device), DTYPE), vocab, chunked=False) == expected
     assert fake.calls["npu_kv_rmsnorm_rope_cache"] == 0 and fake.calls["npu_fused_infer_attention_score"] == 0
     assert fake.calls["npu_moe_gating_top_k"] > 0
     assert "MLA cache write runs on the torch reference: kv_lora_rank 64" in caplog.text

@@ -13,11 +13,9 @@ from npuserve.catalog.models import get_model_preset
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
 from npuserve.engine.model.dummy import write_dummy_model
-from npuserve.engine.model.loader import load_model
-from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import RELEASES, install_fake_torch_npu
-from tests.npu_testing import BLOCK, CPU
+from tests.npu_testing import runner_of
 from tests.paged_inputs import greedy_tokens
 
 DTYPE = torch.float16
@@ -30,14 +28,6 @@ def moe_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_dummy_model(get_model_preset("tiny-qwen3-moe"), tmp_path_factory.mktemp("tiny-qwen3-moe"), seed=0)
 
 
-def _runner(model_dir: Path, backend: CPUBackend | NPUBackend) -> ModelRunner:
-    spec = ModelSpec.from_pretrained(model_dir)
-    model = load_model(spec, model_dir, DTYPE, CPU)
-    backend.prepare_model(model)
-    plan = KVPlan(num_blocks=16, num_host_blocks=0, block_size=BLOCK, bytes_per_block=0, source="test")
-    return ModelRunner(model, backend, plan, DTYPE, max_seq_len=512)
-
-
 def _prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(23)
     return [torch.randint(5, vocab, (n,), generator=gen).tolist() for n in (20, 300, 45, 60)]
@@ -48,10 +38,11 @@ def test_moe_greedy_generation_equals_the_cpu_backend(monkeypatch: pytest.Monkey
                                                       release: str) -> None:
     prompts = _prompts(ModelSpec.from_pretrained(moe_model_dir).vocab_size)
     if not _expected:
-        _expected.extend(greedy_tokens(_runner(moe_model_dir, CPUBackend()), prompts, steps=STEPS, seed=24))
+        _expected.extend(greedy_tokens(runner_of(moe_model_dir, CPUBackend(), DTYPE), prompts, steps=STEPS, seed=24))
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     fake = install_fake_torch_npu(monkeypatch, release=release)
-    actual = greedy_tokens(_runner(moe_model_dir, NPUBackend(device=fake.device)), prompts, steps=STEPS, seed=24)
+    npu = runner_of(moe_model_dir, NPUBackend(device=fake.device), DTYPE)
+    actual = greedy_tokens(npu, prompts, steps=STEPS, seed=24)
     assert actual == _expected
     calls = fake.calls
     assert calls["npu_moe_gating_top_k_softmax"] > 0 and calls["npu_moe_init_routing_v2"] > 0

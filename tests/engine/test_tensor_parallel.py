@@ -150,7 +150,7 @@ def test_a_mixed_step_travels_as_tensors_and_comes_back_whole() -> None:
 # --- worldSize 2 generates what worldSize 1 does -------------------------------------------------------------------
 
 
-def _engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **extra: object) -> LLMEngine:
+def tp_engine(model_dir: Path, world_size: int, kv_blocks: int | None = None, **extra: object) -> LLMEngine:
     schedule: dict[str, object] = dict(cacheBlockSize=4, maxBatchSize=8, maxPrefillBatchSize=8, maxPrefillTokens=512,
                                        maxIterTimes=128)
     extensions = extra.pop("extensions", None)
@@ -183,7 +183,7 @@ def _squeezed(engine: LLMEngine) -> list[list[int]]:
 def test_world_size_2_generates_what_world_size_1_does(model_dir: Path) -> None:
     results: dict[int, list[object]] = {1: [], 2: []}
     for world_size in (1, 2):
-        engine = _engine(model_dir, world_size)
+        engine = tp_engine(model_dir, world_size)
         try:
             results[world_size].append(_workload(engine))
             info = engine.info()
@@ -191,7 +191,7 @@ def test_world_size_2_generates_what_world_size_1_does(model_dir: Path) -> None:
             assert info.kv_bytes_per_block == engine.spec.kv_bytes_per_block(4, world_size=world_size)
         finally:
             engine.close()
-        squeezed = _engine(model_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
+        squeezed = tp_engine(model_dir, world_size, kv_blocks=30, maxPreemptCount=8, maxPrefillTokens=6,
                            extensions={"chunkedPrefill": True})
         try:
             results[world_size].append(_squeezed(squeezed))
@@ -201,10 +201,10 @@ def test_world_size_2_generates_what_world_size_1_does(model_dir: Path) -> None:
 
 
 def test_one_process_holds_one_tensor_parallel_engine_at_a_time(model_dir: Path) -> None:
-    engine = _engine(model_dir, 2)
+    engine = tp_engine(model_dir, 2)
     try:
         with pytest.raises(RuntimeError, match="one tensor-parallel engine at a time"):
-            _engine(model_dir, 2)
+            tp_engine(model_dir, 2)
     finally:
         engine.close()
 
@@ -285,11 +285,11 @@ def test_a_rank_0_that_fails_while_building_ends_its_workers(tiny_model_dir: Pat
     monkeypatch.setattr(rank_runner, "load_model", broken)  # rank 0 only: the worker is another process
     before = set(_children(os.getpid()))
     with pytest.raises(MemoryError, match="rank 0 ran out of memory"):
-        _engine(tiny_model_dir, 2)
+        tp_engine(tiny_model_dir, 2)
     assert set(_children(os.getpid())) == before  # the worker, waiting in a collective, was ended
     assert not dist.is_initialized()  # and the world left: the process can build another engine
     monkeypatch.undo()
-    _engine(tiny_model_dir, 2).close()
+    tp_engine(tiny_model_dir, 2).close()
 
 
 # --- fatal means exit: a failed step, a rank that stops answering (docs/engine.md#errors-and-health) ---------------
