@@ -232,7 +232,7 @@ class Backend(ABC):
         if slots is None:
             block_size = latent_cache.shape[1]
             rows = []
-            for b, length in enumerate(meta.context_lens.tolist()):
+            for b, length in enumerate(mla_host_lens(meta)[0]):
                 pos = torch.arange(length, device=meta.block_tables.device)
                 rows.append(meta.block_tables[b].index_select(0, pos // block_size) * block_size + pos % block_size)
             slots = torch.cat(rows)
@@ -249,7 +249,7 @@ class Backend(ABC):
         new token i of sequence b sees context rows 0 .. context_len - query_len + i. Returns `(T, N, v_head_dim)`."""
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
         key_start = 0
-        for b, (length, new) in enumerate(zip(meta.context_lens.tolist(), meta.query_lens.tolist(), strict=True)):
+        for b, (length, new) in enumerate(zip(*mla_host_lens(meta), strict=True)):
             lo = meta.query_start[b]
             qb = q[lo : lo + new].transpose(0, 1)  # (N, new, d)
             keys = slice(key_start, key_start + length)
@@ -370,6 +370,17 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def mla_host_lens(meta: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """The step's context and query lengths on the host, read once per step (one device sync, not one per layer)
+    and shared by every latent-attention layer's prefill through `meta.cache`."""
+    if meta.cache is None:
+        meta.cache = {}
+    lens: tuple[list[int], list[int]] | None = meta.cache.get("mla_host_lens")
+    if lens is None:
+        lens = meta.cache["mla_host_lens"] = (meta.context_lens.tolist(), meta.query_lens.tolist())
+    return lens
 
 
 def mla_padded_slots(meta: AttentionMetadata, block_size: int) -> tuple[torch.Tensor, int]:

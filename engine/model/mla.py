@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from npuserve.engine.backends.base import AttentionMetadata, Backend
+from npuserve.engine.backends.base import AttentionMetadata, Backend, mla_host_lens
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, mla_softmax_scale
 from npuserve.engine.parallel.comm import TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
@@ -106,7 +106,8 @@ class MLAttention(nn.Module):
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         assert self.backend is not None and self.kv_cache is not None
-        if not bool(torch.equal(meta.context_lens, meta.query_lens)):  # a cached prefix or earlier chunks
+        context_lens, query_lens = mla_host_lens(meta)
+        if context_lens != query_lens:  # a cached prefix or earlier chunks
             c_kv, k_pe = self.backend.mla_gather_context(self.kv_cache[0], self.kv_cache[1], meta)
         length = c_kv.shape[0]
         kv = self.kv_b_proj(c_kv.to(self.kv_b_proj.weight.dtype)).view(length, self.num_heads, self.nope + self.v_dim)
