@@ -49,15 +49,40 @@ def serve_command(model_path: str, config_path: str, host: str = DEFAULT_HOST, p
             FLAG_PORT, str(port)]
 
 
+# --- a replica whose ranks span pods (a LeaderWorkerSet group, docs/engine.md#tensor-parallel-across-pods) ---------
+# The pod with node rank k runs ranks k*cardsPerPod .. (k+1)*cardsPerPod-1. The flags are named as vLLM's multi-node
+# serving (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`); a pod of node rank > 0 is headless (health
+# only, as vLLM's `--headless`). The leader (node rank 0) listens on the rendezvous port; each other pod's first rank
+# connects there, and the ranks then form the torch.distributed world (gloo, nccl or hccl) through it.
+FLAG_NNODES = "--nnodes"
+FLAG_NODE_RANK = "--node-rank"
+FLAG_MASTER_ADDR = "--master-addr"
+FLAG_MASTER_PORT = "--master-port"
+FLAG_GROUP_CONNECT_TIMEOUT = "--group-connect-timeout"
+RENDEZVOUS_PORT = 29500  # torch.distributed's MASTER_PORT default
+RENDEZVOUS_PORT_NAME = "rendezvous"
+# How long the leader waits for every other pod of its group (and a pod for its leader) before it exits naming the
+# one missing: a pod that was scheduled but never starts must not hold the group's cards forever.
+DEFAULT_GROUP_CONNECT_TIMEOUT_S = 600.0
+# Set by the LeaderWorkerSet controller's pod webhook in every container of a group (sigs.k8s.io/lws
+# pkg/utils/pod/pod_utils.go): `<lws>-<group>.<lws>.<namespace>`, the group's size in pods, the pod's index (0: leader).
+LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+LWS_GROUP_SIZE_ENV = "LWS_GROUP_SIZE"
+LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+
+
+def group_serve_args() -> list[str]:
+    """The flags that make `npuserve serve` one pod of a LeaderWorkerSet group: the controller's variables, expanded
+    by the kubelet (`$(VAR)` in a container's args)."""
+    return [FLAG_NNODES, f"$({LWS_GROUP_SIZE_ENV})", FLAG_NODE_RANK, f"$({LWS_WORKER_INDEX_ENV})",
+            FLAG_MASTER_ADDR, f"$({LWS_LEADER_ADDRESS_ENV})", FLAG_MASTER_PORT, str(RENDEZVOUS_PORT)]
+
+
 # --- environment ---------------------------------------------------------------------------------------------------
 
 ADMIN_TOKEN_ENV = "NPUSERVE_ADMIN_TOKEN"  # bearer token of PUT /admin/schedule; unset: the admin API is off
 CPU_BINDING_ENV = "NPUSERVE_CPU_BINDING"  # "numa": bind to the NUMA node of the pod's cards at start-up
 NUMA_NODE_ENV = "NPUSERVE_NUMA_NODE"  # the NUMA node to bind to; unset: the node holding most of the pod's cores
-NNODES_ENV = "NPUSERVE_NNODES"  # pods in one replica when its cards span nodes
-NODE_RANK_ENV = "NPUSERVE_NODE_RANK"  # this pod's index in its replica (the LeaderWorkerSet worker index)
-# Set by the LeaderWorkerSet controller in every pod of a group: the leader's address, where rank 0 listens.
-LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 # MindIE's own variables (read by `mindie_config.EngineEnvironment`); the newer recompute name wins when both are set.
 RECOMPUTE_THRESHOLD_ENVS = ("MINDIE_LLM_RECOMPUTE_THRESHOLD", "MIES_RECOMPUTE_THRESHOLD")
 USE_MB_SWAPPER_ENV = "MIES_USE_MB_SWAPPER"
@@ -285,6 +310,17 @@ FINISHED_REASONS: tuple[str, ...] = (FINISHED_REASON_STOP, FINISHED_REASON_LENGT
 # --- /info ----------------------------------------------------------------------------------------------------------
 
 
+class RankInfo(BaseModel):
+    """One tensor-parallel rank, as `/info` reports it: where it runs and the KV blocks its own memory held before the
+    ranks agreed on the smallest."""
+
+    rank: int
+    node_rank: int = Field(description="the pod of the replica it runs in (the LeaderWorkerSet worker index)")
+    host: str = Field(description="that pod's host name")
+    kv_blocks: int
+    kv_host_blocks: int
+
+
 class EngineInfo(BaseModel):
     """`GET /info`: what the engine actually runs. The operator reads `kv_blocks` into status.observed."""
 
@@ -295,6 +331,8 @@ class EngineInfo(BaseModel):
     dtype: str
     device: str
     worldSize: int
+    nodes: int = Field(default=1, description="pods the ranks span (1: all in this one)")
+    ranks: list[RankInfo] = Field(default_factory=list, description="every rank of the replica, leader's first")
     kv_blocks: int = Field(description="KV blocks allocated per card")
     kv_host_blocks: int
     block_size: int

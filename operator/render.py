@@ -37,8 +37,6 @@ from npuserve.engine_contract import (
     LIVENESS_FAILURE_THRESHOLD,
     LIVENESS_PERIOD_S,
     METRICS_PATH,
-    NNODES_ENV,
-    NODE_RANK_ENV,
     NPU_MEMORY_FRACTION_ENV,
     READY_PATH,
     SCHEDULE_GENERATION_KEY,
@@ -308,14 +306,6 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     if spec.host.jemalloc:
         env += [{"name": "LD_PRELOAD", "value": JEMALLOC_PATH}, {"name": "MALLOC_CONF", "value": MALLOC_CONF}]
     env += rank_env(isvc, plan)
-    if plan.nodes > 1:
-        # The layout a multi-node engine needs (with LWS_LEADER_ADDRESS, which the LeaderWorkerSet controller sets).
-        # The bundled engine does not run across nodes yet, so the operator renders but does not apply these pods.
-        env += [
-            {"name": NNODES_ENV, "value": str(plan.nodes)},
-            {"name": NODE_RANK_ENV, "valueFrom": {"fieldRef": {
-                "fieldPath": f"metadata.labels['{LWS_WORKER_INDEX_LABEL}']"}}},
-        ]
     return env
 
 
