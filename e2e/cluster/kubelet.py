@@ -44,12 +44,13 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -153,6 +154,182 @@ def field_ref(pod: client.V1Pod, path: str) -> str | None:
     return None
 
 
+# ---- $(VAR) references -------------------------------------------------------------------------------------------
+def expand(value: str, *contexts: Mapping[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion of a container's command, args and env values (the kubelet's
+    third_party/forked/golang/expansion): `$(NAME)` becomes the first context's value of NAME, or stays as written
+    when no context has it; `$$` is an escaped `$` (so `$$(NAME)` gives `$(NAME)`); any other `$`, and a `$(` with
+    no closing parenthesis, stay as they are."""
+    out: list[str] = []
+    i, n = 0, len(value)
+    while i < n:
+        ch = value[i]
+        if ch != "$" or i + 1 == n:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = value[i + 1]
+        if nxt == "$":  # escaped operator
+            out.append("$")
+            i += 2
+        elif nxt == "(":
+            close = value.find(")", i + 2)
+            if close < 0:  # incomplete reference
+                out.append("$(")
+                i += 2
+                continue
+            name = value[i + 2 : close]
+            out.append(next((ctx[name] for ctx in contexts if name in ctx), f"$({name})"))
+            i = close + 1
+        else:
+            out.append("$" + nxt)
+            i += 2
+    return "".join(out)
+
+
+# ---- names: the pod's hostname and the cluster's records ----------------------------------------------------------
+CLUSTER_DOMAIN = "cluster.local"
+# What a kubelet writes at the top of the hosts file it mounts into a container (kubelet_pods.go, managedHostsHeader).
+HOSTS_HEADER = (
+    "# Kubernetes-managed hosts file.\n"
+    "127.0.0.1\tlocalhost\n"
+    "::1\tlocalhost ip6-localhost ip6-loopback\n"
+    "fe00::0\tip6-localnet\n"
+    "fe00::0\tip6-mcastprefix\n"
+    "fe00::1\tip6-allnodes\n"
+    "fe00::2\tip6-allrouters\n"
+)
+
+
+class DnsRecord(NamedTuple):
+    """A pod's cluster DNS name `<hostname>.<subdomain>.<namespace>.svc.<cluster domain>` and its address."""
+
+    ip: str
+    hostname: str
+    subdomain: str
+    namespace: str
+
+
+def pod_hostname(pod: client.V1Pod) -> tuple[str, str | None]:
+    """The pod's hostname (spec.hostname, else its name cut to 63 characters) and its domain
+    (`<subdomain>.<namespace>.svc.cluster.local` when spec.subdomain is set), as a kubelet gives them."""
+    meta, spec, _ = parts(pod)
+    hostname = str(spec.hostname or "") or str(meta.name)[:63].rstrip("-.")
+    domain = f"{spec.subdomain}.{meta.namespace}.svc.{CLUSTER_DOMAIN}" if spec.subdomain else None
+    return hostname, domain
+
+
+def _pod_ready(pod: client.V1Pod) -> bool:
+    return any(cond.type == "Ready" and cond.status == "True" for cond in parts(pod)[2].conditions or [])
+
+
+def dns_records(pods: list[client.V1Pod], services: list[client.V1Service]) -> list[DnsRecord]:
+    """The per-pod A records cluster DNS serves: a pod with spec.hostname, spec.subdomain and an IP, selected by the
+    headless Service named after its subdomain in its namespace (ready, or the Service publishes not-ready
+    addresses, as LeaderWorkerSet's does). Sorted by namespace, subdomain, hostname."""
+    headless: dict[tuple[str, str], client.V1Service] = {}
+    for svc in services:
+        if svc.metadata is not None and svc.spec is not None and svc.spec.cluster_ip == "None":
+            headless[(str(svc.metadata.namespace), str(svc.metadata.name))] = svc
+    out = []
+    for pod in pods:
+        meta, spec, status = parts(pod)
+        if not (spec.hostname and spec.subdomain and status.pod_ip) or meta.deletion_timestamp:
+            continue
+        service = headless.get((str(meta.namespace), str(spec.subdomain)))
+        if service is None or service.spec is None:
+            continue
+        selector = service.spec.selector or {}
+        labels = meta.labels or {}
+        if not selector or any(labels.get(k) != v for k, v in selector.items()):
+            continue  # no endpoints for this pod
+        if not (service.spec.publish_not_ready_addresses or _pod_ready(pod)):
+            continue
+        out.append(DnsRecord(str(status.pod_ip), str(spec.hostname), str(spec.subdomain), str(meta.namespace)))
+    return sorted(out, key=lambda r: (r.namespace, r.subdomain, r.hostname, r.ip))
+
+
+def hosts_file(
+    ip: str,
+    hostname: str,
+    domain: str | None,
+    records: list[DnsRecord],
+    aliases: list[tuple[str, list[str]]] | None = None,
+) -> str:
+    """A process pod's /etc/hosts: the kubelet's (its header, the pod's own `<ip> <fqdn> <hostname>` line, the
+    pod's hostAliases), then the cluster DNS records (`dns_records`) under each name a resolver with the cluster's
+    search path (`<namespace>.svc.cluster.local svc.cluster.local cluster.local`) would find them by."""
+    lines = [HOSTS_HEADER.rstrip("\n")]
+    lines.append(f"{ip}\t{hostname}.{domain}\t{hostname}" if domain else f"{ip}\t{hostname}")
+    if aliases:
+        lines.append("")
+        lines.append("# Entries added by HostAliases.")
+        lines += [f"{alias_ip}\t{' '.join(names)}" for alias_ip, names in aliases]
+    if records:
+        lines.append("")
+        lines.append("# Cluster DNS records (the process kubelet's stand-in for cluster DNS).")
+        for r in records:
+            name = f"{r.hostname}.{r.subdomain}.{r.namespace}"
+            lines.append(f"{r.ip}\t{name}.svc.{CLUSTER_DOMAIN}\t{name}.svc\t{name}")
+    return "\n".join(lines) + "\n"
+
+
+def write_in_place(path: Path, content: str) -> None:
+    """Replace a file's content keeping its inode (a bind mount of it pins the inode: a rename would not be seen)."""
+    data = content.encode()
+    with contextlib.suppress(FileNotFoundError), path.open("r+b") as fh:
+        fh.write(data)
+        fh.truncate()
+        return
+    path.write_bytes(data)
+
+
+# ---- launching a process pod: its own /etc/hosts and hostname ------------------------------------------------------
+# A container sees the kubelet's hosts file at /etc/hosts and the pod's hostname (gloo, for one, resolves the host
+# name to pick its address). A process pod gets both through a mount and a UTS namespace of its own: `unshare`
+# (without --fork, so it execs and the PID stays the engine's) runs a shell that bind-mounts the pod's hosts file
+# on /etc/hosts, sets the hostname, and execs the command.
+_NAMES_SCRIPT = 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"'
+
+
+def namespace_wrapper(scratch: Path) -> list[str] | None:
+    """The command prefix that starts a process with its own /etc/hosts and hostname (`wrap`'s first argument), or
+    None (with one warning) where `unshare` is missing or may not make mount and UTS namespaces here; then processes
+    start as before, with the machine's /etc/hosts and hostname. Probed once, by running it."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        log.warning("unshare not found (util-linux): process pods see this machine's /etc/hosts and hostname")
+        return None
+    prefix = [unshare, "--mount", "--uts", "--propagation", "private"]
+    if os.geteuid() != 0:
+        prefix += ["--user", "--map-root-user"]
+    scratch.mkdir(parents=True, exist_ok=True)
+    hosts = scratch / ".hosts-probe"
+    hosts.write_text(hosts_file("127.0.0.1", "npuserve-probe", None, []))
+    try:
+        proc = subprocess.run(
+            wrap(prefix, hosts, "npuserve-probe", ["cat", "/etc/hosts"]), capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        proc = subprocess.CompletedProcess([], 1, "", str(e))
+    finally:
+        hosts.unlink(missing_ok=True)
+    if proc.returncode != 0 or "npuserve-probe" not in proc.stdout:
+        why = (proc.stderr.strip() or f"exit {proc.returncode}")[-300:]
+        log.warning("%s cannot give processes their own /etc/hosts and hostname (%s); process pods see this "
+                    "machine's", " ".join(prefix), why)  # fmt: skip
+        return None
+    return prefix
+
+
+def wrap(prefix: list[str] | None, hosts: Path, hostname: str, argv: list[str]) -> list[str]:
+    """`argv` run through `prefix` (`namespace_wrapper`) with `hosts` as its /etc/hosts and `hostname`; `argv` as
+    it is without a prefix."""
+    if not prefix:
+        return list(argv)
+    return [*prefix, "sh", "-c", _NAMES_SCRIPT, "sh", str(hosts), hostname, *argv]
+
+
 # ---- the API server ----------------------------------------------------------------------------------------------
 class Api:
     """The calls the kubelet makes, through the `kubernetes` client as the cluster's admin."""
@@ -201,6 +378,10 @@ class Api:
                 return None
             raise
 
+    def headless_services(self) -> list[client.V1Service]:
+        items = self.core.list_service_for_all_namespaces(_request_timeout=API_TIMEOUT).items
+        return [s for s in items if s.spec is not None and s.spec.cluster_ip == "None"]
+
     def config_map(self, namespace: str, name: str) -> client.V1ConfigMap | None:
         return self._optional(self.core.read_namespaced_config_map, name, namespace)
 
@@ -226,6 +407,7 @@ class Container:
     ip: str
     port: int  # the engine's; 0 for a bench, which listens on nothing
     folder: Path
+    hostname: str = ""
     kind: str = SERVE
     restart_policy: str = "Always"
     ready_path: str = "/ready"
@@ -246,6 +428,11 @@ class Container:
     container_id: str | None = None
     others: list[dict[str, Any]] = field(default_factory=list)  # the statuses of the pod's other containers
     final: dict[str, Any] | None = None  # the terminal status patch of a container that is not restarted
+    hosts: str = ""  # the hosts file's content as last written
+
+    @property
+    def hosts_path(self) -> Path:
+        return self.folder / "hosts"
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -279,6 +466,8 @@ class Kubelet:
         self.waiting_reported: dict[str, str] = {}
         self.nodes: set[str] = set()
         self.nodes_read = 0.0
+        self.records: list[DnsRecord] = []
+        self.wrapper: list[str] | None = None
         self.stop = threading.Event()
 
     # -- the loop ----------------------------------------------------------------------------------------------------
@@ -286,6 +475,9 @@ class Kubelet:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
         for folder in sweep(self.pods_dir):
             log.info("ended a leftover engine process of %s", folder)
+        self.wrapper = namespace_wrapper(self.pods_dir)
+        if self.wrapper:
+            log.info("process pods get their own /etc/hosts and hostname (%s)", " ".join(self.wrapper))
         while not self.stop.is_set():
             try:
                 self.sync()
@@ -312,9 +504,16 @@ class Kubelet:
     def sync(self) -> None:
         nodes = self.fake_nodes()
         wanted: dict[str, client.V1Pod] = {}
-        for pod in self.api.live_pods(skip_namespaces=self.api.ignored_namespaces()):
-            meta, spec, status = parts(pod)
-            if spec.node_name not in nodes or meta.deletion_timestamp:
+        on_nodes = [
+            pod
+            for pod in self.api.live_pods(skip_namespaces=self.api.ignored_namespaces())
+            if parts(pod)[1].node_name in nodes
+        ]
+        named = [pod for pod in on_nodes if parts(pod)[1].subdomain]
+        self.records = dns_records(named, self.api.headless_services()) if named else []
+        for pod in on_nodes:
+            meta, _, status = parts(pod)
+            if meta.deletion_timestamp:
                 continue
             if process_container(pod) is None or not status.pod_ip:
                 continue
@@ -345,6 +544,7 @@ class Kubelet:
         http_get = probe.http_get if probe is not None else None
         threshold = probe.failure_threshold if probe is not None else None
         grace = spec.termination_grace_period_seconds
+        hostname = pod_hostname(pod)[0]
         c = Container(
             uid=str(meta.uid),
             namespace=str(meta.namespace),
@@ -353,6 +553,7 @@ class Kubelet:
             ip=str(status.pod_ip),
             port=container_port(ctr) if kind == SERVE else 0,
             folder=self.pods_dir / f"{meta.namespace}_{meta.name}",
+            hostname=hostname,
             kind=kind,
             restart_policy=str(spec.restart_policy or "Always"),
             ready_path=str((http_get.path if http_get is not None else None) or "/ready"),
@@ -380,6 +581,7 @@ class Kubelet:
             # status (this repeats the patch if an earlier one failed).
             self.api.patch_pod_status(c.namespace, c.name, c.final)
             return
+        self.write_hosts(c, pod)
         if c.proc is None:
             if time.monotonic() >= c.next_start and not self.address_busy(c):
                 self.start(c, pod)
@@ -403,8 +605,8 @@ class Kubelet:
         logf.write(f"\n# {now()} {' '.join(argv)}\n".encode())
         logf.flush()
         c.proc = subprocess.Popen(
-            argv, cwd=c.folder, env=env, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            wrap(self.wrapper, c.hosts_path, c.hostname, argv), cwd=c.folder, env=env, stdin=subprocess.DEVNULL,
+            stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
         logf.close()
         start = proc_starttime(c.proc.pid)
@@ -541,6 +743,17 @@ class Kubelet:
                 c.stopping_since = time.monotonic() - c.grace + 5  # look again in 5 s
 
     # -- the container's files, argv and env --------------------------------------------------------------------------
+    def write_hosts(self, c: Container, pod: client.V1Pod) -> None:
+        """The pod's hosts file (`hosts_file`), rewritten in place when its records change."""
+        hostname, domain = pod_hostname(pod)
+        aliases = [(str(a.ip), [str(h) for h in a.hostnames or []]) for a in parts(pod)[1].host_aliases or []]
+        content = hosts_file(c.ip, hostname, domain, self.records, aliases)
+        if content == c.hosts and c.hosts_path.exists():
+            return
+        c.folder.mkdir(parents=True, exist_ok=True)
+        write_in_place(c.hosts_path, content)
+        c.hosts = content
+
     def mounts(self, c: Container, pod: client.V1Pod) -> list[Mount]:
         ctr = process_container(pod)
         volumes = {v.name: v for v in parts(pod)[1].volumes or []}
@@ -605,7 +818,24 @@ class Kubelet:
         self.sync_configmaps(c, pod, first=True)
         paths = [(m.path, m.local) for m in mounts]
 
-        argv = [self.npuserve] + [rewrite_path(str(a), paths) for a in [*ctr.command[1:], *(ctr.args or [])]]
+        env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
+        env["HOSTNAME"] = c.hostname
+        resources = ctr.resources or client.V1ResourceRequirements()
+        cpu = (resources.limits or {}).get("cpu") or (resources.requests or {}).get("cpu")
+        if cpu:
+            env["OMP_NUM_THREADS"] = str(max(1, min(os.cpu_count() or 1, math.ceil(_cpu_quantity(str(cpu))))))
+        # The container's own variables, as its processes see them: a value may refer to those defined before it
+        # with $(NAME); the command and args to all of them.
+        defined: dict[str, str] = {}
+        for e in ctr.env or []:
+            value = self.env_value(c, pod, e)
+            if value is not None:
+                defined[e.name] = expand(value, defined) if e.value is not None else value
+                env[e.name] = rewrite_path(defined[e.name], paths)
+
+        argv = [self.npuserve] + [
+            rewrite_path(expand(str(a), defined), paths) for a in [*ctr.command[1:], *(ctr.args or [])]
+        ]
         if c.kind == SERVE:  # the engine binds the pod's IP; a bench's arguments are its own business
             for i, a in enumerate(argv):
                 if a == "--host" and i + 1 < len(argv):
@@ -615,16 +845,6 @@ class Kubelet:
             if "--host" not in argv and not any(a.startswith("--host=") for a in argv):
                 argv += ["--host", c.ip]
 
-        env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
-        env["HOSTNAME"] = c.name
-        resources = ctr.resources or client.V1ResourceRequirements()
-        cpu = (resources.limits or {}).get("cpu") or (resources.requests or {}).get("cpu")
-        if cpu:
-            env["OMP_NUM_THREADS"] = str(max(1, min(os.cpu_count() or 1, math.ceil(_cpu_quantity(str(cpu))))))
-        for e in ctr.env or []:
-            value = self.env_value(c, pod, e)
-            if value is not None:
-                env[e.name] = rewrite_path(value, paths)
         preload = env.get("LD_PRELOAD")
         if preload:
             kept = [p for p in preload.replace(":", " ").split() if Path(p).exists()]
