@@ -1,6 +1,7 @@
 """The binaries of the local cluster: Kubernetes built from the Go module proxy, KWOK, Helm and Prometheus
-`go install`ed, all cached outside the repository by version (file locks: one builder at a time); Debian's etcd; the
-`npuserve` the engines run with. Standard library only."""
+`go install`ed, the LeaderWorkerSet controller built from its module (with its CRD beside it), all cached outside the
+repository by version (file locks: one builder at a time); Debian's etcd; the `npuserve` the engines run with.
+Standard library only."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ HELM_VERSION = "v3.19.5"
 # Kubernetes' is compiled in.
 PROMETHEUS_VERSION = "v3.16.0"
 PROMETHEUS_MODULE_VERSION = "v0.316.0"
+# LeaderWorkerSet (sigs.k8s.io/lws): the controller that runs a replica whose ranks span pods. Its go.mod has no
+# replace directives; its main package is sigs.k8s.io/lws/cmd.
+LWS_VERSION = "v0.7.0"
+LWS_MODULE = "sigs.k8s.io/lws"
+LWS_CRD = "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
 
 K8S_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
 
@@ -56,6 +62,8 @@ class Binaries:
     kwok: Path
     helm: Path
     prometheus: Path
+    lws_controller: Path
+    lws_crd: Path
 
 
 def k8s_bin_dir(version: str = K8S_VERSION) -> Path:
@@ -72,6 +80,11 @@ def helm_bin_dir() -> Path:
 
 def prometheus_bin_dir() -> Path:
     return cache_dir() / "prometheus" / PROMETHEUS_VERSION / "bin"
+
+
+def lws_dir() -> Path:
+    """The LeaderWorkerSet controller's cache folder: bin/lws-controller and crd/<the CRD's file>."""
+    return cache_dir() / "lws" / LWS_VERSION
 
 
 def _go_env(**extra: str) -> dict[str, str]:
@@ -262,6 +275,56 @@ def install_prometheus() -> Path:
     )
 
 
+def install_lws() -> tuple[Path, Path]:
+    """The LeaderWorkerSet controller (`lws-controller`) and its CRD, from the module at LWS_VERSION. Returns the
+    binary and the CRD's YAML (no-op when both are cached).
+
+    Built inside the downloaded module with its own go.mod and go.sum, which pins exactly the dependencies that
+    `go install sigs.k8s.io/lws/cmd@<version>` would; `go install pkg@version` also asks the proxy for the module's
+    version list (to report a deprecation), and a proxy that refuses that list (HTTP 403) fails the install. The
+    CRD is the module's generated `config/crd/bases` file, as `make install` of the project applies it."""
+    root = lws_dir()
+    exe, crd = root / "bin" / "lws-controller", root / "crd" / LWS_CRD
+    if exe.exists() and crd.exists():
+        return exe, crd
+    with file_lock(root.with_suffix(".lock")):
+        if exe.exists() and crd.exists():
+            return exe, crd
+        if not shutil.which("go"):
+            raise RuntimeError("Go is needed to build the LeaderWorkerSet controller (https://go.dev/doc/install)")
+        started = time.monotonic()
+        log(f"building the LeaderWorkerSet controller {LWS_VERSION} (first use; minutes)")
+        env = _go_env(GOFLAGS="-buildvcs=false")
+        root.mkdir(parents=True, exist_ok=True)
+        info = json.loads(_run(["go", "mod", "download", "-json", f"{LWS_MODULE}@{LWS_VERSION}"], cwd=root, env=env))
+        if info.get("Error"):
+            raise RuntimeError(f"go mod download {LWS_MODULE}@{LWS_VERSION}: {info['Error']}")
+        module_dir = Path(info["Dir"])
+        commit = str((info.get("Origin") or {}).get("Hash") or "")
+        version_pkg = f"{LWS_MODULE}/pkg/version"
+        ldflags = f"-s -w -X {version_pkg}.GitVersion={LWS_VERSION}" + (
+            f" -X {version_pkg}.GitCommit={commit}" if commit else ""
+        )
+        tmp = root / "tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "bin").mkdir(parents=True)
+        (tmp / "crd").mkdir()
+        _run(
+            [*_nice(), "go", "build", "-trimpath", "-ldflags", ldflags, "-o", str(tmp / "bin" / exe.name), "./cmd"],
+            cwd=module_dir,
+            env=env,
+        )
+        shutil.copyfile(module_dir / "config" / "crd" / "bases" / LWS_CRD, tmp / "crd" / LWS_CRD)
+        for sub in ("bin", "crd"):
+            shutil.rmtree(root / sub, ignore_errors=True)
+            (tmp / sub).rename(root / sub)
+        shutil.rmtree(tmp, ignore_errors=True)
+        seconds = time.monotonic() - started
+        (root / ".complete").write_text(json.dumps({"version": LWS_VERSION, "build_seconds": round(seconds)}) + "\n")
+        log(f"built the LeaderWorkerSet controller {LWS_VERSION} in {seconds:.0f}s -> {exe}")
+    return exe, crd
+
+
 def ensure_prometheus() -> Path:
     """The Prometheus the cluster runs: $NPUSERVE_PROMETHEUS (one with Kubernetes service discovery), else the pinned
     release built from the Go module proxy on first use."""
@@ -294,6 +357,7 @@ def ensure_binaries(with_helm: bool = True) -> Binaries:
     bin_dir = build_kubernetes()
     kwok = install_kwok()
     helm = install_helm() if with_helm else helm_bin_dir() / "helm"
+    lws_controller, lws_crd = install_lws()
     return Binaries(
         kube_apiserver=bin_dir / "kube-apiserver",
         kube_controller_manager=bin_dir / "kube-controller-manager",
@@ -303,6 +367,8 @@ def ensure_binaries(with_helm: bool = True) -> Binaries:
         kwok=kwok,
         helm=helm,
         prometheus=ensure_prometheus(),
+        lws_controller=lws_controller,
+        lws_crd=lws_crd,
     )
 
 

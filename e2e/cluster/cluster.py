@@ -24,7 +24,9 @@ PROMETHEUS_URL_ENV = "NPUSERVE_PROMETHEUS_URL"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cluster.py", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("build", help="build/install every binary into the cache (Kubernetes, etcd, KWOK, Helm)")
+    sub.add_parser(
+        "build", help="build/install every binary into the cache (Kubernetes, etcd, KWOK, Helm, Prometheus, LWS)"
+    )
     sub.add_parser("up", help="start the cluster (builds on first use); says so if it is already running")
     sub.add_parser("down", help="stop exactly the processes `up` started")
     sub.add_parser("status", help="print what runs, as JSON; exit 1 if the cluster is not up")

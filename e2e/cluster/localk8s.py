@@ -2,9 +2,10 @@
 (docs/architecture.md#tests-and-the-local-cluster).
 
 The names the rest of the repository uses, from the modules beside this one: `binaries` (build and install the
-binaries), `processes` (start, record and stop processes), `pki` (certificates, kubeconfigs), `kwok` (fake nodes,
-pod stages), `prometheus` (the scrape configuration from the chart's PodMonitor) and `lifecycle` (`Cluster`,
-`up`/`down`, `acquire`/`release`, `stop_prometheus`/`start_prometheus`). Standard library only.
+binaries, the LeaderWorkerSet controller's among them), `processes` (start, record and stop processes), `pki`
+(certificates, kubeconfigs), `kwok` (fake nodes, pod stages), `prometheus` (the scrape configuration from the
+chart's PodMonitor) and `lifecycle` (`Cluster`, `up`/`down`, `acquire`/`release`, `stop_prometheus`/
+`start_prometheus`, the LeaderWorkerSet controller's configuration and webhooks). Standard library only.
 
 Import it by path (its folder on sys.path) or run it through `cluster.py`; never put the repository root on
 sys.path, its `operator/` folder shadows the standard library module.
@@ -18,6 +19,8 @@ from binaries import (
     K8S_BINARIES,
     K8S_VERSION,
     KWOK_VERSION,
+    LWS_CRD,
+    LWS_VERSION,
     PROMETHEUS_VERSION,
     REPO_ROOT,
     Binaries,
@@ -30,9 +33,11 @@ from binaries import (
     helm_bin_dir,
     install_helm,
     install_kwok,
+    install_lws,
     install_prometheus,
     k8s_bin_dir,
     kwok_bin_dir,
+    lws_dir,
     prometheus_bin_dir,
     staging_modules,
     wrapper_go_mod,
@@ -51,6 +56,9 @@ from kwok import (
 )
 from lifecycle import (
     COMPONENTS,
+    LWS_MUTATING_WEBHOOK,
+    LWS_NAMESPACE,
+    LWS_VALIDATING_WEBHOOK,
     OPTIONAL_COMPONENTS,
     PORT_DEFAULTS,
     Cluster,
@@ -58,6 +66,8 @@ from lifecycle import (
     chart_podmonitor,
     current,
     down,
+    lws_configuration,
+    lws_webhook_configurations,
     ports_from_env,
     release,
     start_prometheus,
@@ -67,7 +77,7 @@ from lifecycle import (
     up,
     write_prometheus_config,
 )
-from pki import SERVICE_CIDR, SERVICE_IP, make_pki, write_kubeconfig
+from pki import SERVICE_CIDR, SERVICE_IP, WEBHOOK_CERT_DIR, make_pki, write_kubeconfig
 from processes import log
 from prometheus import ApiServer, find_podmonitor, podmonitor_scrape_configs, prometheus_config, sanitize_label_name
 
@@ -80,6 +90,11 @@ __all__ = [
     "K8S_BINARIES",
     "K8S_VERSION",
     "KWOK_VERSION",
+    "LWS_CRD",
+    "LWS_MUTATING_WEBHOOK",
+    "LWS_NAMESPACE",
+    "LWS_VALIDATING_WEBHOOK",
+    "LWS_VERSION",
     "NODE_NAMES",
     "NPUS_PER_NODE",
     "OPTIONAL_COMPONENTS",
@@ -91,6 +106,7 @@ __all__ = [
     "REPO_ROOT",
     "SERVICE_CIDR",
     "SERVICE_IP",
+    "WEBHOOK_CERT_DIR",
     "ApiServer",
     "Binaries",
     "Cluster",
@@ -109,12 +125,16 @@ __all__ = [
     "helm_bin_dir",
     "install_helm",
     "install_kwok",
+    "install_lws",
     "install_prometheus",
     "k8s_bin_dir",
     "kwok_bin_dir",
     "kwok_config",
     "kwok_pod_stages",
     "log",
+    "lws_configuration",
+    "lws_dir",
+    "lws_webhook_configurations",
     "make_pki",
     "podmonitor_scrape_configs",
     "ports_from_env",
