@@ -1,10 +1,13 @@
 """The local cluster's lifecycle: `Cluster`, `up`/`down`, `acquire`/`release` for test sessions, `status` and
 `current`, and starting the components (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK, the
-process kubelet, Prometheus) under the state folder `.cluster/`; `stop_prometheus`/`start_prometheus` take Prometheus
+LeaderWorkerSet controller with its CRD and webhooks, the process kubelet, Prometheus) under the state folder
+`.cluster/`; `stop_prometheus`/`start_prometheus` take Prometheus
 alone down and back. Standard library only."""
 
 from __future__ import annotations
 
+import base64
+import http.client
 import importlib.util
 import json
 import os
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from binaries import K8S_VERSION, REPO_ROOT, Binaries, default_npuserve, ensure_binaries, file_lock, kubelet_python
 from kwok import NODE_ANNOTATION, NODE_ANNOTATION_VALUE, NODE_NAMES, POD_CIDR, fake_node, kwok_config
-from pki import SERVICE_CIDR, make_pki, write_kubeconfig
+from pki import SERVICE_CIDR, WEBHOOK_CERT_DIR, make_pki, write_kubeconfig
 from processes import (
     alive,
     https_get,
@@ -31,6 +34,7 @@ from processes import (
     spawn,
     stop_one,
     sweep,
+    tail,
     wait_http,
 )
 from prometheus import ApiServer, dump, find_podmonitor, podmonitor_scrape_configs, prometheus_config
@@ -63,9 +67,21 @@ PORT_DEFAULTS: dict[str, tuple[str, int]] = {
     "kwok": ("NPUSERVE_KWOK_PORT", 20247),
     "kubelet": ("NPUSERVE_KUBELET_PORT", 20250),
     "prometheus": ("NPUSERVE_PROMETHEUS_PORT", 29090),
+    "lws_webhook": ("NPUSERVE_LWS_WEBHOOK_PORT", 29443),
+    "lws_health": ("NPUSERVE_LWS_HEALTH_PORT", 20281),
+    "lws_metrics": ("NPUSERVE_LWS_METRICS_PORT", 20280),
 }
 # Start order; stop runs it backwards.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "kubelet", "prometheus")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "lws-controller",
+    "kubelet",
+    "prometheus",
+)
 # Components a running cluster may lack for a while: a test takes Prometheus down and back (stop_prometheus,
 # start_prometheus), and meanwhile the cluster is still up for everyone else (`current`, `acquire`).
 OPTIONAL_COMPONENTS = ("prometheus",)
@@ -162,7 +178,10 @@ def current(cdir: Path | None = None) -> Cluster | None:
     if state is None or not all(up for name, up in running.items() if name not in OPTIONAL_COMPONENTS):
         return None
     ports = {k: int(v) for k, v in dict(state["ports"]).items()}  # type: ignore[call-overload]
-    bins = Binaries(**{k: Path(str(v)) for k, v in dict(state["binaries"]).items()})  # type: ignore[call-overload]
+    try:
+        bins = Binaries(**{k: Path(str(v)) for k, v in dict(state["binaries"]).items()})  # type: ignore[call-overload]
+    except TypeError:  # recorded by another version of this harness
+        return None
     cluster = Cluster(dir=cdir, ports=ports, binaries=bins)
     return cluster if cluster.ready() else None
 
@@ -359,6 +378,8 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
         ],
         env,
     )
+    # The LeaderWorkerSet CRD goes in while the controllers start: the LeaderWorkerSet controller watches it.
+    apply_lws_crd(c, timeout)
     kwok_config_file = conf / "kwok.yaml"
     kwok_config_file.write_text(kwok_config())
     spawn(
@@ -377,10 +398,12 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
         ],
         env,
     )
+    spawn_lws_controller(c, env)
     insecure = insecure_ctx()
     wait_http("kube-controller-manager", p["controller_manager"], "/healthz", insecure, cdir, "kube-controller-manager")
     wait_http("kube-scheduler", p["scheduler"], "/healthz", insecure, cdir, "kube-scheduler", timeout)
     wait_http("kwok", p["kwok"], "/healthz", None, cdir, "kwok", timeout)
+    wait_lws_controller(c, timeout)
     spawn(
         cdir,
         "kubelet",
@@ -395,6 +418,180 @@ def _start_components(c: Cluster, env: Mapping[str, str], timeout: float) -> Non
     )
     wait_http("kubelet", p["kubelet"], "/healthz", None, cdir, "kubelet", timeout)
     _start_prometheus(c, env, timeout)
+
+
+# ---- LeaderWorkerSet --------------------------------------------------------------------------------------------
+LWS_NAMESPACE = "lws-system"  # config/default's namespace; the controller's own default (no service-account file)
+LWS_CRD_NAME = "leaderworkersets.leaderworkerset.x-k8s.io"
+LWS_MUTATING_WEBHOOK = "lws-mutating-webhook-configuration"
+LWS_VALIDATING_WEBHOOK = "lws-validating-webhook-configuration"
+# The webhooks of the release's config/webhook (manifests.yaml with mutating-patch.yaml and validating-patch.yaml,
+# which add the objectSelector to the pod webhooks and UPDATE to the mutating one): (name, path, group, resource,
+# operations, pod webhook).
+_LWS_SELECTOR = {"matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/name", "operator": "Exists"}]}
+LWS_WEBHOOKS: dict[str, list[tuple[str, str, str, str, tuple[str, ...], bool]]] = {
+    "MutatingWebhookConfiguration": [
+        ("mleaderworkerset.kb.io", "/mutate-leaderworkerset-x-k8s-io-v1-leaderworkerset", "leaderworkerset.x-k8s.io",
+         "leaderworkersets", ("CREATE", "UPDATE"), False),
+        ("mpod.kb.io", "/mutate--v1-pod", "", "pods", ("CREATE", "UPDATE"), True),
+    ],
+    "ValidatingWebhookConfiguration": [
+        ("vleaderworkerset.kb.io", "/validate-leaderworkerset-x-k8s-io-v1-leaderworkerset", "leaderworkerset.x-k8s.io",
+         "leaderworkersets", ("CREATE", "UPDATE"), False),
+        ("vpod.kb.io", "/validate--v1-pod", "", "pods", ("CREATE", "UPDATE"), True),
+    ],
+}  # fmt: skip
+
+
+def lws_webhook_configurations(port: int, ca_bundle: str) -> list[dict[str, object]]:
+    """The controller's Mutating/ValidatingWebhookConfigurations as the release installs them, but calling the
+    webhook server by URL (https://127.0.0.1:`port`<path>) and trusting `ca_bundle` (base64 PEM): the controller runs
+    outside any pod, so the API server could not reach it through a Service."""
+    out: list[dict[str, object]] = []
+    for kind, hooks in LWS_WEBHOOKS.items():
+        webhooks = []
+        for name, path, group, resource, operations, pod in hooks:
+            hook: dict[str, object] = {
+                "name": name,
+                "admissionReviewVersions": ["v1"],
+                "clientConfig": {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca_bundle},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "rules": [
+                    {
+                        "apiGroups": [group],
+                        "apiVersions": ["v1"],
+                        "operations": list(operations),
+                        "resources": [resource],
+                    }
+                ],
+            }
+            if pod:
+                hook["objectSelector"] = _LWS_SELECTOR
+            webhooks.append(hook)
+        name = LWS_MUTATING_WEBHOOK if kind.startswith("Mutating") else LWS_VALIDATING_WEBHOOK
+        out.append(
+            {
+                "apiVersion": "admissionregistration.k8s.io/v1",
+                "kind": kind,
+                "metadata": {"name": name},
+                "webhooks": webhooks,
+            }
+        )
+    return out
+
+
+def lws_configuration(ports: Mapping[str, int], cert_dir: Path) -> dict[str, object]:
+    """The controller's component configuration (config.lws.x-k8s.io/v1alpha1): one replica, no leader election,
+    webhooks served on 127.0.0.1 with the harness's certificate (no internal cert rotation: it would write a
+    Secret for a Service that does not exist here), health and metrics on 127.0.0.1."""
+    return {
+        "apiVersion": "config.lws.x-k8s.io/v1alpha1",
+        "kind": "Configuration",
+        "leaderElection": {"leaderElect": False},
+        "webhook": {"port": ports["lws_webhook"], "host": "127.0.0.1", "certDir": str(cert_dir)},
+        "health": {"healthProbeBindAddress": f"127.0.0.1:{ports['lws_health']}"},
+        "metrics": {"bindAddress": f"127.0.0.1:{ports['lws_metrics']}"},
+        "internalCertManagement": {"enable": False},
+    }
+
+
+def apply_lws_crd(c: Cluster, timeout: float) -> None:
+    """The LeaderWorkerSet CRD (server-side: it is over a megabyte, too big for the last-applied annotation) and the
+    controller's namespace."""
+    c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(c.binaries.lws_crd), timeout=timeout)
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LWS_NAMESPACE}}
+    c.kubectl("apply", "-f", "-", input=json.dumps(namespace))
+    # Polled, not `kubectl wait`: that fails at once while the new CRD has no conditions yet.
+    deadline = time.monotonic() + timeout
+    while not _crd_established(c, LWS_CRD_NAME):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the CRD {LWS_CRD_NAME} is not Established; see logs/kube-apiserver.log")
+        time.sleep(0.1)
+
+
+def _crd_established(c: Cluster, name: str) -> bool:
+    raw = c.kubectl("get", f"crd/{name}", "-o", "jsonpath={.status.conditions}")
+    conditions = json.loads(raw) if raw.strip() else None
+    return any(cond.get("type") == "Established" and cond.get("status") == "True" for cond in conditions or [])
+
+
+def spawn_lws_controller(c: Cluster, env: Mapping[str, str]) -> None:
+    config = c.dir / "config" / "lws-controller.yaml"
+    config.write_text(json.dumps(lws_configuration(c.ports, c.pki / WEBHOOK_CERT_DIR), indent=2) + "\n")  # JSON is YAML
+    # controller-runtime reads KUBECONFIG; the admin's, as the kubelet and KWOK use.
+    spawn(
+        c.dir,
+        "lws-controller",
+        [str(c.binaries.lws_controller), f"--config={config}", "--zap-devel=false"],
+        {**env, "KUBECONFIG": str(c.kubeconfig)},
+    )
+
+
+def wait_lws_controller(c: Cluster, timeout: float) -> None:
+    """Wait for the controller's health endpoint and for its webhook server to serve the pod webhook over TLS (with
+    the cluster CA), then register the webhook configurations: registered before, they would refuse every
+    LeaderWorkerSet and its pods (failurePolicy Fail) until the server is up."""
+    p, cdir = c.ports, c.dir
+    wait_http("lws-controller", p["lws_health"], "/readyz", None, cdir, "lws-controller", timeout)
+    _wait_lws_webhooks(c, timeout)
+    ca_bundle = base64.b64encode((c.pki / "ca.crt").read_bytes()).decode()
+    configs = {"apiVersion": "v1", "kind": "List", "items": lws_webhook_configurations(p["lws_webhook"], ca_bundle)}
+    c.kubectl("apply", "-f", "-", input=json.dumps(configs))
+
+
+# An AdmissionReview for a plain pod (no LeaderWorkerSet label): both pod webhooks allow it and log no error, as an
+# empty GET would make them do.
+_PROBE_REVIEW = {
+    "apiVersion": "admission.k8s.io/v1",
+    "kind": "AdmissionReview",
+    "request": {
+        "uid": "00000000-0000-0000-0000-000000000000",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "operation": "CREATE",
+        "namespace": "default",
+        "name": "probe",
+        "userInfo": {},
+        "object": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "probe", "namespace": "default"},
+            "spec": {"containers": [{"name": "probe", "image": "probe"}]},
+        },
+    },
+}
+
+
+def _webhook_allows(port: int, path: str, ctx: ssl.SSLContext) -> bool:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=2)
+    try:
+        conn.request("POST", path, json.dumps(_PROBE_REVIEW), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = resp.read()
+        return resp.status == 200 and bool(json.loads(body).get("response", {}).get("allowed"))
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+    finally:
+        conn.close()
+
+
+def _wait_lws_webhooks(c: Cluster, timeout: float) -> None:
+    """Wait until the controller serves both pod webhooks over TLS (verified with the cluster CA). The server starts
+    before the controller registers its paths (an unregistered one is a 404); the LeaderWorkerSet webhooks are
+    registered before the pod webhooks."""
+    ctx = ssl.create_default_context(cafile=str(c.pki / "ca.crt"))
+    deadline = time.monotonic() + timeout
+    log_file = c.dir / "logs" / "lws-controller.log"
+    while not all(
+        _webhook_allows(c.ports["lws_webhook"], path, ctx) for path in ("/mutate--v1-pod", "/validate--v1-pod")
+    ):
+        rec = read_pid(c.dir, "lws-controller")
+        if rec is None or not alive(*rec):
+            raise RuntimeError(f"lws-controller exited; last log lines:\n{tail(log_file)}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"lws-controller's webhooks not served after {timeout:.0f}s; log: {log_file}")
+        time.sleep(0.2)
 
 
 # ---- Prometheus --------------------------------------------------------------------------------------------------

@@ -45,8 +45,13 @@ def _issue_cert(pki: Path, name: str, subject: str, extensions: str) -> None:
     (pki / f"{name}.ext").unlink()
 
 
+# The LeaderWorkerSet controller's webhook server reads tls.crt and tls.key from this folder of the PKI.
+WEBHOOK_CERT_DIR = "lws-webhook"
+
+
 def make_pki(pki: Path) -> None:
-    """CA, API server serving cert, client certs (admin in system:masters, controller-manager, scheduler), SA key."""
+    """CA, API server serving cert, client certs (admin in system:masters, controller-manager, scheduler), SA key,
+    and the serving cert of the LeaderWorkerSet controller's webhooks (`WEBHOOK_CERT_DIR`)."""
     if not shutil.which("openssl"):
         raise RuntimeError("openssl not found (apt-get install openssl)")
     pki.mkdir(parents=True, exist_ok=True)
@@ -74,6 +79,14 @@ def make_pki(pki: Path) -> None:
     _issue_cert(pki, "admin", "/O=system:masters/CN=npuserve-admin", client_ext)
     _issue_cert(pki, "controller-manager", "/CN=system:kube-controller-manager", client_ext)
     _issue_cert(pki, "scheduler", "/CN=system:kube-scheduler", client_ext)
+    # The API server calls the controller's webhooks at https://127.0.0.1:<port>/... (it runs outside any pod, so
+    # there is no Service to name); the webhook configurations carry this CA as their caBundle.
+    webhook_ext = server_ext.replace(f"subjectAltName={sans}", "subjectAltName=IP:127.0.0.1,DNS:localhost")
+    _issue_cert(pki, "lws-webhook", "/CN=lws-webhook", webhook_ext)
+    cert_dir = pki / WEBHOOK_CERT_DIR
+    cert_dir.mkdir(exist_ok=True)
+    (pki / "lws-webhook.crt").rename(cert_dir / "tls.crt")
+    (pki / "lws-webhook.key").rename(cert_dir / "tls.key")
     _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", "sa.key", cwd=pki)
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
