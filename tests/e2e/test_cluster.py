@@ -1,10 +1,13 @@
-"""Smoke test of the local cluster: pinned versions, the two KWOK nodes with their NPUs, pods on loopback IPs."""
+"""Smoke test of the local cluster: pinned versions, the two KWOK nodes with their NPUs, pods on loopback IPs, the
+LeaderWorkerSet controller."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import localk8s
@@ -73,3 +76,95 @@ def test_deployment_pods_run_on_loopback_ips(k8s_cluster: localk8s.Cluster) -> N
         k8s_cluster.kubectl("delete", "deployment", "smoke", "-n", ns, "--wait=true", timeout=70, check=False)
         k8s_cluster.kubectl("wait", "--for=delete", "pod", "-n", ns, "-l", "app=smoke", "--timeout=60s", check=False)
         k8s_cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# ---- LeaderWorkerSet ----------------------------------------------------------------------------------------------
+LWS_LABEL = "leaderworkerset.sigs.k8s.io"
+
+
+def _get(cluster: localk8s.Cluster, *args: str) -> Any:
+    return json.loads(cluster.kubectl("get", *args, "-o", "json"))
+
+
+def _pods_by_name(cluster: localk8s.Cluster, ns: str, lws: str) -> dict[str, dict[str, Any]]:
+    items: list[dict[str, Any]] = _get(cluster, "pods", "-n", ns, "-l", f"{LWS_LABEL}/name={lws}")["items"]
+    return {p["metadata"]["name"]: p for p in items}
+
+
+def _wait_for(what: str, check: Callable[[], bool], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.5)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = pod.get("status", {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def _group_ready(c: localk8s.Cluster, ns: str, name: str, replaced: str | None = None) -> bool:
+    """Whether group 0 of the LeaderWorkerSet `name` (size 2) has both pods Ready, with a leader other than the pod
+    of uid `replaced`."""
+    pods = _pods_by_name(c, ns, name)
+    group = [pods.get(f"{name}-0"), pods.get(f"{name}-0-1")]
+    if group[0] is None or group[0]["metadata"]["uid"] == replaced:
+        return False
+    return all(p is not None and _ready(p) for p in group)
+
+
+def test_leaderworkerset_controller_makes_a_group(k8s_cluster: localk8s.Cluster) -> None:
+    """The real LeaderWorkerSet controller and its webhooks: a group of a leader and a worker (ordinary containers,
+    which KWOK makes Ready), their labels and LWS_* variables, the headless Service, the group recreated when a
+    pod goes (RecreateGroupOnPodRestart), and the pods gone with the LeaderWorkerSet."""
+    c, ns, name = k8s_cluster, "lws-" + uuid.uuid4().hex[:6], "grp"
+    for kind, config in (
+        ("mutatingwebhookconfiguration", localk8s.LWS_MUTATING_WEBHOOK),
+        ("validatingwebhookconfiguration", localk8s.LWS_VALIDATING_WEBHOOK),
+    ):
+        hooks = _get(c, kind, config)["webhooks"]
+        assert len(hooks) == 2 and all(h["clientConfig"]["url"].startswith("https://127.0.0.1:") for h in hooks)
+    c.kubectl("create", "namespace", ns)
+    container = {"name": "main", "image": "npuserve/none:0"}  # KWOK pulls nothing
+    lws = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "replicas": 1,
+            "leaderWorkerTemplate": {
+                "size": 2,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "workerTemplate": {"spec": {"containers": [container]}},
+            },
+        },
+    }
+    leader, worker = f"{name}-0", f"{name}-0-1"
+    try:
+        c.kubectl("apply", "-f", "-", input=json.dumps(lws))
+        _wait_for("the leader and the worker Ready", lambda: _group_ready(c, ns, name))
+        pods = _pods_by_name(c, ns, name)
+        assert set(pods) == {leader, worker}
+        for pod_name, index in ((leader, "0"), (worker, "1")):
+            pod = pods[pod_name]
+            assert pod["metadata"]["labels"][f"{LWS_LABEL}/worker-index"] == index
+            assert (pod["spec"]["hostname"], pod["spec"]["subdomain"]) == (pod_name, name)
+            env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0].get("env", [])}
+            assert env["LWS_LEADER_ADDRESS"] == f"{leader}.{name}.{ns}"
+            assert env["LWS_GROUP_SIZE"] == "2"
+            assert env["LWS_WORKER_INDEX"] == index
+        assert pods[leader]["metadata"]["labels"][f"{LWS_LABEL}/group-index"] == "0"
+        service = _get(c, "service", name, "-n", ns)
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["publishNotReadyAddresses"] is True
+
+        leader_uid = pods[leader]["metadata"]["uid"]
+        c.kubectl("delete", "pod", worker, "-n", ns, "--wait=false")
+        _wait_for("the group recreated and Ready", lambda: _group_ready(c, ns, name, replaced=leader_uid))
+
+        c.kubectl("delete", "leaderworkerset", name, "-n", ns, "--wait=true", timeout=130)
+        _wait_for("the group's pods deleted", lambda: not _pods_by_name(c, ns, name))
+    finally:
+        c.kubectl("delete", "leaderworkerset", name, "-n", ns, "--ignore-not-found", "--wait=false", check=False)
+        c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
