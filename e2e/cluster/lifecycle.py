@@ -257,6 +257,9 @@ def _up_locked(cdir: Path, timeout: float, owner: str) -> Cluster:
     busy = [f"{n}={p} (set {PORT_DEFAULTS[n][0]})" for n, p in ports.items() if not port_free(p)]
     if busy:
         raise RuntimeError("ports in use: " + ", ".join(busy))
+    shared = [f"{n}={p}" for n, p in ports.items() if list(ports.values()).count(p) > 1]
+    if shared:
+        raise RuntimeError("one port for two components: " + ", ".join(shared))
 
     cdir.mkdir(parents=True, exist_ok=True)
     sweep(cdir / "pods")  # engine processes of an earlier cluster whose kubelet was killed
@@ -538,6 +541,9 @@ def wait_lws_controller(c: Cluster, timeout: float) -> None:
     ca_bundle = base64.b64encode((c.pki / "ca.crt").read_bytes()).decode()
     configs = {"apiVersion": "v1", "kind": "List", "items": lws_webhook_configurations(p["lws_webhook"], ca_bundle)}
     c.kubectl("apply", "-f", "-", input=json.dumps(configs))
+    rec, log_file = read_pid(cdir, "lws-controller"), cdir / "logs" / "lws-controller.log"
+    if rec is None or not alive(*rec):  # its metrics server, say, failed after the webhooks came up
+        raise RuntimeError(f"lws-controller exited (log: {log_file}); last log lines:\n{tail(log_file)}")
 
 
 # An AdmissionReview for a plain pod (no LeaderWorkerSet label): both pod webhooks allow it and log no error, as an
@@ -588,7 +594,7 @@ def _wait_lws_webhooks(c: Cluster, timeout: float) -> None:
     ):
         rec = read_pid(c.dir, "lws-controller")
         if rec is None or not alive(*rec):
-            raise RuntimeError(f"lws-controller exited; last log lines:\n{tail(log_file)}")
+            raise RuntimeError(f"lws-controller exited (log: {log_file}); last log lines:\n{tail(log_file)}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"lws-controller's webhooks not served after {timeout:.0f}s; log: {log_file}")
         time.sleep(0.2)

@@ -180,7 +180,8 @@ def wait_http(
     while time.monotonic() < deadline:
         rec = read_pid(cdir, name)
         if rec is None or not alive(*rec):
-            raise RuntimeError(f"{what} exited; last log lines:\n{tail(cdir / 'logs' / (name + '.log'))}")
+            log_file = cdir / "logs" / f"{name}.log"
+            raise RuntimeError(f"{what} exited (log: {log_file}); last log lines:\n{tail(log_file)}")
         try:
             status, body = https_get("127.0.0.1", port, path, ctx, timeout=2)
             if status == 200:
