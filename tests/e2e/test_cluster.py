@@ -168,3 +168,55 @@ def test_leaderworkerset_controller_makes_a_group(k8s_cluster: localk8s.Cluster)
     finally:
         c.kubectl("delete", "leaderworkerset", name, "-n", ns, "--ignore-not-found", "--wait=false", check=False)
         c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_process_pods_of_a_leaderworkerset_get_names_and_variables(k8s_cluster: localk8s.Cluster) -> None:
+    """Process pods (`npuserve serve`, which fails here: no model) of a LeaderWorkerSet: the process kubelet
+    expands the LWS_* references of the command and writes each pod a hosts file with both pods' names (the
+    wrapper that mounts it is tested in test_kubelet_names.py)."""
+    c, ns, name = k8s_cluster, "lwsp-" + uuid.uuid4().hex[:6], "eng"
+    c.kubectl("create", "namespace", ns)
+    command = ["npuserve", "serve", "--model", "/models/none", "--port", "8000"]
+    command += ["--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)", "--x", "$$(KEPT)"]
+    container = {"name": "engine", "image": "npuserve/engine:0", "command": command}
+    lws = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "replicas": 1,
+            "leaderWorkerTemplate": {
+                "size": 2,
+                "restartPolicy": "None",  # the engines fail and restart in place; the group stays
+                "workerTemplate": {"spec": {"containers": [container], "terminationGracePeriodSeconds": 1}},
+            },
+        },
+    }
+    leader, worker = f"{name}-0", f"{name}-0-1"
+    folders = {pod: c.dir / "pods" / f"{ns}_{pod}" for pod in (leader, worker)}
+    records = [f"{pod}.{name}.{ns}.svc.cluster.local\t{pod}.{name}.{ns}.svc\t{pod}.{name}.{ns}" for pod in folders]
+
+    def hosts_written() -> bool:
+        try:
+            return all(all(r in (f / "hosts").read_text() for r in records) for f in folders.values())
+        except OSError:
+            return False
+
+    try:
+        c.kubectl("apply", "-f", "-", input=json.dumps(lws))
+        _wait_for("both pods' hosts files with both records", hosts_written)
+        pods = _pods_by_name(c, ns, name)
+        for pod, index in ((leader, "0"), (worker, "1")):
+            ip = pods[pod]["status"]["podIP"]
+            own = f"{ip}\t{pod}.{name}.{ns}.svc.cluster.local\t{pod}\n"
+            assert own in (folders[pod] / "hosts").read_text()
+            engine_log = folders[pod] / "engine.log"
+            _wait_for(f"{pod}'s engine started", engine_log.exists)
+            argv = next(line for line in engine_log.read_text().splitlines() if line.startswith("# "))
+            assert f" --node-rank {index} --master-addr {leader}.{name}.{ns} --x $(KEPT) " in argv + " "
+    finally:
+        c.kubectl(
+            "delete", "leaderworkerset", name, "-n", ns, "--ignore-not-found", "--wait=true", timeout=70, check=False
+        )
+        _wait_for("the group's pods deleted", lambda: not _pods_by_name(c, ns, name))
+        c.kubectl("delete", "namespace", ns, "--wait=false", check=False)
