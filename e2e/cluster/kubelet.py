@@ -264,7 +264,7 @@ def hosts_file(
     if aliases:
         lines.append("")
         lines.append("# Entries added by HostAliases.")
-        lines += [f"{alias_ip}\t{' '.join(names)}" for alias_ip, names in aliases]
+        lines += [alias_ip + "\t" + "\t".join(names) for alias_ip, names in aliases]
     if records:
         lines.append("")
         lines.append("# Cluster DNS records (the process kubelet's stand-in for cluster DNS).")

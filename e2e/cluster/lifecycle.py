@@ -1,8 +1,7 @@
 """The local cluster's lifecycle: `Cluster`, `up`/`down`, `acquire`/`release` for test sessions, `status` and
 `current`, and starting the components (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, KWOK, the
 LeaderWorkerSet controller with its CRD and webhooks, the process kubelet, Prometheus) under the state folder
-`.cluster/`; `stop_prometheus`/`start_prometheus` take Prometheus
-alone down and back. Standard library only."""
+`.cluster/`; `stop_prometheus`/`start_prometheus` take Prometheus alone down and back. Standard library only."""
 
 from __future__ import annotations
 
@@ -501,7 +500,8 @@ def lws_configuration(ports: Mapping[str, int], cert_dir: Path) -> dict[str, obj
 
 def apply_lws_crd(c: Cluster, timeout: float) -> None:
     """The LeaderWorkerSet CRD (server-side: it is over a megabyte, too big for the last-applied annotation) and the
-    controller's namespace."""
+    controller's namespace. The release's CRD patch that routes conversion to its webhook is left out: the CRD has
+    one version, so nothing is ever converted."""
     c.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(c.binaries.lws_crd), timeout=timeout)
     namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": LWS_NAMESPACE}}
     c.kubectl("apply", "-f", "-", input=json.dumps(namespace))
@@ -509,7 +509,9 @@ def apply_lws_crd(c: Cluster, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not _crd_established(c, LWS_CRD_NAME):
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the CRD {LWS_CRD_NAME} is not Established; see logs/kube-apiserver.log")
+            raise RuntimeError(
+                f"the CRD {LWS_CRD_NAME} is not Established; log: {c.dir / 'logs' / 'kube-apiserver.log'}"
+            )
         time.sleep(0.1)
 
 
@@ -532,8 +534,8 @@ def spawn_lws_controller(c: Cluster, env: Mapping[str, str]) -> None:
 
 
 def wait_lws_controller(c: Cluster, timeout: float) -> None:
-    """Wait for the controller's health endpoint and for its webhook server to serve the pod webhook over TLS (with
-    the cluster CA), then register the webhook configurations: registered before, they would refuse every
+    """Wait for the controller's health endpoint and for both its pod webhooks to answer over TLS (verified with the
+    cluster CA), then register the webhook configurations: registered before, they would refuse every
     LeaderWorkerSet and its pods (failurePolicy Fail) until the server is up."""
     p, cdir = c.ports, c.dir
     wait_http("lws-controller", p["lws_health"], "/readyz", None, cdir, "lws-controller", timeout)

@@ -138,7 +138,7 @@ def test_hosts_file_of_a_plain_pod_with_host_aliases() -> None:
         kubelet.HOSTS_HEADER
         + "127.1.0.7\tweb-abc\n"
         + "\n# Entries added by HostAliases.\n"
-        + "10.1.2.3\tfoo.local bar.local\n"
+        + "10.1.2.3\tfoo.local\tbar.local\n"
     )
 
 
