@@ -329,6 +329,30 @@ def fresh_leader(cluster: ActingCluster) -> AutotuneLoop:
     return loop
 
 
+def test_a_groups_leader_alone_takes_the_schedule_and_the_load(monkeypatch: Any) -> None:
+    """A LeaderWorkerSet group is one engine: PUT /admin/schedule goes to its leader (a worker serves no admin API),
+    and the benchmark Job's users go to a leader, whatever the pods' names sort as."""
+    cluster = ActingCluster([tuned("alpha", mode="benchmark")])
+    worker = tt.PodState("alpha-0-1", "uid-w", "10.0.0.2", True, 0, leader=False)  # sorts before its leader
+    leader = tt.PodState("alpha-1", "uid-l", "10.0.0.3", True, 0)
+    cluster.pods = lambda namespace, selector: [worker, leader]  # type: ignore[method-assign]
+    put_to: list[list[str]] = []
+
+    def put_schedule(pods: list[tt.PodState], token: str, knobs: Mapping[str, Any]) -> dict[str, str]:
+        put_to.append([p.name for p in pods])
+        return {}
+
+    monkeypatch.setattr(engine_http, "put_schedule", put_schedule)
+    loop = fresh_leader(cluster)
+    taken = loop.look([("default", "alpha")], T0)
+    assert taken[("default", "alpha")].create_job is not None
+    assert put_to == [["alpha-1"]]
+    (job,) = cluster.manifests
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--base-url") + 1] == "http://10.0.0.3:8000"
+    assert cluster.objs[("default", "alpha")]["status"]["tuning"]["current"]["target"] == "alpha-1"
+
+
 def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial(monkeypatch: Any) -> None:
     loop, cluster, puts = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
     key = ("default", "alpha")
