@@ -107,19 +107,19 @@ def test_from_file_prints_the_plan_of_the_example(name: str, capsys: pytest.Capt
     data = run_json(capsys, "plan", "--from-file", str(REPO / "examples" / name))
     assert {k: data[k] for k in EXAMPLE_PLANS[name]} == EXAMPLE_PLANS[name]
     assert data["schedule"]["maxBatchSize"] == EXAMPLE_PLANS[name]["maxBatchSize"]["avg"]
-    # The bundled engine serves every example but those whose replica spans nodes; their plans say so.
-    servable = EXAMPLE_PLANS[name]["nodes"] == 1
-    assert servable == (not any(w.startswith("engine: the bundled engine cannot serve") for w in data["warnings"]))
+    # The bundled engine serves every example, those whose replica spans nodes too (a LeaderWorkerSet group).
+    assert not any(w.startswith("engine:") for w in data["warnings"])
 
 
-def test_the_table_warns_that_the_engine_cannot_serve_a_replica_spanning_nodes(
+def test_the_table_says_where_a_replica_spanning_nodes_runs_and_warns_of_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(GOLDEN) == 0
     assert "cannot serve" not in capsys.readouterr().out  # two cards on one node: served
     assert main([*GOLDEN[:4], "16", *GOLDEN[5:]]) == 0  # 16 cards of 8-card nodes
     out = " ".join(capsys.readouterr().out.split())
-    assert "warning: engine: the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16)" in out, out
-    assert "deploys nothing (condition Deployed=False, reason EngineCannotServe)" in out
+    assert ("Replica: 16 cards span 2 nodes of 8 cards (a LeaderWorkerSet of 2 pods x 8 cards, tensor parallel "
+            "16)") in out
+    assert "cannot serve" not in out and "EngineCannotServe" not in out
 
 
 def test_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
