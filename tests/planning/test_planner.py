@@ -255,5 +255,5 @@ def test_cards_per_node_overrides_the_catalogs_and_bounds_the_chosen_world_size(
     # worldSize chosen: 4 cards of 910b3 (test_world_size_chosen_when_cards_omitted), on nodes of 2: two pods of 2
     p = plan(make_spec(model=l70, accelerator={"type": "ascend-910b3", "cardsPerNode": 2}))
     assert (p.worldSize, p.nodes, p.cardsPerPod) == (4, 2, 2)
-    with pytest.raises(ValueError, match="must be a multiple of spec.accelerator.cardsPerNode"):  # 4 = 1.33 nodes
+    with pytest.raises(ValueError, match=r"must be a multiple of spec\.accelerator\.cardsPerNode"):  # 4 = 1.33 nodes
         make_spec(model=l70, accelerator={"type": "ascend-910b3", "cards": 4, "cardsPerNode": 3})
