@@ -59,6 +59,9 @@ from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_GROUP_
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
 PORT_NAME = "http"
+# A LeaderWorkerSet worker's name for the same port: it answers /health and /ready only, so it is not named `http`,
+# which the chart's PodMonitor and the operator's scrape for /metrics.
+WORKER_PORT_NAME = "health"
 CONFIG_DIR = "/etc/npuserve"
 CONFIG_KEY = "config.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
@@ -353,8 +356,8 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     return env
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period, "timeoutSeconds": 5,
+def _probe(path: str, period: int, failures: int, port: str = PORT_NAME) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 5,
             "failureThreshold": failures}
 
 
@@ -408,17 +411,19 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    # Every pod answers /health and /ready on the engine's port, a group's workers too (they serve nothing else).
-    container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    # Every pod answers /health and /ready on the engine's port, a group's workers too (they serve nothing else, so
+    # their port has another name: no scrape of /metrics reaches them).
+    port = PORT_NAME if leader else WORKER_PORT_NAME
+    container["ports"] = [{"name": port, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     if leader and plan.nodes > 1:
         # The group's other pods connect here to form the ranks' world (torch.distributed's rendezvous).
         container["ports"].append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
     # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
-    container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES)
+    container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES, port)
     # /health fails once a step is stuck past npuserve.stepTimeoutSeconds; the engine exits by itself within
     # this budget (its grace is one period shorter), the kubelet restarts it at the latest when it runs out.
-    container["livenessProbe"] = _probe(HEALTH_PATH, LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD)
-    container["readinessProbe"] = _probe(READY_PATH, 5, 3)
+    container["livenessProbe"] = _probe(HEALTH_PATH, LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD, port)
+    container["readinessProbe"] = _probe(READY_PATH, 5, 3, port)
     return container
 
 

@@ -176,14 +176,15 @@ def test_multi_node_renders_a_leaderworkerset_and_the_service_selects_leaders() 
                "--port", "8000", "--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
                "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", "29500"]
     assert leader["command"] == worker["command"] == command
-    # The leader serves HTTP and the rendezvous; a worker serves /health and /ready on the same port.
-    http = {"name": "http", "containerPort": 8000, "protocol": "TCP"}
-    assert leader["ports"] == [http, {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"}]
-    assert worker["ports"] == [http]
-    for engine in (leader, worker):
-        assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # The leader serves HTTP and the rendezvous; a worker serves /health and /ready on the same port, named so that
+    # no scrape of `http` (the chart's PodMonitor) reaches it.
+    assert leader["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                               {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"}]
+    assert worker["ports"] == [{"name": "health", "containerPort": 8000, "protocol": "TCP"}]
+    for engine, port in ((leader, "http"), (worker, "health")):
+        assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
         assert engine["livenessProbe"]["httpGet"] == engine["startupProbe"]["httpGet"] == {"path": "/health",
-                                                                                           "port": "http"}
+                                                                                           "port": port}
     assert worker["resources"]["limits"]["huawei.com/Ascend910"] == "8"
     assert objects["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert objects["PodMonitor"]["spec"]["selector"]["matchLabels"] == objects["Service"]["spec"]["selector"]
