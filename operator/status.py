@@ -127,7 +127,7 @@ def cannot_serve_message(why: str, plan: Plan | None = None) -> str:
 
 def cannot_serve(status: Mapping[str, Any], plan: Plan, why: str, generation: int | None, selector: str,
                  now: str, autotune: bool = False) -> Status:
-    """The plan needs what the bundled engine cannot serve yet (`engine_contract.unservable`): the plan is written,
+    """The plan needs what the bundled engine cannot serve (`engine_contract.unservable`): the plan is written,
     nothing runs. Phase Planned (planned, not deployed), Deployed=False and Ready=False with reason
     EngineCannotServe, no replicas, and no blocks observed from engines that are gone."""
     new = planned(status, plan, generation, selector, now, autotune)
