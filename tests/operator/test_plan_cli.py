@@ -122,6 +122,17 @@ def test_the_table_says_where_a_replica_spanning_nodes_runs_and_warns_of_nothing
     assert "cannot serve" not in out and "EngineCannotServe" not in out
 
 
+def test_cards_per_node_splits_a_replica_and_its_error_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "plan", "--preset", "tiny", "--accelerator", "cpu", "--card-memory-gib", "2",
+                    "--reserved-gib", "0", "--cards", "2", "--cards-per-node", "1", "--avg-input-tokens", "64",
+                    "--avg-output-tokens", "32", "--max-input-tokens", "256", "--max-output-tokens", "64")
+    assert (data["worldSize"], data["nodes"], data["cardsPerPod"]) == (2, 2, 1)
+    assert main(["plan", "--preset", "llama3-70b", "--cards", "12", "--cards-per-node", "8", "--avg-input-tokens",
+                 "186", "--avg-output-tokens", "346"]) != 0
+    err = capsys.readouterr().err
+    assert "--cards must be a multiple of --cards-per-node when it exceeds it" in err, err
+
+
 def test_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:
     path = str(REPO / "examples" / "llama3-8b-throughput.yaml")
     data = run_json(capsys, "plan", "--from-file", path, "--cards", "4", "--objective", "firstTokenAndDecode",
