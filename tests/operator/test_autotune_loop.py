@@ -353,6 +353,27 @@ def test_a_groups_leader_alone_takes_the_schedule_and_the_load(monkeypatch: Any)
     assert cluster.objs[("default", "alpha")]["status"]["tuning"]["current"]["target"] == "alpha-1"
 
 
+def test_the_replica_limit_is_asked_for_groups_of_the_plans_pods(monkeypatch: Any) -> None:
+    """With spec.capacity, the look asks how many replicas the nodes hold: replicas of `nodes` pods of cardsPerPod
+    (here CPUs: the pod's cores), which the cluster client counts one pod per node (kube.replica_limit)."""
+    isvc = make_isvc(DECODE_SLO, capacity={"targetConcurrentUsers": 100})
+    isvc.spec.accelerator = isvc.spec.accelerator.model_copy(update={"cards": 2, "cardsPerNode": 1})
+    plan = plan_spec(isvc.spec)
+    data = isvc.model_dump(mode="json", exclude_none=True)
+    data["metadata"] = {**data["metadata"], "name": "alpha", "namespace": "default"}
+    cluster = ActingCluster([{**data, "status": ready_status(plan) | {"selector": "alpha"}}])
+    asked: list[tuple[str | None, float, int]] = []
+
+    def replica_limit(resource: str | None, per_pod: float, nodes: int = 1) -> int:
+        asked.append((resource, per_pod, nodes))
+        return 3
+
+    cluster.replica_limit = replica_limit  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine_http, "put_schedule", lambda pods, token, knobs: {})
+    fresh_leader(cluster).look([("default", "alpha")], T0)
+    assert asked == [(None, 2.0, 2)]  # tiny-cpu.yaml: spec.engine.cpu 2 per pod, two pods per replica
+
+
 def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial(monkeypatch: Any) -> None:
     loop, cluster, puts = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
     key = ("default", "alpha")
