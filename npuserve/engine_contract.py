@@ -16,7 +16,7 @@ What lives here:
 - the `/info` response model the engine serves and the operator reads;
 - the Prometheus metric names the engine exports and the operator queries;
 - the queue-policy names, the dtype table and the KV bytes-per-block formula;
-- what the engine can serve today (devices, worldSize), which the operator checks before it deploys pods.
+- what the engine can serve today (devices), which the operator checks before it deploys pods.
 """
 
 from __future__ import annotations
@@ -119,22 +119,20 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 Device = Literal["npu", "cuda", "cpu"]
 
 # What the bundled engine runs today. The operator refuses to deploy anything else (a condition says why) instead
-# of rendering pods that would crash; the engine refuses it at start-up with the same words.
+# of rendering pods that would crash; the engine refuses it at start-up with the same words. A replica whose ranks
+# span pods is served (the flags above), so the layout is no reason: only the device is.
 SERVABLE_DEVICES: frozenset[str] = frozenset({"cpu", "cuda", "npu"})
-UNSERVABLE_REASON = "multi-node inference (one replica's ranks in several pods), which is not built"
+UNSERVABLE_REASON = f"it has backends for {', '.join(sorted(SERVABLE_DEVICES))} only"
 
 
 def unservable(device: str, world_size: int, nodes: int = 1) -> str | None:
-    """Why the engine cannot serve this layout yet, or None when it can. Tensor parallel runs within one pod (one
-    process per rank); a replica whose cards span nodes is rendered as a LeaderWorkerSet but not served."""
-    problems = []
+    """Why the engine cannot serve this layout, or None when it can. Tensor parallel runs within one pod (one process
+    per rank) and across the pods of a LeaderWorkerSet group, so `world_size` and `nodes` (kept for callers that pass
+    them) refuse nothing; a device without a backend does."""
+    del world_size, nodes
     if device not in SERVABLE_DEVICES:
-        problems.append(f"device {device!r} (it runs on {', '.join(sorted(SERVABLE_DEVICES))} only)")
-    if nodes > 1:
-        problems.append(f"a replica spanning {nodes} nodes (worldSize {world_size})")
-    if not problems:
-        return None
-    return f"the bundled engine cannot serve {' and '.join(problems)} yet; it arrives with {UNSERVABLE_REASON}"
+        return f"the bundled engine cannot serve device {device!r}: {UNSERVABLE_REASON}"
+    return None
 
 
 def kv_bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str,

@@ -210,7 +210,8 @@ class _Look:
         settle, window = max(settle_s(self.isvc) * stretch, self.draining_s()), window_s(self.isvc) * stretch
         until = grid_after(now + settle + window)
         start = until - window
-        ready = sorted((p for p in self.obs.pods if p.ready and p.ip), key=lambda p: p.name)
+        # A group's leader is its one endpoint: the load goes there, whatever the names sort as.
+        ready = sorted((p for p in self.obs.pods if p.ready and p.ip and p.leader), key=lambda p: p.name)
         benchmark = self.isvc.spec.autotune.mode == "benchmark"
         target = ready[0] if benchmark else None
         job = None

@@ -277,8 +277,7 @@ class AutotuneLoop:
         if lt.needs_replica_limit(isvc, plan, status):
             acc = get_accelerator(isvc.spec.accelerator.type)
             per_pod = plan.cardsPerPod if acc.resource_name else float(engine_cpus(isvc, plan))
-            limit = self.calls.replica_limit(acc.resource_name, per_pod)
-            limit = None if limit is None else limit // max(plan.nodes, 1)
+            limit = self.calls.replica_limit(acc.resource_name, per_pod, plan.nodes)
         return tt.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
                               prometheus_configured=self.prometheus is not None, job=job, replica_limit=limit)
 
@@ -316,7 +315,9 @@ class AutotuneLoop:
                                    f"the admin Secret {admin_secret_name(isvc)} is missing: the engines take the "
                                    "schedule from the ConfigMap only, when the kubelet refreshes it"))
             return
-        errors = engine_http.put_schedule([p for p in pods if p.ready], token, applied.model_dump(exclude_none=True))
+        # The leaders only: a group is one engine, whose leader runs the scheduler (its workers serve no admin API).
+        errors = engine_http.put_schedule([p for p in pods if p.ready and p.leader], token,
+                                          applied.model_dump(exclude_none=True))
         if errors:
             said = "; ".join(f"{pod}: {error}" for pod, error in sorted(errors.items()))
             log.warning("%s/%s: schedule not applied everywhere: %s", ns, isvc.metadata.name, said)

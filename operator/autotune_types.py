@@ -41,6 +41,7 @@ class EngineReport:
     error: str | None = None
     restarts: int = 0
     terminated: Termination | None = None
+    group: str | None = None  # a LeaderWorkerSet pod's group index (its replica); None: a Deployment's pod
 
 
 # --- time ----------------------------------------------------------------------------------------------------------
@@ -81,6 +82,9 @@ class PodState:
     ip: str | None
     ready: bool
     restarts: int
+    # Whether it serves HTTP (the engine's API, /metrics, PUT /admin/schedule): a Deployment's pod or a
+    # LeaderWorkerSet's leader; a worker pod (node rank > 0) serves /health and /ready only.
+    leader: bool = True
 
     @property
     def signature(self) -> str:

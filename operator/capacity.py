@@ -13,7 +13,7 @@ Capacity follows the verdict: nothing is measured unless the verdict's own evide
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 from npuserve.planning.api import (
@@ -160,7 +160,9 @@ def _scale(host: CapacityHost, cap: CapacityStatus, target: int, low: int, high:
         replicas, bound = high, f"spec.capacity.maxReplicas ({high})"
     limit = host.obs.replica_limit
     if limit is not None and replicas > limit:
-        replicas, bound = limit, f"the nodes' allocatable accelerators hold {limit} replicas"
+        replicas, bound = limit, (f"the nodes' allocatable accelerators hold {limit} replicas" if host.plan.nodes <= 1
+                                  else f"the nodes' allocatable accelerators hold {limit} replicas of "
+                                  f"{host.plan.nodes} pods, one per node")
     cap.replicas, cap.bound = replicas, bound
     cap.message = (f"{target} users / {per_replica} per replica (measured) -> {want} replicas"
                    + (f", bounded by {bound}: {replicas}" if bound else "")
@@ -169,6 +171,23 @@ def _scale(host: CapacityHost, cap: CapacityStatus, target: int, low: int, high:
     if host.isvc.spec.replicas != replicas:
         host.actions.scale = replicas
         host.event("Normal", "Scaled", cap.message)
+
+
+def group_limit(pods_per_node: Sequence[int], nodes: int) -> int:
+    """Replicas of `nodes` pods each, every pod of a replica on a different node (a LeaderWorkerSet group's required
+    anti-affinity), that nodes holding `pods_per_node` pods each can take: the largest g with
+    sum over nodes of min(pods there, g) >= g x nodes (a node gives each replica at most one pod). With nodes 1 it is
+    the pods all nodes hold; with one pod per node it is the nodes that hold one, divided by `nodes`."""
+    width = max(nodes, 1)
+    held = [p for p in pods_per_node if p > 0]
+    best, high = 0, sum(held) // width
+    while best < high:  # the condition holds for g and fails above the largest: bisect
+        g = (best + high + 1) // 2
+        if sum(min(p, g) for p in held) >= g * width:
+            best = g
+        else:
+            high = g - 1
+    return best
 
 
 def next_capacity_probe(passes: Mapping[int, bool], limit: int) -> int | None:

@@ -39,6 +39,7 @@ class EnginePod:
     serves_http: bool = True  # a LeaderWorkerSet's worker pods run no HTTP server; their leader answers /info
     restarts: int = 0  # of its engine container
     terminated: Termination | None = None  # how the engine container last ended, if it did
+    group: str | None = None  # a LeaderWorkerSet pod's group index (one replica); None: a Deployment's pod
 
 
 
@@ -57,7 +58,7 @@ async def _read_engines(pods: Sequence[EnginePod], port: int, timeout: float, li
 
         async def one(pod: EnginePod) -> EngineReport:
             def report(ready: bool, kv_blocks: int | None = None, error: str | None = None) -> EngineReport:
-                return EngineReport(pod.name, ready, kv_blocks, error, pod.restarts, pod.terminated)
+                return EngineReport(pod.name, ready, kv_blocks, error, pod.restarts, pod.terminated, pod.group)
 
             if not pod.ready:
                 return report(False, error="not ready" if pod.ip else "no pod IP yet")

@@ -6,10 +6,11 @@ InferenceService handlers and the readiness handler never overwrite each other's
 carries only kopf's annotations.
 
 - create, update of `spec`, resume: plan; write the plan to the status first; where the engine cannot serve the plan
-  yet (`engine_contract.unservable`), deploy nothing (and delete what an earlier spec deployed), phase Planned,
-  condition Deployed=False with reason EngineCannotServe; otherwise apply the rendered objects (a required kind whose
-  API is not served: Deployed=False and a retry; an optional one, PodMonitor: skipped with a warning event), prune
-  what the render no longer has, condition Deployed=True.
+  (`engine_contract.unservable`: a device without a backend), deploy nothing (and delete what an earlier spec
+  deployed), phase Planned, condition Deployed=False with reason EngineCannotServe; otherwise apply the rendered
+  objects (a required kind whose API is not served, such as the LeaderWorkerSet of a replica spanning nodes:
+  Deployed=False with reason <Kind>NotInstalled, a warning event and a retry; an optional one, PodMonitor: skipped
+  with a warning event), prune what the render no longer has, condition Deployed=True.
 - status.tuning.applied changes (the autotune loop applied a schedule): the ConfigMap is rendered again from it, at
   its schedule generation. Reconcile is the one writer of the ConfigMap, and status.tuning.applied its one source;
   kopf runs one object's handlers one at a time, and the engines take only a newer generation, so a ConfigMap

@@ -27,8 +27,9 @@ from kubernetes.utils import parse_quantity
 from npuserve.planning.api import GROUP, PLURAL, VERSION
 
 from .autotune_types import JobPhase, PodState, Status, Termination
+from .capacity import group_limit
 from .engine_http import EnginePod
-from .names import ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .names import ENGINE_CONTAINER, INSTANCE_LABEL, LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL
 from .status_writer import StatusUpdate, get_inference_service, update_status
 
 log = logging.getLogger(__name__)
@@ -166,11 +167,17 @@ def engine_pods(pods: Iterable[client.V1Pod]) -> list[EnginePod]:
     """The engine pods not being deleted: readiness, address, and how their engine container last ended."""
     out: list[EnginePod] = []
     for meta, status, ready in live_pods(pods):
-        worker_index = (meta.labels or {}).get(LWS_WORKER_INDEX_LABEL)
+        pod_labels = meta.labels or {}
         restarts, terminated = engine_termination(status)
-        out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=worker_index in (None, "0"),
-                             restarts=restarts, terminated=terminated))
+        out.append(EnginePod(str(meta.name), status.pod_ip, ready, serves_http=serves_http(pod_labels),
+                             restarts=restarts, terminated=terminated, group=pod_labels.get(LWS_GROUP_INDEX_LABEL)))
     return out
+
+
+def serves_http(pod_labels: Mapping[str, str]) -> bool:
+    """A Deployment's pod, or a LeaderWorkerSet's leader (worker index 0): the pods that serve the engine's HTTP API;
+    a worker pod serves /health and /ready only."""
+    return pod_labels.get(LWS_WORKER_INDEX_LABEL) in (None, "0")
 
 
 def live_pods(pods: Iterable[client.V1Pod]) -> Iterator[tuple[client.V1ObjectMeta, client.V1PodStatus, bool]]:
@@ -190,7 +197,8 @@ def pod_states(pods: Iterable[client.V1Pod]) -> list[PodState]:
     out: list[PodState] = []
     for meta, status, ready in live_pods(pods):
         restarts = sum(int(c.restart_count or 0) for c in (status.container_statuses or []))
-        out.append(PodState(str(meta.name), str(meta.uid), status.pod_ip, ready, restarts))
+        out.append(PodState(str(meta.name), str(meta.uid), status.pod_ip, ready, restarts,
+                            leader=serves_http(meta.labels or {})))
     return sorted(out, key=lambda p: p.name)
 
 
@@ -254,11 +262,16 @@ class AutotuneKube:
         self.kube.custom.patch_namespaced_custom_object_scale(
             GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}})
 
-    def replica_limit(self, resource: str | None, per_pod: float) -> int | None:
-        """How many pods asking `per_pod` of `resource` (an accelerator; None: CPUs) the schedulable nodes' allocatable
-        holds, over all nodes, ignoring what else runs there (the scheduler has the last word)."""
+    def replica_limit(self, resource: str | None, per_pod: float, nodes: int = 1) -> int | None:
+        """How many replicas of `nodes` pods, each asking `per_pod` of `resource` (an accelerator; None: CPUs), the
+        schedulable nodes' allocatable holds, every pod of a replica on a different node (`capacity.group_limit`),
+        ignoring what else runs there (the scheduler has the last word)."""
+        return group_limit(self.pods_per_node(resource, per_pod), nodes)
+
+    def pods_per_node(self, resource: str | None, per_pod: float) -> list[int]:
+        """How many pods asking `per_pod` of `resource` each schedulable node's allocatable holds."""
         name = resource or "cpu"
-        total = 0
+        held: list[int] = []
         for node in self.kube.core.list_node().items:
             spec, status = node.spec, node.status
             if (spec is not None and spec.unschedulable) or status is None:
@@ -267,8 +280,8 @@ class AutotuneKube:
             if value:
                 # Any quantity the API server writes: "7910m", and "1k" for a thousand (a shared device's count).
                 quantity = parse_quantity(str(value))  # type: ignore[no-untyped-call]
-                total += int(float(quantity) // per_pod)
-        return total
+                held.append(int(float(quantity) // per_pod))
+        return held
 
     def post_event(self, obj: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event on the InferenceService (the autotune loop runs outside kopf's handlers, whose event

@@ -38,7 +38,8 @@ STEP_TITLES = {
 # The flag that sets each spec field: errors and warnings name the flag the user typed, not the spec path.
 FLAG_OF = {
     "spec.model.preset": "--preset", "spec.model.name": "--name", "spec.accelerator.type": "--accelerator",
-    "spec.accelerator.cards": "--cards", "spec.accelerator.memoryGiB": "--card-memory-gib",
+    "spec.accelerator.cards": "--cards", "spec.accelerator.cardsPerNode": "--cards-per-node",
+    "spec.accelerator.memoryGiB": "--card-memory-gib",
     "spec.accelerator.reservedGiB": "--reserved-gib", "spec.accelerator.memoryFraction": "--memory-fraction",
     "spec.workload.avgInputTokens": "--avg-input-tokens", "spec.workload.avgOutputTokens": "--avg-output-tokens",
     "spec.workload.maxOutputTokens": "--max-output-tokens", "spec.workload.maxInputTokens": "--max-input-tokens",
@@ -73,6 +74,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accelerator", choices=sorted(ACCELERATORS),
                         help=f"card type (default without --from-file: {DEFAULT_ACCELERATOR}, the guide's card)")
     parser.add_argument("--cards", type=int, help="cards per replica; omitted: the smallest count that fits")
+    parser.add_argument("--cards-per-node", type=int, help="cards a node gives a pod; more cards per replica span "
+                        "nodes (default: the catalog's; cpu has none)")
     parser.add_argument("--card-memory-gib", type=float, help="memory per card (default: the catalog's)")
     parser.add_argument("--reserved-gib", type=float, help="memory a card holds at idle (default: the catalog's)")
     parser.add_argument("--memory-fraction", type=float, help="NPU_MEMORY_FRACTION (default 0.8)")
@@ -122,6 +125,7 @@ def build_spec(args: argparse.Namespace) -> InferenceServiceSpec:
             _set(data, "model.name", args.name or args.preset)
     _set(data, "accelerator.type", args.accelerator)
     _set(data, "accelerator.cards", args.cards)
+    _set(data, "accelerator.cardsPerNode", args.cards_per_node)
     _set(data, "accelerator.memoryGiB", args.card_memory_gib)
     _set(data, "accelerator.reservedGiB", args.reserved_gib)
     _set(data, "accelerator.memoryFraction", args.memory_fraction)

@@ -14,8 +14,10 @@ What the ranks need is rendered per pod (`ranks_per_pod`): the cards (the accele
 plugin makes visible as 0..n-1, and config.json's `npuDeviceIds` [[0..n-1]]; no visible-devices variable is forced),
 CPUS_PER_CARD exclusive cores per rank (each rank binds to its share, engine/affinity.py), host memory per further
 rank, a /dev/shm sized by the ranks and counted in the memory limit, and the HCCL settings of `rank_env`. A replica
-whose cards span nodes is rendered as a LeaderWorkerSet (with HCCL_IF_IP) but not applied: the engine does not run
-across pods yet (`engine_contract.unservable`; the handlers refuse it with a condition).
+whose cards span nodes is a LeaderWorkerSet group of `plan.nodes` pods, one per node (`render_leaderworkerset`): every
+pod runs `npuserve serve` with the group's flags (`engine_contract.group_serve_args`, from the variables the
+LeaderWorkerSet controller sets); the leader (node rank 0) serves HTTP and listens on the rendezvous port, the workers
+serve /health and /ready only.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from npuserve.catalog.accelerators import get_accelerator
 from npuserve.engine_contract import (
     ADMIN_TOKEN_ENV,
     CPU_BINDING_ENV,
+    DEFAULT_STEP_TIMEOUT_S,
     DEFAULT_TERMINATION_LOG,
+    DTYPE_BYTES,
     ENGINE_PORT,
     HEALTH_PATH,
     HOT_SCHEDULE_FIELDS,
@@ -39,7 +43,10 @@ from npuserve.engine_contract import (
     METRICS_PATH,
     NPU_MEMORY_FRACTION_ENV,
     READY_PATH,
+    RENDEZVOUS_PORT,
+    RENDEZVOUS_PORT_NAME,
     SCHEDULE_GENERATION_KEY,
+    group_serve_args,
     serve_command,
 )
 from npuserve.mindie_config import MindIEConfig, NpuserveExtensions
@@ -47,11 +54,14 @@ from npuserve.planning.api import API_VERSION, KIND, InferenceService, Plan, Pla
 from npuserve.planning.planner import model_spec
 from npuserve.planning.problem import max_batch_size_limit
 
-from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL
+from .names import COMPONENT_LABEL, ENGINE_CONTAINER, INSTANCE_LABEL, LWS_GROUP_KEY_LABEL, LWS_WORKER_INDEX_LABEL
 
 # --- the pod's file layout (the engine's port, flags and environment names are the contract's) ------------------
 
 PORT_NAME = "http"
+# A LeaderWorkerSet worker's name for the same port: it answers /health and /ready only, so it is not named `http`,
+# which the chart's PodMonitor and the operator's scrape for /metrics.
+WORKER_PORT_NAME = "health"
 CONFIG_DIR = "/etc/npuserve"
 CONFIG_KEY = "config.json"
 CONFIG_PATH = f"{CONFIG_DIR}/{CONFIG_KEY}"
@@ -90,8 +100,25 @@ STARTUP_PROBE_FAILURES = 180
 # can trail the others by minutes. It is set to the time the startup probe gives the pod to load, within CANN's range.
 HCCL_CONNECT_TIMEOUT_ENV = "HCCL_CONNECT_TIMEOUT"
 HCCL_CONNECT_TIMEOUT_RANGE_S = (120, 7200)
-# The host address HCCL's control sockets use between pods (multi-node only): the pod's own IP.
+# The host address HCCL's control sockets use between pods (multi-node only): the pod's own IP, unless the spec names
+# an interface (HCCL_SOCKET_IFNAME), which HCCL_IF_IP would override (CANN: HCCL_IF_IP takes precedence).
 HCCL_IF_IP_ENV = "HCCL_IF_IP"
+# The interface of the sockets between pods, where spec.engine.socketInterface names one: HCCL's on Ascend, NCCL's
+# on CUDA, and gloo's (torch.distributed's CPU group, which carries the engine's step messages) on every device.
+HCCL_SOCKET_IFNAME_ENV = "HCCL_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME_ENV = "NCCL_SOCKET_IFNAME"
+GLOO_SOCKET_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+# How long a rank waits in a collective for a peer that does not join (CANN: 1836 s by default). Between pods a peer
+# that is gone would hold the group's cards for half an hour; no legitimate wait in a collective is longer than the
+# slowest step, which the engine's step watchdog bounds (npuserve.stepTimeoutSeconds), so it is set to that.
+HCCL_EXEC_TIMEOUT_ENV = "HCCL_EXEC_TIMEOUT"
+# The buffer (MB, CANN's default 200) each HCCL communicator holds per peer on every card; a collective larger than it
+# runs in several rounds. Between pods the largest one is a prefill's all-reduce of maxPrefillTokens x hiddenSize
+# activations, so it is raised to hold that (at least CANN's default).
+HCCL_BUFFSIZE_ENV = "HCCL_BUFFSIZE"
+HCCL_BUFFSIZE_DEFAULT_MB = 200
+# The node label the scheduler spreads a group's pods over: one pod per node, as a replica spanning nodes means.
+HOSTNAME_TOPOLOGY_KEY = "kubernetes.io/hostname"
 Manifest = dict[str, Any]
 
 
@@ -266,28 +293,48 @@ def hccl_connect_timeout_s() -> int:
     return min(hi, max(lo, STARTUP_PROBE_PERIOD_S * STARTUP_PROBE_FAILURES))
 
 
+def hccl_buffsize_mb(isvc: InferenceService, plan: Plan) -> int:
+    """HCCL_BUFFSIZE of a replica spanning nodes: the largest step's all-reduce (a prefill of the plan's
+    maxPrefillTokens, hiddenSize activations each, in the model's dtype), in MB, at least CANN's default."""
+    model = model_spec(isvc.spec)
+    largest = plan.schedule.maxPrefillTokens * model.hidden_size * DTYPE_BYTES[model.dtype]
+    return max(HCCL_BUFFSIZE_DEFAULT_MB, math.ceil(largest / 2**20))
+
+
 def rank_env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
-    """What the ranks of one pod need in their environment beyond one process's (none for worldSize 1).
+    """What the ranks of one pod need in their environment beyond one process's (none for worldSize 1 in one pod).
+
+    On Ascend with worldSize > 1: HCCL_CONNECT_TIMEOUT. Between pods (a replica spanning nodes), on Ascend: HCCL_IF_IP
+    from the pod's IP (or HCCL_SOCKET_IFNAME where spec.engine.socketInterface names the interface), HCCL_EXEC_TIMEOUT
+    and HCCL_BUFFSIZE (the constants above say why each value); on CUDA, NCCL_SOCKET_IFNAME where an interface is named;
+    GLOO_SOCKET_IFNAME on every device where one is named. docs/operator.md cites CANN's documentation of each.
 
     Not set on purpose: ASCEND_RT_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES (the device plugin decides which physical
     cards the pod gets and exposes only those; each rank selects its card by its rank among them, so forcing a list
-    here could name cards the pod does not have); the rendezvous address (127.0.0.1 inside the pod, the engine's
-    choice); NCCL variables (NCCL's defaults suit one node; it needs /dev/shm, which the pod has, see shm_size_gib);
-    HCCL_EXEC_TIMEOUT (CANN's default, about 30 min, bounds a collective a peer never joins; the step messages that
-    keep an idle server waiting go over gloo, not HCCL, so no HCCL collective stays open between steps);
-    HCCL_BUFFSIZE (200 MB by default; CANN advises tokens x hiddenSize x dtype bytes of the largest step: a prefill of
-    8192 tokens of hidden size 8192 in bf16 is 128 MiB, which fits, and a larger one only slows down; the 2 x 200 MB a
-    communicator holds on each card come out of the free memory the planner leaves beside npuMemSize, 20% of it,
-    memoryFraction 0.8); HCCL_OP_EXPANSION_MODE=AIV (faster
-    all-reduce on Atlas A2 for inference only, not on the 300I Duo, and not with several communicators at once).
+    here could name cards the pod does not have); the rendezvous address (127.0.0.1 inside one pod; the leader's
+    address from the LeaderWorkerSet controller between pods, passed as a flag); NCCL's other variables (its defaults
+    suit one node; it needs /dev/shm, which the pod has, see shm_size_gib); within one pod, HCCL_EXEC_TIMEOUT and
+    HCCL_BUFFSIZE (CANN's defaults: the ranks of one pod live and die together, and a prefill of 8192 tokens of hidden
+    size 8192 in bf16 is 128 MiB, within the 200 MB buffer); HCCL_OP_EXPANSION_MODE=AIV (faster all-reduce on Atlas A2
+    for inference only, not on the 300I Duo, and not with several communicators at once).
     """
     spec = isvc.spec
     device = get_accelerator(spec.accelerator.type).npu_device_type
+    interface = spec.engine.socketInterface
     env: list[dict[str, Any]] = []
     if plan.worldSize > 1 and device == "npu":
         env.append({"name": HCCL_CONNECT_TIMEOUT_ENV, "value": str(hccl_connect_timeout_s())})
         if plan.nodes > 1:
-            env.append({"name": HCCL_IF_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+            if interface:
+                env.append({"name": HCCL_SOCKET_IFNAME_ENV, "value": interface})
+            else:
+                env.append({"name": HCCL_IF_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+            env.append({"name": HCCL_EXEC_TIMEOUT_ENV, "value": str(int(DEFAULT_STEP_TIMEOUT_S))})
+            env.append({"name": HCCL_BUFFSIZE_ENV, "value": str(hccl_buffsize_mb(isvc, plan))})
+    if interface:
+        if device == "cuda":
+            env.append({"name": NCCL_SOCKET_IFNAME_ENV, "value": interface})
+        env.append({"name": GLOO_SOCKET_IFNAME_ENV, "value": interface})
     return env
 
 
@@ -309,8 +356,8 @@ def _env(isvc: InferenceService, plan: Plan) -> list[dict[str, Any]]:
     return env
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": PORT_NAME}, "periodSeconds": period, "timeoutSeconds": 5,
+def _probe(path: str, period: int, failures: int, port: str = PORT_NAME) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "timeoutSeconds": 5,
             "failureThreshold": failures}
 
 
@@ -346,7 +393,7 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
         "name": ENGINE_CONTAINER,
         "image": spec.engine.image,
         "imagePullPolicy": spec.engine.imagePullPolicy,
-        "command": serve_command(model_path(isvc), CONFIG_PATH),
+        "command": serve_command(model_path(isvc), CONFIG_PATH) + (group_serve_args() if plan.nodes > 1 else []),
         # A fatal engine error writes its message here (docs/engine.md#errors-and-health); an engine that stops
         # without one (on npu, `npuserve doctor`'s failed checks at start-up) leaves its last log lines instead. The
         # operator shows it in the Ready condition and `kubectl describe` in the pod.
@@ -364,14 +411,19 @@ def _engine_container(isvc: InferenceService, plan: Plan, leader: bool) -> dict[
             "capabilities": {"drop": ["ALL"]},
         },
     }
-    if leader:
-        container["ports"] = [{"name": PORT_NAME, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
-        # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
-        container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES)
-        # /health fails once a step is stuck past npuserve.stepTimeoutSeconds; the engine exits by itself within
-        # this budget (its grace is one period shorter), the kubelet restarts it at the latest when it runs out.
-        container["livenessProbe"] = _probe(HEALTH_PATH, LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD)
-        container["readinessProbe"] = _probe(READY_PATH, 5, 3)
+    # Every pod answers /health and /ready on the engine's port, a group's workers too (they serve nothing else, so
+    # their port has another name: no scrape of /metrics reaches them).
+    port = PORT_NAME if leader else WORKER_PORT_NAME
+    container["ports"] = [{"name": port, "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if leader and plan.nodes > 1:
+        # The group's other pods connect here to form the ranks' world (torch.distributed's rendezvous).
+        container["ports"].append({"name": RENDEZVOUS_PORT_NAME, "containerPort": RENDEZVOUS_PORT, "protocol": "TCP"})
+    # Loading weights can take many minutes; the startup probe holds liveness off until /health answers.
+    container["startupProbe"] = _probe(HEALTH_PATH, STARTUP_PROBE_PERIOD_S, STARTUP_PROBE_FAILURES, port)
+    # /health fails once a step is stuck past npuserve.stepTimeoutSeconds; the engine exits by itself within
+    # this budget (its grace is one period shorter), the kubelet restarts it at the latest when it runs out.
+    container["livenessProbe"] = _probe(HEALTH_PATH, LIVENESS_PERIOD_S, LIVENESS_FAILURE_THRESHOLD, port)
+    container["readinessProbe"] = _probe(READY_PATH, 5, 3, port)
     return container
 
 
@@ -432,7 +484,35 @@ def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader
         pod["nodeSelector"] = dict(spec.engine.nodeSelector)
     if spec.engine.tolerations:
         pod["tolerations"] = [t.model_dump(exclude_none=True) for t in spec.engine.tolerations]
+    if plan.nodes > 1:
+        merge_affinity(pod, group_anti_affinity(isvc))
     return {"metadata": {"labels": labels(isvc), "annotations": annotations}, "spec": pod}
+
+
+def group_anti_affinity(isvc: InferenceService) -> dict[str, Any]:
+    """One pod of a LeaderWorkerSet group per node (required): the pods of this InferenceService carrying a group key
+    (which the controller's webhook sets on a group's leader and workers alike), narrowed by `matchLabelKeys` to the
+    pod's own group, over kubernetes.io/hostname. An API server without matchLabelKeys (before Kubernetes 1.29, or
+    with MatchLabelKeysInPodAffinity off) drops it, and the rule keeps any two engine pods of this InferenceService
+    apart: stricter, never looser."""
+    term = {
+        "labelSelector": {
+            "matchLabels": selector_labels(isvc),
+            "matchExpressions": [{"key": LWS_GROUP_KEY_LABEL, "operator": "Exists"}],
+        },
+        "matchLabelKeys": [LWS_GROUP_KEY_LABEL],
+        "topologyKey": HOSTNAME_TOPOLOGY_KEY,
+    }
+    return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
+
+
+def merge_affinity(pod: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Adds `extra`'s terms to the pod's affinity: each required or preferred list is extended, nothing replaced."""
+    affinity = pod.setdefault("affinity", {})
+    for kind, rules in extra.items():
+        mine = affinity.setdefault(kind, {})
+        for when, terms in rules.items():
+            mine.setdefault(when, []).extend(terms)
 
 
 def render_deployment(isvc: InferenceService, plan: Plan, config_digest: str) -> Manifest:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from npuserve.catalog.accelerators import get_accelerator
+from npuserve.engine_contract import SERVABLE_DEVICES
 from npuserve.planning.api import Plan, PlanSchedule, ScheduleKnobs
 
 from .autotune_types import EngineReport, Status
@@ -116,18 +116,18 @@ def not_deployed(status: Mapping[str, Any], reason: str, message: str, generatio
 
 
 def cannot_serve_message(why: str, plan: Plan | None = None) -> str:
-    """The Deployed condition's message: why, and what to do now. The engine runs tensor parallel within one pod, so
-    what it cannot serve is a replica whose cards span nodes: the advice is one node's cards at most."""
-    per_node = get_accelerator(plan.accelerator).cards_per_node if plan is not None else None
-    cards = f"at most {per_node} (one node of {plan.accelerator})" if per_node and plan is not None else (
-        "no more than one node holds")
+    """The Deployed condition's message: why, and what to do now. The engine serves tensor parallel within one pod and
+    across the pods of a LeaderWorkerSet group, on the devices it has backends for; what it cannot serve is another
+    device, so the advice is an accelerator of one of those."""
+    on = f" (the plan's is {plan.accelerator})" if plan is not None else ""
+    devices = ", ".join(sorted(SERVABLE_DEVICES))
     return (f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, set "
-            f"spec.accelerator.cards to {cards}, with a model whose weights fit on those cards")
+            f"spec.accelerator.type to an accelerator of a device the engine runs on ({devices}){on}")
 
 
 def cannot_serve(status: Mapping[str, Any], plan: Plan, why: str, generation: int | None, selector: str,
                  now: str, autotune: bool = False) -> Status:
-    """The plan needs what the bundled engine cannot serve yet (`engine_contract.unservable`): the plan is written,
+    """The plan needs what the bundled engine cannot serve (`engine_contract.unservable`): the plan is written,
     nothing runs. Phase Planned (planned, not deployed), Deployed=False and Ready=False with reason
     EngineCannotServe, no replicas, and no blocks observed from engines that are gone."""
     new = planned(status, plan, generation, selector, now, autotune)
@@ -187,25 +187,41 @@ def engine_crash(engines: Sequence[EngineReport]) -> tuple[str, str] | None:
                     "status and its previous log (kubectl logs --previous) say more")
 
 
+def ready_groups(engines: Sequence[EngineReport], nodes: int) -> int:
+    """Replicas of `nodes` pods each (LeaderWorkerSet groups, by their group-index label) whose every pod is ready; a
+    pod without a group label (not yet labelled by the controller's webhook) belongs to none."""
+    members: dict[str, list[bool]] = {}
+    for engine in engines:
+        if engine.group is not None:
+            members.setdefault(engine.group, []).append(engine.ready)
+    return sum(1 for ready in members.values() if len(ready) >= nodes and all(ready))
+
+
 def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[EngineReport], generation: int | None,
               now: str) -> Status | None:
     """Phase, the Ready condition, replicas and the KV blocks the engines actually allocated, from the plan in
-    `status.plan`; None when there is nothing to judge (no plan, a failed plan, nothing deployed)."""
+    `status.plan`; None when there is nothing to judge (no plan, a failed plan, nothing deployed). A replica spanning
+    nodes is ready when every pod of its group is (`ready_groups`): status.replicas counts replicas, not pods."""
     plan = plan_of(status) if engines_expected(status) else None
     if plan is None:
         return None
     desired_pods = plan.replicas * plan.nodes
-    ready = desired_pods > 0 and ready_pods >= desired_pods
+    ready_replicas = ready_pods if plan.nodes <= 1 else ready_groups(engines, plan.nodes)
+    ready = plan.replicas > 0 and ready_replicas >= plan.replicas
+    pods_ready = f"{ready_pods}/{desired_pods} engine pods ready"
+    if plan.nodes > 1:
+        pods_ready = (f"{ready_replicas}/{plan.replicas} replicas ready (every pod of the group), "
+                      f"{ready_pods}/{desired_pods} engine pods")
     if ready:
-        reason, message = "EnginesReady", f"{ready_pods}/{desired_pods} engine pods ready"
+        reason, message = "EnginesReady", pods_ready
     elif not engines:
         reason, message = "NoEnginePods", (f"0/{desired_pods} engine pods exist yet; check the workload's events "
                                            "(scheduling, image pulls, accelerator resources)")
     elif (crash := engine_crash(engines)) is not None:
-        reason, message = crash[0], f"{ready_pods}/{desired_pods} engine pods ready; {crash[1]}"
+        reason, message = crash[0], f"{pods_ready}; {crash[1]}"
     else:
         waiting = [e.pod + (f" ({e.error})" if e.error else "") for e in engines if not e.ready]
-        reason, message = "EnginesNotReady", (f"{ready_pods}/{desired_pods} engine pods ready; waiting for "
+        reason, message = "EnginesNotReady", (f"{pods_ready}; waiting for "
                                               f"{', '.join(waiting) or 'pods to be created'}")
     new = _with_condition(status, "Ready", ready, reason, message, now, generation)
     blocks = sorted({e.kv_blocks for e in engines if e.kv_blocks is not None})
@@ -217,5 +233,5 @@ def readiness(status: Mapping[str, Any], ready_pods: int, engines: Sequence[Engi
                 f"{plan_summary(plan)}; the engines allocated {blocks[0]} blocks, fewer than the {plan.totalBlocks} "
                 "planned (idle memory higher than the catalog's?)", now, generation)
     new["phase"] = serving_phase(new.get("tuning") or {}) if ready else "Deploying"
-    new["replicas"] = ready_pods // max(plan.nodes, 1)
+    new["replicas"] = ready_replicas
     return new

@@ -325,6 +325,13 @@ ACCELERATOR_RULES = (
         field_path=".memoryGiB",
         reason="FieldValueRequired",
     ),
+    cel(
+        "!has(self.cards) || !has(self.cardsPerNode) || self.cards <= self.cardsPerNode || "
+        "self.cards % self.cardsPerNode == 0",
+        "spec.accelerator.cards must be a multiple of spec.accelerator.cardsPerNode when it exceeds it (a replica "
+        "spanning nodes takes whole nodes: cards / cardsPerNode pods of cardsPerNode cards)",
+        field_path=".cards",
+    ),
 )
 
 
@@ -337,6 +344,11 @@ class AcceleratorSpec(_Model):
     cards: int | None = Field(
         default=None, ge=1, le=1024,
         description="cards per replica (worldSize); omitted: the smallest count that fits and divides the heads",
+    )
+    cardsPerNode: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="cards one node gives a pod; a replica of more cards spans cards / cardsPerNode pods, one per "
+        "node (a LeaderWorkerSet); omitted: the catalog's (none for cpu: one pod)",
     )
     memoryGiB: float | None = Field(default=None, gt=0, description="memory per card; omitted: the catalog's")
     reservedGiB: float | None = Field(
@@ -359,6 +371,9 @@ class AcceleratorSpec(_Model):
             _fail(ACCELERATOR_RULES[0]["message"])
         if self.type == "cpu" and self.memoryGiB is None:
             _fail(ACCELERATOR_RULES[1]["message"])
+        if (self.cards is not None and self.cardsPerNode is not None and self.cards > self.cardsPerNode
+                and self.cards % self.cardsPerNode):
+            _fail(ACCELERATOR_RULES[2]["message"])
         return self
 
 
@@ -563,6 +578,13 @@ class EngineSpec(_Model):
     )
     nodeSelector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    socketInterface: str | None = Field(
+        default=None, max_length=255, pattern=r"^[A-Za-z0-9_.-]{1,15}(,[A-Za-z0-9_.-]{1,15})*$",
+        description="the pod's network interface(s) (comma-separated names, e.g. eth0) for the sockets between the "
+        "pods of a replica spanning nodes: HCCL_SOCKET_IFNAME (Ascend; instead of HCCL_IF_IP = the pod's IP), "
+        "NCCL_SOCKET_IFNAME (CUDA) and GLOO_SOCKET_IFNAME; omitted: the pod's IP on Ascend, the libraries' own "
+        "choice elsewhere",
+    )
 
 
 class HostTuning(_Model):

@@ -77,6 +77,7 @@ class _Planner:
         self.warnings: list[str] = []
         self.pinned = spec.engine.schedule.pinned()
         self.accelerator = get_accelerator(spec.accelerator.type)
+        self.cards_per_node = cards_per_node(spec)
         self.model = model_spec(spec)
         self.block_size = int(self.pinned.get("cacheBlockSize", DEFAULT_CACHE_BLOCK_SIZE))
 
@@ -185,7 +186,7 @@ class _Planner:
                                ("shared expert intermediate size", m.moe.shared_expert_intermediate_size)):
                 if size % world_size:
                     return f"{world_size} does not divide the {size} {name} (each expert is split over the cards)"
-        per_node = self.accelerator.cards_per_node
+        per_node = self.cards_per_node
         if per_node and world_size > per_node and world_size % per_node:
             return f"{world_size} cards span nodes of {per_node} cards but are not a multiple of {per_node}"
         return None
@@ -237,12 +238,14 @@ class _Planner:
         mem = self.world_size(memory, reserved, fraction, weights)
         ws = mem.world_size
 
-        per_node = self.accelerator.cards_per_node
+        per_node = self.cards_per_node
         nodes = ws // per_node if per_node and ws > per_node else 1
+        source = ("spec.accelerator.cardsPerNode" if self.spec.accelerator.cardsPerNode is not None else
+                  f"the catalog's {self.accelerator.name}" if per_node else f"{self.accelerator.name} has none")
         self.add(1, "nodes", nodes, "worldSize / cardsPerNode when worldSize > cardsPerNode, else 1", "pods",
-                 f"one replica spans {nodes} nodes of {per_node} cards: a LeaderWorkerSet of {nodes} pods, "
-                 f"{ws // nodes} cards each (rank r in pod r div {ws // nodes})" if nodes > 1 else
-                 "one pod per replica", worldSize=ws, cardsPerNode=per_node or 0)
+                 (f"one replica spans {nodes} nodes of {per_node} cards: a LeaderWorkerSet of {nodes} pods, one per "
+                  f"node, {ws // nodes} cards each (rank r in pod r div {ws // nodes})" if nodes > 1 else
+                  "one pod per replica") + f"; cardsPerNode: {source}", worldSize=ws, cardsPerNode=per_node or 0)
         self.add(1, "cardsPerPod", ws // nodes, "worldSize / nodes", "cards", worldSize=ws, nodes=nodes)
 
         if mem.npu_mem_size_gib < 1:
@@ -610,9 +613,15 @@ def model_spec(spec: InferenceServiceSpec) -> ModelSpec:
     return _spec_from_architecture(source.architecture)
 
 
+def cards_per_node(spec: InferenceServiceSpec) -> int | None:
+    """The cards one node gives a pod: spec.accelerator.cardsPerNode, else the catalog's (None: the cards never span
+    nodes, as on cpu unless the spec says otherwise)."""
+    return spec.accelerator.cardsPerNode or get_accelerator(spec.accelerator.type).cards_per_node
+
+
 def servability(plan: Plan) -> str | None:
-    """Why the bundled engine cannot serve this plan yet (a replica spanning nodes, or a device it lacks), or None."""
-    return unservable(get_accelerator(plan.accelerator).npu_device_type, plan.worldSize, plan.nodes)
+    """Why the bundled engine cannot serve this plan (a device it lacks), or None."""
+    return unservable(get_accelerator(plan.accelerator).npu_device_type, plan.worldSize)
 
 
 def _check_schedule(plan: Plan) -> None:

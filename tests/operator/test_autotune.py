@@ -1043,6 +1043,24 @@ def test_waits_for_every_engine_pod_before_a_trial() -> None:
     assert loop.ticks[-1].actions.apply is not None and loop.current() is not None
 
 
+def test_a_trial_waits_for_every_pod_of_every_group() -> None:
+    """Two replicas of two pods (the e2e test's CPU groups): a trial opens only once all four pods are ready, not
+    when the pods that exist are (a group whose worker is not created yet is no replica)."""
+    isvc = make_isvc(DECODE_SLO, replicas=2)
+    isvc.spec.accelerator = isvc.spec.accelerator.model_copy(update={"cards": 2, "cardsPerNode": 1})
+    plan = plan_spec(isvc.spec)
+    assert (plan.replicas, plan.nodes) == (2, 2)
+    group = [tt.PodState("tiny-0", "u0", "10.0.0.1", True, 0), tt.PodState("tiny-0-1", "u1", "10.0.0.2", True, 0,
+                                                                            leader=False),
+             tt.PodState("tiny-1", "u2", "10.0.0.3", True, 0)]  # group 1's worker: not created yet
+    loop = Loop(isvc, plan, FakeEngine(), ready_status(plan), group)
+    loop.tick()
+    assert loop.current() is None and loop.condition("Tuning")["reason"] == at.REASON_WAITING
+    loop.pods.append(tt.PodState("tiny-1-1", "u3", "10.0.0.4", True, 0, leader=False))
+    loop.tick()
+    assert loop.current() is not None
+
+
 def test_a_rollback_stays_the_word_while_the_restarted_engine_comes_back() -> None:
     loop = Loop.start()
     loop.run_until(trial_open(1))

@@ -329,6 +329,51 @@ def fresh_leader(cluster: ActingCluster) -> AutotuneLoop:
     return loop
 
 
+def test_a_groups_leader_alone_takes_the_schedule_and_the_load(monkeypatch: Any) -> None:
+    """A LeaderWorkerSet group is one engine: PUT /admin/schedule goes to its leader (a worker serves no admin API),
+    and the benchmark Job's users go to a leader, whatever the pods' names sort as."""
+    cluster = ActingCluster([tuned("alpha", mode="benchmark")])
+    worker = tt.PodState("alpha-0-1", "uid-w", "10.0.0.2", True, 0, leader=False)  # sorts before its leader
+    leader = tt.PodState("alpha-1", "uid-l", "10.0.0.3", True, 0)
+    cluster.pods = lambda namespace, selector: [worker, leader]  # type: ignore[method-assign]
+    put_to: list[list[str]] = []
+
+    def put_schedule(pods: list[tt.PodState], token: str, knobs: Mapping[str, Any]) -> dict[str, str]:
+        put_to.append([p.name for p in pods])
+        return {}
+
+    monkeypatch.setattr(engine_http, "put_schedule", put_schedule)
+    loop = fresh_leader(cluster)
+    taken = loop.look([("default", "alpha")], T0)
+    assert taken[("default", "alpha")].create_job is not None
+    assert put_to == [["alpha-1"]]
+    (job,) = cluster.manifests
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--base-url") + 1] == "http://10.0.0.3:8000"
+    assert cluster.objs[("default", "alpha")]["status"]["tuning"]["current"]["target"] == "alpha-1"
+
+
+def test_the_replica_limit_is_asked_for_groups_of_the_plans_pods(monkeypatch: Any) -> None:
+    """With spec.capacity, the look asks how many replicas the nodes hold: replicas of `nodes` pods of cardsPerPod
+    (here CPUs: the pod's cores), which the cluster client counts one pod per node (kube.replica_limit)."""
+    isvc = make_isvc(DECODE_SLO, capacity={"targetConcurrentUsers": 100})
+    isvc.spec.accelerator = isvc.spec.accelerator.model_copy(update={"cards": 2, "cardsPerNode": 1})
+    plan = plan_spec(isvc.spec)
+    data = isvc.model_dump(mode="json", exclude_none=True)
+    data["metadata"] = {**data["metadata"], "name": "alpha", "namespace": "default"}
+    cluster = ActingCluster([{**data, "status": ready_status(plan) | {"selector": "alpha"}}])
+    asked: list[tuple[str | None, float, int]] = []
+
+    def replica_limit(resource: str | None, per_pod: float, nodes: int = 1) -> int:
+        asked.append((resource, per_pod, nodes))
+        return 3
+
+    cluster.replica_limit = replica_limit  # type: ignore[attr-defined]
+    monkeypatch.setattr(engine_http, "put_schedule", lambda pods, token, knobs: {})
+    fresh_leader(cluster).look([("default", "alpha")], T0)
+    assert asked == [(None, 2.0, 2)]  # tiny-cpu.yaml: spec.engine.cpu 2 per pod, two pods per replica
+
+
 def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial(monkeypatch: Any) -> None:
     loop, cluster, puts = acting_driver(tuned("alpha", mode="benchmark"), monkeypatch)
     key = ("default", "alpha")

@@ -331,6 +331,9 @@ CEL_CASES = {
     "reserved above memory": (_mutated("accelerator", {"type": "ascend-910b4", "memoryGiB": 8, "reservedGiB": 9}),
                               "spec.accelerator.reservedGiB must be less than"),
     "cpu without memory": (_mutated("accelerator", {"type": "cpu"}), "spec.accelerator.memoryGiB is required"),
+    "cards spanning nodes not a multiple of cardsPerNode": (
+        _mutated("accelerator", {"type": "ascend-910b4", "cards": 16, "cardsPerNode": 6}),
+        "spec.accelerator.cards must be a multiple of spec.accelerator.cardsPerNode when it exceeds it"),
     "prefill batch above batch": (_mutated("engine", {"schedule": {"maxBatchSize": 10, "maxPrefillBatchSize": 20}}),
                                   "spec.engine.schedule.maxPrefillBatchSize must not exceed"),
 }
@@ -459,7 +462,36 @@ SCHEMA_CASES = {
     "batch above MindIE's range": _mutated("engine.schedule", {"maxBatchSize": 6000}),
     "missing workload": _mutated("workload", _DELETE),
     "non-positive tpot": _mutated("slo", {"objective": "decodeLatency", "tpotMs": 0}),
+    "zero cards per node": _mutated("accelerator.cardsPerNode", 0),
+    "an interface name with a space": _mutated("engine.socketInterface", "eth 0"),
+    "an interface name over 15 characters": _mutated("engine.socketInterface", "a-very-long-nic-name"),
 }
+
+
+@pytest.mark.parametrize(("accelerator", "ok"), [
+    ({"type": "cpu", "cards": 2, "cardsPerNode": 1, "memoryGiB": 2, "reservedGiB": 0}, True),  # the e2e test's
+    ({"type": "ascend-910b4", "cards": 16, "cardsPerNode": 8}, True),  # two whole nodes
+    ({"type": "ascend-910b4", "cards": 4, "cardsPerNode": 8}, True),  # within one node: any count
+    ({"type": "ascend-910b4", "cards": 12, "cardsPerNode": 8}, False),  # a node and a half
+    ({"type": "ascend-910b4", "cardsPerNode": 3}, True),  # the planner picks a multiple
+])
+def test_cards_per_node_is_checked_alike_by_the_models_and_cel(accelerator: dict[str, Any], ok: bool,
+                                                                root_schema: dict[str, Any]) -> None:
+    obj = _mutated("accelerator", accelerator)
+    failures = _crd_errors(root_schema, obj)
+    try:
+        api.InferenceService.model_validate(obj)
+        model_ok = True
+    except ValidationError:
+        model_ok = False
+    assert (failures == [], model_ok) == (ok, ok), failures
+
+
+def test_a_named_interface_is_accepted_by_both(root_schema: dict[str, Any]) -> None:
+    for value in ("eth0", "enp189s0f0", "eth0,eth1", "bond0.100"):
+        obj = _mutated("engine.socketInterface", value)
+        assert _crd_errors(root_schema, obj) == [], value
+        assert api.InferenceService.model_validate(obj).spec.engine.socketInterface == value
 
 
 @pytest.mark.parametrize("case", sorted(SCHEMA_CASES))

@@ -15,8 +15,9 @@ from kubernetes import client
 
 from npuserve.operator import status as st
 from npuserve.operator.autotune_types import EngineReport, Termination
+from npuserve.operator.capacity import group_limit
 from npuserve.operator.engine_http import EnginePod, read_engines
-from npuserve.operator.kube import AutotuneKube, Kube, engine_pods
+from npuserve.operator.kube import AutotuneKube, Kube, engine_pods, pod_states
 from npuserve.operator.render import render
 from npuserve.operator.status_writer import STATUS_WRITE_ATTEMPTS, StatusConflict, merge_patch, update_status
 from npuserve.planning.api import InferenceService
@@ -182,14 +183,14 @@ def test_merge_patch_sends_changes_and_nulls_removed_keys() -> None:
 
 
 def _pod(name: str, *, state: client.V1ContainerState | None = None, last: client.V1ContainerState | None = None,
-         restarts: int = 0, ready: bool = False) -> client.V1Pod:
+         restarts: int = 0, ready: bool = False, labels: dict[str, str] | None = None) -> client.V1Pod:
     engine = client.V1ContainerStatus(name="engine", image="i", image_id="", ready=ready, restart_count=restarts,
                                       state=state, last_state=last)
     sidecar = client.V1ContainerStatus(name="other", image="i", image_id="", ready=True, restart_count=7,
                                        state=client.V1ContainerState(terminated=client.V1ContainerStateTerminated(
                                            exit_code=2, message="not the engine")))
     conditions = [client.V1PodCondition(type="Ready", status="True" if ready else "False")]
-    return client.V1Pod(metadata=client.V1ObjectMeta(name=name, labels={}),
+    return client.V1Pod(metadata=client.V1ObjectMeta(name=name, labels=labels or {}),
                         status=client.V1PodStatus(pod_ip="10.0.0.1", conditions=conditions,
                                                   container_statuses=[sidecar, engine]))
 
@@ -235,3 +236,45 @@ def test_the_replica_limit_reads_every_quantity_the_api_server_writes() -> None:
     calls.kube = kube
     assert calls.replica_limit(None, 2.0) == 3 + 8
     assert calls.replica_limit("npu.example/shares", 250.0) == 4 + 6
+
+
+def test_a_groups_pods_carry_their_group_and_only_leaders_serve_http() -> None:
+    """The LeaderWorkerSet controller's labels: group-index on every pod of a group, worker-index 0 on its leader."""
+    def group_pod(name: str, group: str, worker: str) -> client.V1Pod:
+        return _pod(name, ready=True, labels={"leaderworkerset.sigs.k8s.io/group-index": group,
+                                              "leaderworkerset.sigs.k8s.io/worker-index": worker})
+
+    pods = [group_pod("tiny-0", "0", "0"), group_pod("tiny-0-1", "0", "1"), _pod("deployment-pod", ready=True)]
+    assert [(p.name, p.group, p.serves_http) for p in engine_pods(pods)] == [
+        ("tiny-0", "0", True), ("tiny-0-1", "0", False), ("deployment-pod", None, True)]
+    for pod in pods:
+        pod.metadata.uid = pod.metadata.name
+    assert [(p.name, p.leader) for p in pod_states(pods)] == [
+        ("deployment-pod", True), ("tiny-0", True), ("tiny-0-1", False)]
+
+
+@pytest.mark.parametrize(("pods_per_node", "nodes", "limit"), [
+    ([3, 8], 1, 11),  # one pod per replica: every pod the nodes hold
+    ([1, 1, 1, 1, 1], 2, 2),  # whole-node pods (8 cards of 8): 5 nodes hold 2 replicas of 2, one node left over
+    ([1, 1, 1, 0], 4, 0),  # 3 nodes can take a pod: no replica of 4
+    ([4, 0, 0], 2, 0),  # 4 pods fit, all on one node: no replica of 2 pods on 2 nodes (4 // 2 would say 2)
+    ([3, 1], 2, 1),  # 4 pods fit, but the second node takes one: 1 replica (4 // 2 would say 2)
+    ([2, 2, 1], 2, 2),  # 5 pods: 2 replicas (the third would need 2 more nodes with room)
+    ([2, 2, 2], 3, 2),
+])
+def test_a_replicas_pods_go_to_different_nodes(pods_per_node: list[int], nodes: int, limit: int) -> None:
+    assert group_limit(pods_per_node, nodes) == limit
+
+
+def test_the_replica_limit_of_groups_counts_nodes_not_cards() -> None:
+    """Five 8-card nodes, one of them cordoned, one with 4 free: pods of 8 cards fit on three, so one replica of two
+    pods (20 + 8 + 8 cards would say 36 // 16 = 2)."""
+    kube = Kube.__new__(Kube)
+    kube.core = FakeNodes([(False, {"huawei.com/Ascend910": "8"}), (False, {"huawei.com/Ascend910": "8"}),
+                           (False, {"huawei.com/Ascend910": "8"}), (True, {"huawei.com/Ascend910": "8"}),
+                           (False, {"huawei.com/Ascend910": "4"})])  # type: ignore[assignment]
+    calls = AutotuneKube.__new__(AutotuneKube)
+    calls.kube = kube
+    assert calls.replica_limit("huawei.com/Ascend910", 8.0, 2) == 1
+    assert calls.replica_limit("huawei.com/Ascend910", 8.0, 3) == 1
+    assert calls.replica_limit("huawei.com/Ascend910", 4.0, 2) == 3  # 2 + 2 + 2 + 1 pods of 4, on 4 nodes

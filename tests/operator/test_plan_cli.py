@@ -107,19 +107,30 @@ def test_from_file_prints_the_plan_of_the_example(name: str, capsys: pytest.Capt
     data = run_json(capsys, "plan", "--from-file", str(REPO / "examples" / name))
     assert {k: data[k] for k in EXAMPLE_PLANS[name]} == EXAMPLE_PLANS[name]
     assert data["schedule"]["maxBatchSize"] == EXAMPLE_PLANS[name]["maxBatchSize"]["avg"]
-    # The bundled engine serves every example but those whose replica spans nodes; their plans say so.
-    servable = EXAMPLE_PLANS[name]["nodes"] == 1
-    assert servable == (not any(w.startswith("engine: the bundled engine cannot serve") for w in data["warnings"]))
+    # The bundled engine serves every example, those whose replica spans nodes too (a LeaderWorkerSet group).
+    assert not any(w.startswith("engine:") for w in data["warnings"])
 
 
-def test_the_table_warns_that_the_engine_cannot_serve_a_replica_spanning_nodes(
+def test_the_table_says_where_a_replica_spanning_nodes_runs_and_warns_of_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(GOLDEN) == 0
     assert "cannot serve" not in capsys.readouterr().out  # two cards on one node: served
     assert main([*GOLDEN[:4], "16", *GOLDEN[5:]]) == 0  # 16 cards of 8-card nodes
     out = " ".join(capsys.readouterr().out.split())
-    assert "warning: engine: the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16)" in out, out
-    assert "deploys nothing (condition Deployed=False, reason EngineCannotServe)" in out
+    assert ("Replica: 16 cards span 2 nodes of 8 cards (a LeaderWorkerSet of 2 pods x 8 cards, tensor parallel "
+            "16)") in out
+    assert "cannot serve" not in out and "EngineCannotServe" not in out
+
+
+def test_cards_per_node_splits_a_replica_and_its_error_names_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(capsys, "plan", "--preset", "tiny", "--accelerator", "cpu", "--card-memory-gib", "2",
+                    "--reserved-gib", "0", "--cards", "2", "--cards-per-node", "1", "--avg-input-tokens", "64",
+                    "--avg-output-tokens", "32", "--max-input-tokens", "256", "--max-output-tokens", "64")
+    assert (data["worldSize"], data["nodes"], data["cardsPerPod"]) == (2, 2, 1)
+    assert main(["plan", "--preset", "llama3-70b", "--cards", "12", "--cards-per-node", "8", "--avg-input-tokens",
+                 "186", "--avg-output-tokens", "346"]) != 0
+    err = capsys.readouterr().err
+    assert "--cards must be a multiple of --cards-per-node when it exceeds it" in err, err
 
 
 def test_flags_override_the_file(capsys: pytest.CaptureFixture[str]) -> None:

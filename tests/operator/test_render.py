@@ -166,18 +166,82 @@ def test_multi_node_renders_a_leaderworkerset_and_the_service_selects_leaders() 
     isvc, p = load("llama3-70b-multinode.yaml")
     objects = by_kind(r.render(isvc, p))
     lws = objects["LeaderWorkerSet"]
-    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
-    assert lws["spec"]["replicas"] == 1
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert (template["size"], lws["spec"]["replicas"]) == (2, 1)
+    assert (template["restartPolicy"], lws["spec"]["startupPolicy"]) == ("RecreateGroupOnPodRestart", "LeaderCreated")
+    (leader,) = pod_spec(lws, "leaderTemplate")["containers"]
     (worker,) = pod_spec(lws, "workerTemplate")["containers"]
+    # Every pod of the group runs `npuserve serve` with the group's flags, from the controller's variables.
+    command = ["npuserve", "serve", "--model", "/models", "--config", "/etc/npuserve/config.json", "--host", "0.0.0.0",
+               "--port", "8000", "--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
+               "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", "29500"]
+    assert leader["command"] == worker["command"] == command
+    # The leader serves HTTP and the rendezvous; a worker serves /health and /ready on the same port, named so that
+    # no scrape of `http` (the chart's PodMonitor) reaches it.
+    assert leader["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                               {"name": "rendezvous", "containerPort": 29500, "protocol": "TCP"}]
+    assert worker["ports"] == [{"name": "health", "containerPort": 8000, "protocol": "TCP"}]
+    for engine, port in ((leader, "http"), (worker, "health")):
+        assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}
+        assert engine["livenessProbe"]["httpGet"] == engine["startupProbe"]["httpGet"] == {"path": "/health",
+                                                                                           "port": port}
     assert worker["resources"]["limits"]["huawei.com/Ascend910"] == "8"
-    assert "readinessProbe" not in worker
-    ranks = [e for e in worker["env"] if e["name"] == "NPUSERVE_NODE_RANK"]
-    assert ranks[0]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['leaderworkerset.sigs.k8s.io/worker-index']")
     assert objects["Service"]["spec"]["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert objects["PodMonitor"]["spec"]["selector"]["matchLabels"] == objects["Service"]["spec"]["selector"]
     config = MindIEConfig.from_dict(json.loads(objects["ConfigMap"]["data"]["config.json"]))
     assert config.BackendConfig.multiNodesInferEnabled and config.model.worldSize == 16
     assert config.BackendConfig.npuDeviceIds == [list(range(8))]
+
+
+GROUP_ANTI_AFFINITY = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
+    "labelSelector": {
+        "matchLabels": {"npuserve.io/inferenceservice": "llama3-70b", "app.kubernetes.io/component": "engine"},
+        "matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/group-key", "operator": "Exists"}]},
+    "matchLabelKeys": ["leaderworkerset.sigs.k8s.io/group-key"],
+    "topologyKey": "kubernetes.io/hostname"}]}}
+
+
+def test_a_groups_pods_go_one_per_node() -> None:
+    isvc, p = load("llama3-70b-multinode.yaml")
+    lws = by_kind(r.render(isvc, p))["LeaderWorkerSet"]
+    for template in ("leaderTemplate", "workerTemplate"):
+        assert pod_spec(lws, template)["affinity"] == GROUP_ANTI_AFFINITY
+    isvc, p = load("llama3-8b-throughput.yaml")  # one pod per replica: no rule
+    assert "affinity" not in pod_spec(by_kind(r.render(isvc, p))["Deployment"])
+
+
+def test_the_group_rule_is_added_to_an_affinity_already_there() -> None:
+    node_affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    other = {"labelSelector": {"matchLabels": {"app": "x"}}, "topologyKey": "zone"}
+    pod: dict[str, Any] = {"affinity": {**node_affinity, "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [other]}}}
+    r.merge_affinity(pod, GROUP_ANTI_AFFINITY)
+    (group_term,) = GROUP_ANTI_AFFINITY["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert pod["affinity"] == {**node_affinity, "podAntiAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [other, group_term]}}
+
+
+def test_a_cpu_replica_split_by_cards_per_node_is_a_group_of_one_card_pods() -> None:
+    """The e2e test's spec: two CPU ranks, one per pod, in a LeaderWorkerSet of two."""
+    isvc, p = load("tiny-cpu.yaml", accelerator={"type": "cpu", "cards": 2, "cardsPerNode": 1, "memoryGiB": 2,
+                                                 "reservedGiB": 0})
+    objects = by_kind(r.render(isvc, p))
+    assert "Deployment" not in objects
+    lws = objects["LeaderWorkerSet"]
+    validate(lws)
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    for template in ("leaderTemplate", "workerTemplate"):
+        engine, pod = _engine(isvc, p, template)
+        assert engine["command"][-8:] == ["--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
+                                          "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", "29500"]
+        assert not {"HCCL_IF_IP", "HCCL_CONNECT_TIMEOUT", "GLOO_SOCKET_IFNAME"} & set(_env(engine))
+        assert not any("/" in k for k in engine["resources"]["limits"])  # no accelerator resource on the CPU
+        assert pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][0][
+            "matchLabelKeys"] == ["leaderworkerset.sigs.k8s.io/group-key"]
+    config = json.loads(objects["ConfigMap"]["data"]["config.json"])
+    assert config["BackendConfig"]["multiNodesInferEnabled"] is True
+    assert config["BackendConfig"]["npuDeviceIds"] == [[0]]  # one rank per pod
+    assert config["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["worldSize"] == 2
 
 
 def test_podmonitor_is_optional() -> None:
@@ -360,18 +424,58 @@ def test_a_memory_set_in_the_spec_is_the_pods_whole_memory() -> None:
 def test_multi_node_pods_carry_the_rank_settings_in_leader_and_worker() -> None:
     isvc, p = load("llama3-70b-multinode.yaml")  # 16 cards: two pods of 8 ranks
     assert (p.nodes, p.cardsPerPod) == (2, 8)
+    # the largest all-reduce: a prefill of 8192 tokens x hidden size 8192 x 2 bytes (bf16) = 128 MiB, under 200
+    assert p.schedule.maxPrefillTokens == 8192 and r.hccl_buffsize_mb(isvc, p) == 200
     for template in ("leaderTemplate", "workerTemplate"):
         engine, pod = _engine(isvc, p, template)
         env = _env(engine)
         assert env["HCCL_CONNECT_TIMEOUT"] == "1800"
         assert env["HCCL_IF_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
-        assert env["NPUSERVE_NNODES"] == "2"
+        assert env["HCCL_EXEC_TIMEOUT"] == "300"  # the engine's step timeout, not CANN's 1836
+        assert env["HCCL_BUFFSIZE"] == "200"  # 128 MB fit CANN's default buffer, which it never goes below
+        assert not {"HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NPUSERVE_NNODES", "NPUSERVE_NODE_RANK"} & set(env)
         assert not set(VISIBLE_DEVICE_VARIABLES) & set(env)
         assert engine["resources"]["limits"]["huawei.com/Ascend910"] == "8"
         assert engine["resources"]["limits"]["cpu"] == "64"
         assert _shm(pod)["sizeLimit"] == "9Gi"
         # weights 131.417 / 2 + swap 5 x 8 + 16 = 121.7 -> 122, + 2 x 7 further ranks, + 9 GiB of shm
         assert engine["resources"]["limits"]["memory"] == "145Gi"
+
+
+def test_a_long_prefill_raises_hccl_buffsize_to_hold_its_all_reduce() -> None:
+    isvc, p = load("llama3-70b-multinode.yaml", engine={"schedule": {"maxPrefillTokens": 16384}})
+    assert p.schedule.maxPrefillTokens == 16384
+    engine, _ = _engine(isvc, p, "leaderTemplate")
+    assert _env(engine)["HCCL_BUFFSIZE"] == "256"  # 16384 x 8192 x 2 bytes = 256 MiB
+
+
+def test_one_pod_of_ascend_ranks_keeps_canns_exec_timeout_and_buffer() -> None:
+    isvc, p = load("llama3-8b-throughput.yaml")
+    env = _env(_engine(isvc, p)[0])
+    assert env["HCCL_CONNECT_TIMEOUT"] == "1800"
+    assert not {"HCCL_IF_IP", "HCCL_EXEC_TIMEOUT", "HCCL_BUFFSIZE", "HCCL_SOCKET_IFNAME"} & set(env)
+
+
+@pytest.mark.parametrize(("example", "changes", "expected", "absent"), [
+    ("llama3-70b-multinode.yaml", {}, {"HCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1"},
+     {"HCCL_IF_IP", "NCCL_SOCKET_IFNAME"}),  # HCCL_IF_IP would take precedence over the named interface
+    ("llama3-70b-multinode.yaml", {"accelerator": {"type": "nvidia-h100-80gb", "cards": 16}},
+     {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1"}, {"HCCL_SOCKET_IFNAME", "HCCL_IF_IP"}),
+    ("tiny-cpu.yaml", {"accelerator": {"type": "cpu", "cards": 2, "cardsPerNode": 1, "memoryGiB": 2,
+                                       "reservedGiB": 0}},
+     {"GLOO_SOCKET_IFNAME": "eth1"}, {"HCCL_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}),
+])
+def test_a_named_interface_goes_to_each_library_of_the_device(example: str, changes: dict[str, Any],
+                                                               expected: dict[str, str], absent: set[str]) -> None:
+    data = load_yaml(REPO / "examples" / example)
+    data["spec"].update(changes)
+    data["spec"].setdefault("engine", {})["socketInterface"] = "eth1"
+    isvc = InferenceService.model_validate(data)
+    p = plan(isvc.spec)
+    assert p.nodes == 2
+    for template in ("leaderTemplate", "workerTemplate"):
+        env = _env(_engine(isvc, p, template)[0])
+        assert {k: env.get(k) for k in expected} == expected and not absent & set(env)
 
 
 def test_hccl_connect_timeout_stays_within_canns_range() -> None:

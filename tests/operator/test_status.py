@@ -16,6 +16,7 @@ from npuserve.operator.status import (
     plan_failed,
     planned,
     readiness,
+    ready_groups,
     set_condition,
 )
 from npuserve.planning.api import InferenceServiceSpec
@@ -38,7 +39,7 @@ GUIDE = InferenceServiceSpec.model_validate({
     "workload": {"avgInputTokens": 186, "avgOutputTokens": 346, "maxOutputTokens": 512},
 })
 GUIDE_PLAN = plan(GUIDE)
-# The same model on 16 cards of 8-card nodes: one replica spans two pods (a LeaderWorkerSet), not served yet.
+# The same model on 16 cards of 8-card nodes: one replica spans two pods (a LeaderWorkerSet).
 SPANNING_PLAN = plan(GUIDE.model_copy(update={"accelerator": GUIDE.accelerator.model_copy(update={"cards": 16})}))
 GUIDE_SUMMARY = ("worldSize 2, npuMemSize 17 GiB, 2176 KV blocks per card, maxBatchSize 435 (range 362..1088), "
                  "1 replica(s)")
@@ -104,32 +105,29 @@ def test_plan_failure_is_a_failed_phase_with_the_reason() -> None:
     assert status["conditions"][0]["reason"] == "PlanFailed" and "cards" in status["conditions"][0]["message"]
 
 
-# --- what the engine cannot serve yet ------------------------------------------------------------------------------
+# --- what the engine cannot serve ----------------------------------------------------------------------------------
 
 
-def test_the_guides_two_card_plan_is_servable() -> None:
+def test_the_guides_two_card_plan_and_a_replica_spanning_nodes_are_servable() -> None:
     assert GUIDE_PLAN.warnings == []  # tensor parallel within one pod
+    assert (SPANNING_PLAN.nodes, SPANNING_PLAN.warnings) == (2, [])  # across the pods of a LeaderWorkerSet group
 
 
-def test_a_replica_spanning_nodes_is_planned_not_deployed() -> None:
-    assert SPANNING_PLAN.warnings == [
-        "engine: the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16) yet; it arrives with "
-        "multi-node inference (one replica's ranks in several pods), which is not built; the operator writes this "
-        "plan to the status and deploys nothing (condition Deployed=False, reason EngineCannotServe)"]
-    # Was Ready on one node, then edited to 16 cards: the old engines' readiness and blocks must not linger.
+def test_a_plan_the_engine_cannot_serve_is_planned_not_deployed() -> None:
+    # Was Ready, then replanned for a device the engine has no backend for: the old engines' readiness and blocks
+    # must not linger.
     before = {"phase": "Ready", "replicas": 1, "observed": {"kvBlocksAllocated": 8192},
               "conditions": set_condition([], "Ready", True, "EnginesReady", "1/1", "t0", 1)}
-    why = "the bundled engine cannot serve a replica spanning 2 nodes (worldSize 16) yet"
-    status = cannot_serve(before, SPANNING_PLAN, why, 2, SELECTOR, "t")
+    why = "the bundled engine cannot serve device 'tpu': it has backends for cpu, cuda, npu only"
+    status = cannot_serve(before, GUIDE_PLAN, why, 2, SELECTOR, "t")
     assert status["phase"] == "Planned" and status["replicas"] == 0 and "observed" not in status
-    assert status["plan"]["nodes"] == 2 and status["plan"]["cardsPerPod"] == 8
     conds = _conditions(status)
     assert conds["Planned"]["status"] == "True"
     assert (conds["Deployed"]["status"], conds["Deployed"]["reason"]) == ("False", "EngineCannotServe")
     assert conds["Deployed"]["message"] == (
         f"{why}. Nothing is deployed (the pods would crash); the plan is in status.plan. To serve now, set "
-        "spec.accelerator.cards to at most 8 (one node of ascend-910b4), with a model whose weights fit on those "
-        "cards")  # what the user can do
+        "spec.accelerator.type to an accelerator of a device the engine runs on (cpu, cuda, npu) (the plan's is "
+        "ascend-910b4)")  # what the user can do
     assert (conds["Ready"]["status"], conds["Ready"]["reason"], conds["Ready"]["lastTransitionTime"]) == (
         "False", "EngineCannotServe", "t")
     # A Deployment event while the old one is being deleted does not judge readiness.
@@ -224,3 +222,58 @@ def test_only_an_engine_down_after_an_error_counts_as_crashed() -> None:
                    "termination message; the pod's status and its previous log (kubectl logs --previous) say more")
     long = engine_crash([EngineReport("a", False, terminated=Termination(1, None, "x" * 5000))])
     assert long is not None and len(long[1]) < 1000
+
+
+# --- replicas spanning nodes: a replica is a group, ready when every pod of it is -----------------------------------
+
+# The e2e test's spec: two CPU ranks, one per pod; two replicas, so two groups of two pods.
+GROUPS = TINY.model_copy(update={"accelerator": TINY.accelerator.model_copy(update={"cards": 2, "cardsPerNode": 1})})
+GROUPS_PLAN = plan(GROUPS)
+
+
+def _deployed_groups() -> dict[str, Any]:
+    return deployed(planned({}, GROUPS_PLAN, 1, SELECTOR, "t0"), ["ConfigMap", "LeaderWorkerSet", "Service"], [], 1,
+                    "t0")
+
+
+def _pod(name: str, group: str, ready: bool, kv_blocks: int | None = None) -> EngineReport:
+    return EngineReport(name, ready, kv_blocks=kv_blocks, group=group)
+
+
+def test_ready_groups_counts_groups_whose_every_pod_is_ready() -> None:
+    assert (GROUPS_PLAN.replicas, GROUPS_PLAN.nodes) == (2, 2)
+    whole, half = [_pod("g-0", "0", True), _pod("g-0-1", "0", True)], [_pod("g-1", "1", True),
+                                                                         _pod("g-1-1", "1", False)]
+    assert ready_groups(whole + half, 2) == 1
+    assert ready_groups([_pod("g-0", "0", True)], 2) == 0  # its worker does not exist yet
+    assert ready_groups([EngineReport("unlabelled", True)], 1) == 0  # no group label: in no group
+
+
+def test_a_replica_spanning_nodes_is_ready_when_its_whole_group_is() -> None:
+    # Each group's leader ready, each worker not: 2 of 4 pods ready, no replica (2 // 2 would say one).
+    engines = [_pod("tiny-0", "0", True, TINY_BLOCKS), _pod("tiny-0-1", "0", False), _pod("tiny-1", "1", True,
+                                                                                           TINY_BLOCKS),
+               _pod("tiny-1-1", "1", False)]
+    status = readiness(_deployed_groups(), 2, engines, 1, "t")
+    assert status is not None
+    assert status["replicas"] == 0 and status["phase"] == "Deploying"
+    assert _conditions(status)["Ready"]["message"] == (
+        "0/2 replicas ready (every pod of the group), 2/4 engine pods; waiting for tiny-0-1, tiny-1-1")
+    assert status["observed"] == {"kvBlocksAllocated": 8192}  # from the leaders' /info
+
+
+def test_four_ready_pods_of_three_groups_are_not_two_ready_replicas() -> None:
+    # A scale-down under way: group 0 whole, groups 1 and 2 half ready. Four pods ready is two replicas' worth of
+    # pods, but one replica is ready.
+    engines = [_pod("tiny-0", "0", True), _pod("tiny-0-1", "0", True), _pod("tiny-1", "1", True),
+               _pod("tiny-1-1", "1", False), _pod("tiny-2", "2", True), _pod("tiny-2-1", "2", False)]
+    status = readiness(_deployed_groups(), 4, engines, 1, "t")
+    assert status is not None
+    ready = _conditions(status)["Ready"]
+    assert (ready["status"], status["replicas"], status["phase"]) == ("False", 1, "Deploying")
+    engines = [_pod("tiny-0", "0", True), _pod("tiny-0-1", "0", True), _pod("tiny-1", "1", True),
+               _pod("tiny-1-1", "1", True)]
+    status = readiness(status, 4, engines, 1, "t2")
+    assert status is not None
+    assert (_conditions(status)["Ready"]["message"], status["replicas"], status["phase"]) == (
+        "2/2 replicas ready (every pod of the group), 4/4 engine pods", 2, "Ready")

@@ -226,3 +226,34 @@ def test_explain_inputs_are_numbers_and_reproduce_the_formula() -> None:
 def test_plan_round_trips_as_json() -> None:
     p = plan(make_spec())
     assert Plan.model_validate_json(p.model_dump_json()) == p
+
+
+def test_a_replica_spanning_nodes_is_servable() -> None:
+    """The engine serves a LeaderWorkerSet group: the plan warns of nothing the engine cannot do."""
+    p = plan(make_spec(model={"name": "l70", "preset": "llama3-70b", "weights": {"loadFormat": "dummy"}},
+                       accelerator={"type": "ascend-910b4", "cards": 16}))
+    assert p.nodes == 2 and not [w for w in p.warnings if w.startswith("engine:")]
+
+
+def test_cards_per_node_splits_a_cpu_replica_over_pods() -> None:
+    """The e2e test's spec: the catalog gives cpu no cards per node, spec.accelerator.cardsPerNode does."""
+    spec = make_spec(model={"name": "tiny", "preset": "tiny", "weights": {"loadFormat": "dummy"}},
+                     accelerator={"type": "cpu", "cards": 2, "cardsPerNode": 1, "memoryGiB": 2, "reservedGiB": 0})
+    p = plan(spec)
+    assert (p.worldSize, p.nodes, p.cardsPerPod) == (2, 2, 1)
+    explained = p.explained("nodes")
+    assert explained.inputs == {"worldSize": 2.0, "cardsPerNode": 1.0}
+    assert explained.note.endswith("cardsPerNode: spec.accelerator.cardsPerNode")
+    spec.accelerator.cardsPerNode = None  # cpu without it: one pod, whatever the cards
+    assert (plan(spec).nodes, plan(spec).cardsPerPod) == (1, 2)
+
+
+def test_cards_per_node_overrides_the_catalogs_and_bounds_the_chosen_world_size() -> None:
+    l70 = {"name": "l70", "preset": "llama3-70b", "weights": {"loadFormat": "dummy"}}
+    p = plan(make_spec(model=l70, accelerator={"type": "ascend-910b4", "cards": 16, "cardsPerNode": 4}))
+    assert (p.worldSize, p.nodes, p.cardsPerPod) == (16, 4, 4)  # the catalog's 8 per node would give 2 x 8
+    # worldSize chosen: 4 cards of 910b3 (test_world_size_chosen_when_cards_omitted), on nodes of 2: two pods of 2
+    p = plan(make_spec(model=l70, accelerator={"type": "ascend-910b3", "cardsPerNode": 2}))
+    assert (p.worldSize, p.nodes, p.cardsPerPod) == (4, 2, 2)
+    with pytest.raises(ValueError, match=r"must be a multiple of spec\.accelerator\.cardsPerNode"):  # 4 = 1.33 nodes
+        make_spec(model=l70, accelerator={"type": "ascend-910b3", "cards": 4, "cardsPerNode": 3})
