@@ -2,12 +2,14 @@
 
 The operator runs out of cluster in this process, as `kopf.testing.KopfRunner` runs it; the CRD comes from the Helm
 chart; the process kubelet (e2e/cluster/kubelet.py) runs the engine of each engine pod on the pod's loopback IP.
-Only `examples/tiny-cpu.yaml` has engines that run here (a two-layer model on the CPU, one replica); the bundled
-engine serves nothing else yet, and the operator deploys nothing else (phase Planned, reason EngineCannotServe).
+Here `examples/tiny-cpu.yaml` runs its engine (a two-layer model on the CPU, one replica); Ascend services are
+deployed into a namespace the process kubelet leaves alone (their pods are made, never run); test_multinode.py runs a
+replica that spans nodes.
 
 The tests of this module run in order and share one InferenceService: created, restarted over, edited, deleted.
-Then, in a namespace the process kubelet leaves alone: an ascend service planned and not deployed, a CPU service
-edited to ascend whose objects are pruned, and the status writer's retry when another write lands first. The
+Then, in a namespace the process kubelet leaves alone: an ascend service spanning two nodes deployed as a
+LeaderWorkerSet whose group the controller makes, a CPU service edited to ascend whose Deployment is replaced by a
+LeaderWorkerSet, and the status writer's retry when another write lands first. The
 cluster runs the LeaderWorkerSet controller (its CRD and webhooks): the operator watches LeaderWorkerSets, and a
 multi-node example's LeaderWorkerSet passes the server-side dry run.
 """
@@ -492,10 +494,11 @@ def _answers(ip: str) -> bool:
         return False
 
 
-# ---- what the engine cannot serve yet; pruning; the one status writer -------------------------------------------
+# ---- a replica spanning nodes (not run here); pruning; the one status writer --------------------------------------
 IGNORE_LABEL = "npuserve.io/process-kubelet"  # the process kubelet starts no engines in such a namespace
-ASCEND = {"type": "ascend-910b4", "cards": 16}  # two 8-card nodes: a replica spanning nodes, not served yet
+ASCEND = {"type": "ascend-910b4", "cards": 16}  # two 8-card nodes: one replica is a LeaderWorkerSet group of 2 pods
 MULTI_NODE_MODEL = {"name": "tiny", "preset": "llama3-8b", "weights": {"loadFormat": "dummy"}}  # 32 heads split 16 ways
+WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 
 
 @pytest.fixture(scope="module")
@@ -529,55 +532,56 @@ def _condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 
 
 def _children(cluster: localk8s.Cluster, namespace: str, name: str) -> list[str]:
-    return [
+    return sorted(
         f"{kind}/{o['metadata']['name']}"
-        for kind in ("configmaps", "deployments", "services")
+        for kind in ("configmaps", "deployments", "leaderworkersets", "services")
         for o in items(cluster, kind, namespace, f"{INSTANCE_LABEL}={name}")
         if not o["metadata"].get("deletionTimestamp")
-    ]
+    )
 
 
-def _cannot_serve(cluster: localk8s.Cluster, namespace: str, name: str) -> dict[str, Any] | None:
-    obj = _get(cluster, namespace, name)
-    deployed = _condition(obj, "Deployed")
-    ok = obj.get("status", {}).get("phase") == "Planned" and deployed.get("reason") == "EngineCannotServe"
-    return obj if ok else None
-
-
-def test_an_ascend_service_is_planned_and_not_deployed(
+def test_an_ascend_service_spanning_nodes_is_deployed_as_a_leaderworkerset(
     k8s_cluster: localk8s.Cluster, operator: Operator, quiet_namespace: str
 ) -> None:
     obj = _service(quiet_namespace, "big", ASCEND)
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
-    status = wait_for("phase Planned, Deployed=False EngineCannotServe",
-                      lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))["status"]
-    assert status["plan"] == npuserve_plan_of(obj)  # the plan is written, with the engine's warning in it
-    assert any("cannot serve a replica spanning 2 nodes" in w for w in status["plan"]["warnings"])
-    deployed = _condition({"status": status}, "Deployed")
-    assert deployed["status"] == "False" and "spec.accelerator.cards to at most 8" in deployed["message"]
-    assert _condition({"status": status}, "Ready")["status"] == "False" and status["replicas"] == 0
-    time.sleep(2)  # anything (wrongly) applied would be there by now
-    assert _children(k8s_cluster, quiet_namespace, "big") == []
-    assert _events(k8s_cluster, quiet_namespace, "big", "EngineCannotServe") >= 1
+    expected = ["configmaps/big-config", "leaderworkersets/big", "services/big"]
+    wait_for("the ConfigMap, LeaderWorkerSet and Service", lambda: _children(k8s_cluster, quiet_namespace, "big")
+             == expected)
+    status = wait_for("Deployed=True", lambda: (o := _get(k8s_cluster, quiet_namespace, "big"))
+                      and _condition(o, "Deployed").get("status") == "True" and o)["status"]
+    assert status["plan"] == npuserve_plan_of(obj) and status["plan"]["nodes"] == 2
+    assert not any("cannot serve" in w for w in status["plan"]["warnings"])
+    lws = get_json(k8s_cluster, "get", "leaderworkerset", "big", "-n", quiet_namespace)
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2  # type: ignore[index]
+    # The controller made the group: a leader and a worker, 8 cards each, so one on each node (nothing runs them in
+    # this namespace, so the replica is not Ready).
+    pods = wait_for("the group's two pods on two nodes", lambda: (
+        found := [p for p in items(k8s_cluster, "pods", quiet_namespace, f"{INSTANCE_LABEL}=big")
+                  if p["spec"].get("nodeName")]) and len(found) == 2 and found)
+    assert sorted(p["metadata"]["labels"][WORKER_INDEX] for p in pods) == ["0", "1"]
+    assert len({p["spec"]["nodeName"] for p in pods}) == 2
+    assert _condition(_get(k8s_cluster, quiet_namespace, "big"), "Ready")["status"] == "False"
 
 
-def test_editing_a_cpu_service_to_ascend_prunes_its_engines(
+def test_editing_a_cpu_service_to_ascend_replaces_its_deployment_with_a_leaderworkerset(
     k8s_cluster: localk8s.Cluster, operator: Operator, quiet_namespace: str
 ) -> None:
     obj = _service(quiet_namespace, "edited")
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
     expected = ["configmaps/edited-config", "deployments/edited", "services/edited"]
-    wait_for("the CPU service's objects", lambda: sorted(_children(k8s_cluster, quiet_namespace, "edited")) == expected)
+    wait_for("the CPU service's objects", lambda: _children(k8s_cluster, quiet_namespace, "edited") == expected)
     wait_for("Deployed=True", lambda: _condition(_get(k8s_cluster, quiet_namespace, "edited"), "Deployed").get(
         "status") == "True")
     obj["spec"]["accelerator"] = ASCEND
     obj["spec"]["model"] = MULTI_NODE_MODEL
     k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
-    wait_for("the CPU service's objects to be pruned",
-             lambda: _children(k8s_cluster, quiet_namespace, "edited") == [], timeout=60)
-    edited = wait_for("phase Planned after the edit", lambda: _cannot_serve(k8s_cluster, quiet_namespace, "edited"))
-    assert _condition(edited, "Ready")["reason"] == "EngineCannotServe"
-    assert edited["status"]["observedGeneration"] == edited["metadata"]["generation"]
+    replaced = ["configmaps/edited-config", "leaderworkersets/edited", "services/edited"]
+    wait_for("the Deployment pruned and a LeaderWorkerSet in its place",
+             lambda: _children(k8s_cluster, quiet_namespace, "edited") == replaced, timeout=60)
+    edited = wait_for("the edit observed", lambda: (o := _get(k8s_cluster, quiet_namespace, "edited"))
+                      and o["status"].get("observedGeneration") == o["metadata"]["generation"] and o)
+    assert edited["status"]["plan"]["nodes"] == 2
 
 
 def test_a_status_write_from_a_stale_read_is_refused_and_retried(
@@ -589,7 +593,8 @@ def test_a_status_write_from_a_stale_read_is_refused_and_retried(
     from npuserve.operator.status import set_condition
     from npuserve.planning.api import GROUP, PLURAL, VERSION
 
-    wait_for("big planned", lambda: _cannot_serve(k8s_cluster, quiet_namespace, "big"))
+    wait_for("big deployed", lambda: _condition(_get(k8s_cluster, quiet_namespace, "big"), "Deployed").get(
+        "status") == "True")
     api = kubernetes.client.CustomObjectsApi(
         kubernetes.config.new_client_from_config(config_file=str(k8s_cluster.kubeconfig)))
     other = {"type": "SLOMet", "status": "Unknown", "reason": "NoMeasurements", "message": "another writer",
@@ -612,4 +617,4 @@ def test_a_status_write_from_a_stale_read_is_refused_and_retried(
     final = _get(k8s_cluster, quiet_namespace, "big")
     assert _condition(final, "SLOMet")["message"] == "another writer"  # not lost to the stale list
     assert _condition(final, "Tuning")["reason"] == "TestWriter"
-    assert _condition(final, "Deployed")["reason"] == "EngineCannotServe"
+    assert _condition(final, "Deployed")["status"] == "True"
