@@ -37,6 +37,7 @@ class ProbeServer:
         class Handler(BaseHTTPRequestHandler):
             def _answer(self, body: bool) -> None:
                 path = self.path.split("?", 1)[0]
+                payload: dict[str, Any]
                 if path == HEALTH_PATH:
                     status, payload = 200, {"status": "ok"}
                 elif path == READY_PATH:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tests.` imports
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
 
-from tests.fake_hccl import install_fake_hccl  # noqa: E402
-from tests.fake_torch_npu import install_fake_torch_npu  # noqa: E402
+from tests.fake_hccl import install_fake_hccl
+from tests.fake_torch_npu import install_fake_torch_npu
 
 LEADER = "127.0.0.2"
 

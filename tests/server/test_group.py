@@ -6,6 +6,7 @@ flags that make no group are refused naming the flag."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -169,7 +170,7 @@ def test_a_group_of_pods_generates_what_one_rank_does_and_stops_with_its_leader(
         assert httpx.get(worker.url + "/v1/models", timeout=5).status_code == 404  # headless: no API
         assert httpx.get(worker.url + "/metrics", timeout=5).status_code == 404
         leader_log = g.leader.output()
-        assert f"pod 1 (" in leader_log and "joined" in leader_log
+        assert "pod 1 (" in leader_log and "joined" in leader_log
         assert f"tensor-parallel group complete: {nnodes} pods, worldSize {world_size}" in leader_log
         _stop_with_the_leader(g)
 
@@ -309,13 +310,11 @@ def test_two_pods_claiming_one_node_rank_are_refused() -> None:
     while 1 not in leader.pods and time.monotonic() < deadline:
         time.sleep(0.05)
     second = WorkerLink(GroupLayout(3, 3, 1), "m", LEADER, port, timeout_s=5)
-    with pytest.raises(GroupError, match="node rank 1 already joined from .*: two pods claim one node rank"):
+    with pytest.raises(GroupError, match=r"node rank 1 already joined from .*: two pods claim one node rank"):
         second.connect()
     leader.close()
 
 
 def _ignore(fn: object) -> None:
-    try:
+    with contextlib.suppress(Exception):
         fn()  # type: ignore[operator]
-    except Exception:
-        pass
