@@ -159,7 +159,18 @@ def run(args: argparse.Namespace) -> int:
 
     group = None
     if layout.nnodes > 1:  # the leader: every other pod in before anything loads
+        from npuserve.engine.backends import resolve_device
+        from npuserve.engine.servable import check_servable
         from npuserve.engine.server.fatal import EXIT_CODE, write_termination_message
+        from npuserve.mindie_config import NpuserveExtensions
+        from npuserve.modelspec import ModelSpec
+
+        try:  # a configuration refused is said at once, not after the other pods came
+            check_servable(config, resolve_device((config.npuserve or NpuserveExtensions()).device),
+                           ModelSpec.from_pretrained(config.model.modelWeightPath), nnodes=layout.nnodes)
+        except (UnservableConfigError, ValueError, OSError) as e:
+            print(f"npuserve serve: {e}", file=sys.stderr)
+            return 2
 
         group = LeaderGroup(layout, model=config.model.modelName, host=host, port=args.master_port,
                             timeout_s=args.group_connect_timeout)
