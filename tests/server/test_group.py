@@ -196,18 +196,18 @@ def test_a_worker_pod_whose_leader_dies_exits_naming_it(model_dir: Path, tmp_pat
 
 
 def test_a_leader_whose_worker_pod_never_comes_exits_naming_it(model_dir: Path, tmp_path: Path) -> None:
-    leader = start_pod(model_dir, tmp_path, 0, 3, 3 * 1, free_port(), FLAG_GROUP_CONNECT_TIMEOUT, "3",
+    leader = start_pod(model_dir, tmp_path, 0, 4, 4, free_port(), FLAG_GROUP_CONNECT_TIMEOUT, "3",
                        env={LWS_LEADER_ADDRESS_ENV: "llama-0.llama.team-a"})
     try:
         code = leader.proc.wait(60)
     finally:
         if leader.proc.poll() is None:
             leader.proc.kill()
-    # worldSize 3 over 3 pods: no model load is reached; nothing else said hello
-    out = leader.output()
+    out = leader.output()  # worldSize 4 over 4 pods, none of the other three came: nothing loads
     assert code == 1, out
     assert "no hello from node rank 1 (rank 1, expected at llama-0-1.llama.team-a), node rank 2 (rank 2, " \
-        "expected at llama-0-2.llama.team-a) within 3 s" in out
+        "expected at llama-0-2.llama.team-a), node rank 3 (rank 3, expected at llama-0-3.llama.team-a) within 3 s" \
+        in out
     assert "no hello from node rank 1" in (tmp_path / "termination-0").read_text()
 
 
@@ -318,3 +318,11 @@ def test_two_pods_claiming_one_node_rank_are_refused() -> None:
 def _ignore(fn: object) -> None:
     with contextlib.suppress(Exception):
         fn()  # type: ignore[operator]
+
+
+def test_a_leader_refuses_its_configuration_before_it_waits_for_the_other_pods(model_dir: Path) -> None:
+    proc = subprocess.run([*SERVE, "--model", str(model_dir), "--world-size", "3", FLAG_NNODES, "3",
+                           FLAG_MASTER_ADDR, LEADER, FLAG_MASTER_PORT, str(free_port())], capture_output=True,
+                          text=True, timeout=60)  # not the 600 s the other pods would get
+    assert proc.returncode == 2, proc.stderr
+    assert "does not divide the model's num_attention_heads 4" in proc.stderr
