@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +51,9 @@ from npuserve.mindie_config import (
     minimal_config,
 )
 from npuserve.modelspec import ModelSpec
+
+if TYPE_CHECKING:
+    from npuserve.engine.parallel.group import LeaderGroup
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +124,10 @@ class LLMEngine:
         num_kv_blocks: int | None = None,
         num_host_blocks: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        group: LeaderGroup | None = None,
     ) -> None:
+        """`group`: the leader of a replica whose ranks span pods, every other pod already in (engine/parallel/
+        group.py); this process is rank 0 and starts only its own pod's other ranks."""
         # the limit set, so a live schedule past the batch the engine is sized for is refused (with_schedule)
         config = config.with_batch_size_limit()
         self.config = config
@@ -133,8 +139,12 @@ class LLMEngine:
         self.model_name = ext.servedModelName or config.model.modelName
         self.spec = ModelSpec.from_pretrained(folder)
         self.clock = clock
-        check_servable(config, resolve_device(ext.device), self.spec)  # before loading: refused settings fail fast
+        self.group = group
+        self.nnodes = group.layout.nnodes if group is not None else 1
+        # before loading: refused settings fail fast
+        check_servable(config, resolve_device(ext.device), self.spec, nnodes=self.nnodes)
         world_size = config.model.worldSize
+        per_pod = world_size // self.nnodes
         self.workers: WorkerRanks | None = None
         self._threads_before = torch.get_num_threads()
         if world_size > 1:  # one process per other rank, started first: every rank joins the world while it builds
@@ -143,17 +153,22 @@ class LLMEngine:
             if dist.is_initialized():
                 raise RuntimeError("a process holds one tensor-parallel engine at a time (one torch.distributed "
                                    "world): close() the other engine first")
-            torch.set_num_threads(rank_threads(world_size))
-            workers = self.workers = WorkerRanks(world_size)
+            torch.set_num_threads(rank_threads(per_pod))
+            if group is not None:
+                workers = WorkerRanks(world_size, init_method=group.local_init_method, cards_per_pod=per_pod)
+            else:
+                workers = WorkerRanks(world_size)
+            self.workers = workers
             resolved, level = config.to_dict(), logging.getLogger().getEffectiveLevel()
             workers.start(lambda rank: WorkerArgs(
                 rank=rank, world_size=world_size, init_method=workers.init_method, config=resolved,
                 model_dir=str(folder), seed=seed, log_level=level, env=self.env,
-                num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks))
+                num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks, cards_per_pod=workers.cards_per_pod))
         try:
             built = build_rank_runner(config, folder, seed=seed,
                                       init_method=self.workers.init_method if self.workers else None,
-                                      env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks)
+                                      env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
+                                      cards_per_pod=per_pod, store=group.store if group is not None else None)
         except BaseException:
             self._abandon_workers()  # they would wait in a collective for a rank 0 that is not coming
             raise
@@ -162,6 +177,7 @@ class LLMEngine:
         self.kv_plan: KVPlan = built.kv_plan
         self.runner = built.runner
         self.tp = built.tp
+        self.ranks = built.ranks
         self.step_builder = StepBuilder(self.kv_plan.block_size, self.backend.device, self.spec.vocab_size,
                                         self.runner.delta_sender)
         deploy = config.BackendConfig.ModelDeployConfig
@@ -208,7 +224,15 @@ class LLMEngine:
         """Stops the other ranks (tensor parallel) and leaves the distributed world; call it after the step loop
         ended. With one rank there is nothing to stop."""
         channel = self.runner.channel
-        self._release_ranks(lambda: channel.send(StepMessage(Op.STOP)) if channel is not None else None)
+        group = self.group
+
+        def stop() -> None:
+            if group is not None:
+                group.stopping()  # first: the other pods' ends that follow the STOP are no death
+            if channel is not None:
+                channel.send(StepMessage(Op.STOP))
+
+        self._release_ranks(stop)
 
     def _abandon_workers(self) -> None:
         """Rank 0 failed while building: the workers wait in a collective for it, so they are killed."""
@@ -222,6 +246,8 @@ class LLMEngine:
 
         workers, self.workers = self.workers, None
         workers.stop(stop)
+        if self.group is not None:
+            self.group.close()  # without a stop said first (rank 0 failed while building), the other pods exit
         if dist.is_initialized():
             dist.destroy_process_group()
         torch.set_num_threads(self._threads_before)
@@ -441,7 +467,8 @@ class LLMEngine:
         graphs = self.runner.decode_graphs
         return EngineInfo(
             model=self.model_name, model_type=self.spec.model_type, dtype=str(self.dtype).removeprefix("torch."),
-            device=self.backend.name, worldSize=self.config.model.worldSize, kv_blocks=self.kv_plan.num_blocks,
+            device=self.backend.name, worldSize=self.config.model.worldSize, nodes=self.nnodes, ranks=self.ranks,
+            kv_blocks=self.kv_plan.num_blocks,
             kv_host_blocks=self.kv_plan.num_host_blocks, block_size=self.kv_plan.block_size,
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
             schedule=self.snapshot.schedule.model_dump(mode="json"),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel, connect
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.engine.parallel.step_message import StepChannel
 from npuserve.engine.runner import KVPlan, ModelRunner, plan_kv_blocks
+from npuserve.engine_contract import RankInfo
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, NpuserveExtensions
 from npuserve.modelspec import ModelSpec
 
@@ -49,6 +51,7 @@ class BuiltRank:
     tp: TensorParallel
     channel: StepChannel | None  # several ranks: rank 0 sends on it, the others receive
     load_seconds: float
+    ranks: list[RankInfo]  # every rank's place and own KV plan before the agreement, by rank
 
 
 def _profile_activations(model: CausalLM, backend: Backend, dtype: torch.dtype, config: MindIEConfig) -> int:
@@ -66,32 +69,42 @@ def _profile_activations(model: CausalLM, backend: Backend, dtype: torch.dtype, 
     return peak
 
 
-def _agree(plan: KVPlan, tp: TensorParallel) -> KVPlan:
-    """Every rank takes the smallest rank's block counts."""
+def _agree(plan: KVPlan, tp: TensorParallel, node_rank: int = 0) -> tuple[KVPlan, list[RankInfo]]:
+    """Every rank takes the smallest rank's block counts; returns the agreed plan and each rank's own (for /info),
+    gathered on the host group."""
+    own = RankInfo(rank=tp.rank, node_rank=node_rank, host=socket.gethostname(), kv_blocks=plan.num_blocks,
+                   kv_host_blocks=plan.num_host_blocks)
     if tp.world_size == 1:
-        return plan
+        return plan, [own]
     import torch.distributed as dist
 
-    counts = torch.tensor([plan.num_blocks, plan.num_host_blocks], dtype=torch.int64)
-    dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=tp.control)
-    blocks, host = (int(c) for c in counts.tolist())
+    gathered: list[object] = [None] * tp.world_size
+    dist.all_gather_object(gathered, own.model_dump(), group=tp.control)
+    ranks = sorted((RankInfo.model_validate(r) for r in gathered), key=lambda r: r.rank)
+    blocks, host = min(r.kv_blocks for r in ranks), min(r.kv_host_blocks for r in ranks)
     if (blocks, host) == (plan.num_blocks, plan.num_host_blocks):
-        return plan
+        return plan, ranks
     return dataclasses.replace(plan, num_blocks=blocks, num_host_blocks=host,
-                               source=f"{plan.source}; the smallest of the {tp.world_size} ranks")
+                               source=f"{plan.source}; the smallest of the {tp.world_size} ranks"), ranks
 
 
 def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int, rank: int = 0,
                       init_method: str | None = None, env: EngineEnvironment | None = None,
-                      num_kv_blocks: int | None = None, num_host_blocks: int | None = None) -> BuiltRank:
+                      num_kv_blocks: int | None = None, num_host_blocks: int | None = None,
+                      cards_per_pod: int | None = None, store: object = None) -> BuiltRank:
+    """Rank `rank`'s runner. `cards_per_pod`: the ranks of one pod when the replica spans pods (the rank's card
+    and its NUMA share are numbered within its pod: local index rank % cards_per_pod); `store`: the world's
+    TCPStore where this process made it (a group's leader), instead of `init_method`."""
     env = env or EngineEnvironment.from_environ()
     ext = config.npuserve or NpuserveExtensions()
     folder = Path(model_dir)
     spec = ModelSpec.from_pretrained(folder)
     world_size = config.model.worldSize
+    per_pod = cards_per_pod or world_size
+    local_rank, node_rank = rank % per_pod, rank // per_pod
     layout = TPLayout.of(spec, rank, world_size)  # before anything is loaded: a model that does not split fails fast
     ids = config.BackendConfig.npuDeviceIds[0] if config.BackendConfig.npuDeviceIds else None
-    backend = get_backend(ext.device, rank, ids)
+    backend = get_backend(ext.device, local_rank, ids)  # npuDeviceIds number the pod's own cards
     if backend.name == "npu":  # npuserve doctor's op checks and smoke tests on this rank's card, before anything loads
         from npuserve.engine.backends.npu import NPUBackend
         from npuserve.engine.doctor import preflight
@@ -100,9 +113,9 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
         preflight(backend, spec)
     tp, channel = SINGLE_RANK, None
     if world_size > 1:
-        if init_method is None:
+        if init_method is None and store is None:
             raise ValueError(f"worldSize {world_size} needs the ranks' rendezvous address")
-        tp = connect(rank, world_size, init_method, backend.dist_backend)
+        tp = connect(rank, world_size, init_method, backend.dist_backend, store=store)
         channel = StepChannel(tp.control)
     dtype = TORCH_DTYPES[spec.dtype if ext.dtype == "auto" else ext.dtype]
     torch.manual_seed(seed)
@@ -126,8 +139,8 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
             plan, num_blocks=plan.num_blocks if num_kv_blocks is None else num_kv_blocks,
             num_host_blocks=plan.num_host_blocks if num_host_blocks is None else num_host_blocks,
             source="set by the caller")
-    plan = _agree(plan, tp)
+    plan, ranks = _agree(plan, tp, node_rank)
     runner = ModelRunner(model, backend, plan, dtype, ext.logprobsMode, channel=channel if rank == 0 else None,
                          graph_batch_size=config.batch_size_limit,
                          max_seq_len=config.BackendConfig.ModelDeployConfig.maxSeqLen)
-    return BuiltRank(spec, backend, dtype, model, plan, runner, tp, channel, load_seconds)
+    return BuiltRank(spec, backend, dtype, model, plan, runner, tp, channel, load_seconds, ranks)

@@ -10,7 +10,7 @@ rule the operator's plan applies.
 from __future__ import annotations
 
 from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout
-from npuserve.engine_contract import unservable
+from npuserve.engine_contract import FLAG_MASTER_ADDR, FLAG_NNODES, FLAG_NODE_RANK, unservable
 from npuserve.mindie_config import MindIEConfig
 from npuserve.modelspec import ModelSpec
 from npuserve.npu_contract import block_size_problem
@@ -20,9 +20,23 @@ class UnservableConfigError(ValueError):
     """The configuration asks for something this engine does not do; the message names each setting."""
 
 
-def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -> list[str]:
+def multi_node_problem(config: MindIEConfig, nnodes: int) -> str | None:
+    """`BackendConfig.multiNodesInferEnabled` must say what `--nnodes` does: true exactly when the replica's ranks
+    span pods (the operator renders it so for a LeaderWorkerSet group)."""
+    enabled = config.BackendConfig.multiNodesInferEnabled
+    if nnodes > 1 and not enabled:
+        return (f"BackendConfig.multiNodesInferEnabled is false, but {FLAG_NNODES} {nnodes} spreads the replica's "
+                "ranks over that many pods: set it true (the operator renders it true for such a replica)")
+    if nnodes == 1 and enabled:
+        return (f"BackendConfig.multiNodesInferEnabled is true, but this engine runs all its ranks in one pod "
+                f"({FLAG_NNODES} 1): pass {FLAG_NNODES}, {FLAG_NODE_RANK} and {FLAG_MASTER_ADDR} to spread them over "
+                "pods, or set it false")
+    return None
+
+
+def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None, nnodes: int = 1) -> list[str]:
     """Every setting of `config` the engine would not honour, as `path: why`; `device` is the resolved backend,
-    `spec` the model's architecture (whether it splits over worldSize ranks)."""
+    `spec` the model's architecture (whether it splits over worldSize ranks), `nnodes` the pods the ranks span."""
     backend, model = config.BackendConfig, config.model
     out: list[str] = []
     layout = unservable(device, model.worldSize)
@@ -39,11 +53,14 @@ def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -
         if problem is not None:
             out.append(f"BackendConfig.ScheduleConfig.cacheBlockSize: {problem}")
     cards = backend.npuDeviceIds[0] if backend.npuDeviceIds else []
-    if device != "cpu" and len(cards) < model.worldSize:
+    per_pod = model.worldSize // max(1, nnodes)
+    if device != "cpu" and len(cards) < per_pod:
+        pods = f" ({per_pod} per pod over {FLAG_NNODES} {nnodes})" if nnodes > 1 else ""
         out.append(f"BackendConfig.npuDeviceIds: [{', '.join(map(str, cards))}] lists {len(cards)} card(s) for "
-                   f"worldSize {model.worldSize}; list one logical card id per rank")
-    if backend.multiNodesInferEnabled:
-        out.append("BackendConfig.multiNodesInferEnabled: multi-node inference is not built yet")
+                   f"worldSize {model.worldSize}{pods}; list one logical card id per rank of the pod")
+    multi = multi_node_problem(config, nnodes)
+    if multi is not None:
+        out.append(multi)
     if backend.modelInstanceNumber != 1:
         out.append(f"BackendConfig.modelInstanceNumber is {backend.modelInstanceNumber}: one engine serves one "
                    "model instance; run more replicas instead")
@@ -58,7 +75,7 @@ def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -
     return out
 
 
-def check_servable(config: MindIEConfig, device: str, spec: ModelSpec | None = None) -> None:
-    problems = refusals(config, device, spec)
+def check_servable(config: MindIEConfig, device: str, spec: ModelSpec | None = None, nnodes: int = 1) -> None:
+    problems = refusals(config, device, spec, nnodes)
     if problems:
         raise UnservableConfigError("the engine cannot serve this configuration:\n  " + "\n  ".join(problems))

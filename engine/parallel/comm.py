@@ -55,9 +55,15 @@ class TensorParallel:
 SINGLE_RANK = TensorParallel()
 
 
-def connect(rank: int, world_size: int, init_method: str, dist_backend: str) -> TensorParallel:
-    """Joins the world; returns the `TensorParallel` of this rank."""
-    dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+def connect(rank: int, world_size: int, init_method: str | None, dist_backend: str, store: Any = None,
+            ) -> TensorParallel:
+    """Joins the world through `init_method`, or through `store` (the leader of a group of pods made it on an
+    ephemeral port, engine/parallel/group.py); returns the `TensorParallel` of this rank."""
+    if store is not None:
+        dist.init_process_group(dist_backend, store=store, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    else:
+        dist.init_process_group(dist_backend, init_method=init_method, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(rank=rank, world_size=world_size, device_group=None, control=control)

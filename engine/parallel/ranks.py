@@ -51,6 +51,16 @@ class WorkerArgs:
     env: Any  # rank 0's EngineEnvironment
     num_kv_blocks: int | None = None
     num_host_blocks: int | None = None
+    cards_per_pod: int | None = None  # the ranks of one pod, when the replica spans pods (None: all in one)
+
+    @property
+    def per_pod(self) -> int:
+        return self.cards_per_pod or self.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """The rank's index within its pod: its card among npuDeviceIds, its share of the pod's cores."""
+        return self.rank % self.per_pod
 
 
 def _exit_process(message: str) -> None:
@@ -61,7 +71,8 @@ def _exit_process(message: str) -> None:
 
 @dataclass
 class WorkerRanks:
-    """Rank 0's handle on ranks 1..n-1: starts them, watches them, stops them.
+    """A pod's first rank's handle on the pod's other ranks (rank 0's on ranks 1..n-1 in one pod; the pod of node
+    rank k's on k*cardsPerPod+1 .. (k+1)*cardsPerPod-1 in a group of pods): starts them, watches them, stops them.
 
     Each worker is a fresh interpreter (`python -P -c ...`, not multiprocessing's spawn, which would re-import the
     caller's main module) that reads its `WorkerArgs` from its stdin; rank 0 keeps that pipe open, so its end
@@ -71,10 +82,17 @@ class WorkerRanks:
     init_method: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
     on_death: Callable[[str], None] = _exit_process
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    first_rank: int = 0  # the pod's first rank: the process that holds this handle
+    cards_per_pod: int | None = None  # ranks in this pod (None: the whole world)
     _closing: bool = False
 
+    @property
+    def ranks(self) -> range:
+        """The ranks this handle starts."""
+        return range(self.first_rank + 1, self.first_rank + (self.cards_per_pod or self.world_size))
+
     def start(self, make_args: Callable[[int], WorkerArgs]) -> None:
-        for rank in range(1, self.world_size):
+        for rank in self.ranks:
             proc = subprocess.Popen([sys.executable, "-P", "-c", _WORKER_ENTRY], stdin=subprocess.PIPE)
             assert proc.stdin is not None
             proc.stdin.write(pickle.dumps(make_args(rank)))
@@ -127,7 +145,8 @@ def worker_entry() -> None:
     def watch_parent() -> None:
         while stdin.read(1 << 16):
             pass
-        _exit_process(f"rank 0 is gone (pid {os.getppid()} now); rank {args.rank} exits")
+        _exit_process(f"the pod's first rank {args.rank - args.local_rank} is gone (pid {os.getppid()} now); "
+                      f"rank {args.rank} exits")
 
     threading.Thread(target=watch_parent, name="npuserve-parent-watch", daemon=True).start()
     worker_main(args)
@@ -143,7 +162,7 @@ def worker_main(args: WorkerArgs) -> None:
     code = 0
     doing = ["while starting"]  # what this rank was doing, for its failure line
     try:
-        apply_cpu_binding(rank=args.rank, world_size=args.world_size)
+        apply_cpu_binding(rank=args.local_rank, world_size=args.per_pod)
         _follow(args, doing)
     except Exception as e:
         log.critical("tensor-parallel rank %d failed %s: %s: %s; it exits, and rank 0 with it", args.rank,
@@ -153,7 +172,8 @@ def worker_main(args: WorkerArgs) -> None:
     os._exit(code)  # not a normal exit: the stdin watcher thread is blocked in a read
 
 
-def _follow(args: WorkerArgs, doing: list[str]) -> None:
+def _follow(args: WorkerArgs, doing: list[str], on_built: Callable[[], None] | None = None) -> None:
+    """Builds the rank, then runs rank 0's operations until its STOP; `on_built` once the rank is built."""
     import torch
     import torch.distributed as dist
 
@@ -162,12 +182,14 @@ def _follow(args: WorkerArgs, doing: list[str]) -> None:
     from npuserve.engine.rank_runner import build_rank_runner
     from npuserve.mindie_config import MindIEConfig
 
-    torch.set_num_threads(rank_threads(args.world_size))  # after this rank's CPU binding
+    torch.set_num_threads(rank_threads(args.per_pod))  # after this rank's CPU binding
     config = MindIEConfig.from_dict(args.config, source="rank 0")
     built = build_rank_runner(config, args.model_dir, seed=args.seed, rank=args.rank,
                               init_method=args.init_method, env=args.env, num_kv_blocks=args.num_kv_blocks,
-                              num_host_blocks=args.num_host_blocks)
+                              num_host_blocks=args.num_host_blocks, cards_per_pod=args.cards_per_pod)
     assert built.channel is not None
+    if on_built is not None:
+        on_built()
     progress = built.runner.progress
     while True:
         doing[0] = f"while waiting for rank 0's operation #{progress.number + 1}"

@@ -117,6 +117,8 @@ class AsyncEngine:
                                      on_stuck=write_termination_message, on_expired=self.fatal)
         if engine.workers is not None:  # a rank that dies: its requests get their error before the process exits
             engine.workers.on_death = self.fatal
+        if engine.group is not None:  # another pod of the group whose link closes: the same
+            engine.group.on_death = self.fatal
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[bool] | None = None
         self._publish_state(engine.snapshot)

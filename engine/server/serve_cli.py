@@ -18,12 +18,19 @@ from typing import Any
 from npuserve.engine.server.body_limit import DEFAULT_MAX_BODY_BYTES
 from npuserve.engine_contract import (
     ADMIN_TOKEN_ENV,
+    DEFAULT_GROUP_CONNECT_TIMEOUT_S,
     DEFAULT_HOST,
     ENGINE_PORT,
     FLAG_CONFIG,
+    FLAG_GROUP_CONNECT_TIMEOUT,
     FLAG_HOST,
+    FLAG_MASTER_ADDR,
+    FLAG_MASTER_PORT,
     FLAG_MODEL,
+    FLAG_NNODES,
+    FLAG_NODE_RANK,
     FLAG_PORT,
+    RENDEZVOUS_PORT,
 )
 
 CUT_GRACE_SECONDS = 5  # after the drain timeout, for the cut requests to send their last event
@@ -53,6 +60,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(streams: a last error event and [DONE])")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--seed", type=int, default=0)
+    group = parser.add_argument_group(
+        "tensor parallel across pods", "one replica's ranks over the pods of a LeaderWorkerSet group "
+        "(docs/engine.md#tensor-parallel-across-pods); the pod of node rank k runs ranks k*worldSize/nnodes .. "
+        "(k+1)*worldSize/nnodes-1")
+    group.add_argument(FLAG_NNODES, type=int, default=1, help="pods the ranks span (default 1: all in this one)")
+    group.add_argument(FLAG_NODE_RANK, type=int, default=0,
+                       help="this pod's index in the group, 0..nnodes-1; 0 is the leader, which serves the API")
+    group.add_argument(FLAG_MASTER_ADDR, help="the leader's address (LWS_LEADER_ADDRESS)")
+    group.add_argument(FLAG_MASTER_PORT, type=int, default=RENDEZVOUS_PORT,
+                       help=f"the port the leader listens on for the other pods (default {RENDEZVOUS_PORT})")
+    group.add_argument(FLAG_GROUP_CONNECT_TIMEOUT, type=float, default=DEFAULT_GROUP_CONNECT_TIMEOUT_S,
+                       help="seconds the leader waits for every other pod, and a pod for its leader, before it exits "
+                       f"naming the one missing (default {DEFAULT_GROUP_CONNECT_TIMEOUT_S:g})")
 
 
 def _config(args: argparse.Namespace) -> Any:
@@ -65,6 +85,8 @@ def _config(args: argparse.Namespace) -> Any:
             data["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]["modelWeightPath"] = args.model
     elif args.model:
         data = minimal_config(args.model).to_dict()
+        # no config.json to disagree with: the flags say whether the ranks span pods (MindIE's own switch)
+        data["BackendConfig"]["multiNodesInferEnabled"] = args.nnodes > 1
     else:
         raise ValueError("give --model, or --config with a modelWeightPath")
     ext = data.setdefault("npuserve", {}) or {}
@@ -99,17 +121,31 @@ def _address(args: argparse.Namespace, config: Any) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from npuserve.engine.affinity import CPUBindingError, apply_cpu_binding
-    from npuserve.engine.servable import UnservableConfigError
+    from npuserve.engine.parallel.group import GroupError, GroupLayout, LeaderGroup, layout_problem
+    from npuserve.engine.servable import UnservableConfigError, multi_node_problem
     from npuserve.mindie_config import EngineEnvironment, MindIEConfigError
 
     try:
-        apply_cpu_binding(rank=0, world_size=_world_size(args))  # before torch is imported
+        world_size = _world_size(args)
+        problem = layout_problem(world_size, args.nnodes, args.node_rank, args.master_addr)
+        if problem is not None:
+            raise ValueError(problem)
+        layout = GroupLayout(world_size, args.nnodes, args.node_rank)
+        # before torch is imported; the pod's first rank, of the pod's ranks
+        apply_cpu_binding(rank=0, world_size=layout.cards_per_pod)
         environment = EngineEnvironment.from_environ()
         config = _config(args)
         host, port = _address(args, config)
+        multi = multi_node_problem(config, layout.nnodes)
+        if multi is not None:
+            raise ValueError(multi)
     except (ValueError, MindIEConfigError, OSError, CPUBindingError) as e:
         print(f"npuserve serve: {e}", file=sys.stderr)
         return 2
+    if layout.node_rank > 0:
+        from npuserve.engine.server.group_worker import serve_worker_pod
+
+        return serve_worker_pod(args, config, environment, layout, host, port)
     if config.LogConfig:
         logging.getLogger(__name__).warning(
             "LogConfig is not acted on: the engine logs to stderr at --log-level (%s)", args.log_level)
@@ -121,8 +157,33 @@ def run(args: argparse.Namespace) -> int:
     from npuserve.engine.server.app import build_app
     from npuserve.engine.server.async_engine import AsyncEngine
 
+    group = None
+    if layout.nnodes > 1:  # the leader: every other pod in before anything loads
+        from npuserve.engine.backends import resolve_device
+        from npuserve.engine.servable import check_servable
+        from npuserve.engine.server.fatal import EXIT_CODE, write_termination_message
+        from npuserve.mindie_config import NpuserveExtensions
+        from npuserve.modelspec import ModelSpec
+
+        try:  # a configuration refused is said at once, not after the other pods came
+            check_servable(config, resolve_device((config.npuserve or NpuserveExtensions()).device),
+                           ModelSpec.from_pretrained(config.model.modelWeightPath), nnodes=layout.nnodes)
+        except (UnservableConfigError, ValueError, OSError) as e:
+            print(f"npuserve serve: {e}", file=sys.stderr)
+            return 2
+
+        group = LeaderGroup(layout, model=config.model.modelName, host=host, port=args.master_port,
+                            timeout_s=args.group_connect_timeout)
+        try:
+            group.wait_for_pods()
+            group.start_store()
+        except GroupError as e:
+            logging.getLogger(__name__).critical("%s", e)
+            write_termination_message(str(e))
+            group.close()
+            return EXIT_CODE
     try:
-        llm = LLMEngine(config, env=environment, seed=args.seed)
+        llm = LLMEngine(config, env=environment, seed=args.seed, group=group)
     except (UnservableConfigError, BackendUnavailableError) as e:
         print(f"npuserve serve: {e}", file=sys.stderr)
         return 2

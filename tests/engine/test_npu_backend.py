@@ -334,7 +334,7 @@ def test_tensor_parallel_joins_over_hccl(fake: FakeTorchNPU, monkeypatch: pytest
     # a rank of a worldSize-2 engine on the npu joins its world over the collective library torch_npu registers
     joined: list[tuple[int, int, str]] = []
 
-    def record(rank: int, world_size: int, init_method: str, dist_backend: str) -> None:
+    def record(rank: int, world_size: int, init_method: str, dist_backend: str, store: object = None) -> None:
         joined.append((rank, world_size, dist_backend))
         raise _Joined
 
@@ -344,6 +344,35 @@ def test_tensor_parallel_joins_over_hccl(fake: FakeTorchNPU, monkeypatch: pytest
     with pytest.raises(_Joined):
         rank_runner.build_rank_runner(config, tiny_model_dir, seed=0, rank=1, init_method="tcp://127.0.0.1:1")
     assert joined == [(1, 2, "hccl")]
+
+
+def test_a_rank_of_a_group_of_pods_takes_its_pods_card(fake: FakeTorchNPU, monkeypatch: pytest.MonkeyPatch,
+                                                       tiny_model_dir: Path) -> None:
+    # worldSize 4 over 2 pods of 2 cards: rank 3 is the second rank of pod 1, on that pod's card 1 (npuDeviceIds
+    # [[0, 1]] in every pod), and joins the world as rank 3 of 4
+    from npuserve.engine import rank_runner
+
+    cards: list[tuple[int, list[int] | None]] = []
+    joined: list[tuple[int, int, str]] = []
+
+    def backend(device: str, rank: int, ids: list[int] | None) -> NPUBackend:
+        cards.append((rank, ids))
+        return NPUBackend(device=fake.device)
+
+    def record(rank: int, world_size: int, init_method: str, dist_backend: str, store: object = None) -> None:
+        joined.append((rank, world_size, dist_backend))
+        raise _Joined
+
+    monkeypatch.setattr(rank_runner, "get_backend", backend)
+    monkeypatch.setattr(rank_runner, "connect", record)
+    config = minimal_config(tiny_model_dir, max_seq_len=256, model={"worldSize": 4})
+    data = config.to_dict()
+    data["BackendConfig"]["npuDeviceIds"] = [[0, 1]]
+    config = type(config).from_dict(data)
+    with pytest.raises(_Joined):
+        rank_runner.build_rank_runner(config, tiny_model_dir, seed=0, rank=3, init_method="tcp://127.0.0.2:1",
+                                      cards_per_pod=2)
+    assert cards == [(1, [0, 1])] and joined == [(3, 4, "hccl")]
 
 
 def test_decode_runs_eagerly_where_graphs_are_asked_for(fake: FakeTorchNPU, npu: NPUBackend,
