@@ -490,16 +490,14 @@ def _pod_template(isvc: InferenceService, plan: Plan, config_digest: str, leader
 
 
 def group_anti_affinity(isvc: InferenceService) -> dict[str, Any]:
-    """One pod of a LeaderWorkerSet group per node (required): the pods of this InferenceService carrying a group key
-    (which the controller's webhook sets on a group's leader and workers alike), narrowed by `matchLabelKeys` to the
-    pod's own group, over kubernetes.io/hostname. An API server without matchLabelKeys (before Kubernetes 1.29, or
-    with MatchLabelKeysInPodAffinity off) drops it, and the rule keeps any two engine pods of this InferenceService
-    apart: stricter, never looser."""
+    """One pod of a LeaderWorkerSet group per node (required): the engine pods of this InferenceService, narrowed by
+    `matchLabelKeys` to those with the pod's own group key (which the controller's webhook sets on a group's leader and
+    workers alike, before the API server merges the key into the selector), over kubernetes.io/hostname. The key may
+    not also appear in the selector (the API server refuses the pod). An API server without matchLabelKeys (before
+    Kubernetes 1.29, or with MatchLabelKeysInPodAffinity off) drops it, and the rule keeps any two engine pods of this
+    InferenceService apart: stricter, never looser."""
     term = {
-        "labelSelector": {
-            "matchLabels": selector_labels(isvc),
-            "matchExpressions": [{"key": LWS_GROUP_KEY_LABEL, "operator": "Exists"}],
-        },
+        "labelSelector": {"matchLabels": selector_labels(isvc)},
         "matchLabelKeys": [LWS_GROUP_KEY_LABEL],
         "topologyKey": HOSTNAME_TOPOLOGY_KEY,
     }

@@ -195,8 +195,7 @@ def test_multi_node_renders_a_leaderworkerset_and_the_service_selects_leaders() 
 
 GROUP_ANTI_AFFINITY = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [{
     "labelSelector": {
-        "matchLabels": {"npuserve.io/inferenceservice": "llama3-70b", "app.kubernetes.io/component": "engine"},
-        "matchExpressions": [{"key": "leaderworkerset.sigs.k8s.io/group-key", "operator": "Exists"}]},
+        "matchLabels": {"npuserve.io/inferenceservice": "llama3-70b", "app.kubernetes.io/component": "engine"}},
     "matchLabelKeys": ["leaderworkerset.sigs.k8s.io/group-key"],
     "topologyKey": "kubernetes.io/hostname"}]}}
 
