@@ -536,6 +536,10 @@ def render_leaderworkerset(isvc: InferenceService, plan: Plan, config_digest: st
         "spec": {
             "replicas": plan.replicas,
             "startupPolicy": "LeaderCreated",
+            # The InferenceService's own Service is named `<name>`, the name the controller's shared headless Service
+            # would take (it leaves an existing Service alone, and then no pod name resolves): one headless Service
+            # per group, named after its leader `<name>-<group>`, gives the leader `<name>-<g>.<name>-<g>.<ns>`.
+            "networkConfig": {"subdomainPolicy": "UniquePerReplica"},
             "rolloutStrategy": {"type": "RollingUpdate",
                                 "rollingUpdateConfiguration": {"maxUnavailable": 1, "maxSurge": 0}},
             "leaderWorkerTemplate": {

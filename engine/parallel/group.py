@@ -91,17 +91,20 @@ def layout_problem(world_size: int, nnodes: int, node_rank: int, master_addr: st
 
 
 def expected_worker_address(node_rank: int, leader_address: str | None = None) -> str | None:
-    """The address the LeaderWorkerSet gives the worker pod of `node_rank`, from the leader's
-    (`<lws>-<group>.<lws>.<namespace>` -> `<lws>-<group>-<index>.<lws>.<namespace>`), or None when the leader's
-    address is not of that form."""
+    """The address the LeaderWorkerSet gives the worker pod of `node_rank`, from the leader's, or None when the
+    leader's address is not of either form the controller makes: `<lws>-<group>.<lws>.<namespace>` (one headless
+    Service for the set) -> `<lws>-<group>-<index>.<lws>.<namespace>`; `<lws>-<group>.<lws>-<group>.<namespace>` (one
+    per group, subdomainPolicy UniquePerReplica) -> `<lws>-<group>-<index>.<lws>-<group>.<namespace>`."""
     leader = leader_address if leader_address is not None else os.environ.get(LWS_LEADER_ADDRESS_ENV, "")
     parts = leader.split(".", 2)
     if len(parts) < 3:
         return None
-    head, lws = parts[0], parts[1]
-    if not re.fullmatch(re.escape(lws) + r"-\d+", head):
+    head, subdomain = parts[0], parts[1]
+    if head != subdomain and not re.fullmatch(re.escape(subdomain) + r"-\d+", head):
         return None
-    return f"{head}-{node_rank}.{lws}.{parts[2]}"
+    if not re.fullmatch(r".+-\d+", head):
+        return None
+    return f"{head}-{node_rank}.{subdomain}.{parts[2]}"
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -169,6 +169,9 @@ def test_multi_node_renders_a_leaderworkerset_and_the_service_selects_leaders() 
     template = lws["spec"]["leaderWorkerTemplate"]
     assert (template["size"], lws["spec"]["replicas"]) == (2, 1)
     assert (template["restartPolicy"], lws["spec"]["startupPolicy"]) == ("RecreateGroupOnPodRestart", "LeaderCreated")
+    # The Service `llama3-70b` is the InferenceService's: each group gets its own headless Service for its names.
+    assert objects["Service"]["metadata"]["name"] == lws["metadata"]["name"]
+    assert lws["spec"]["networkConfig"] == {"subdomainPolicy": "UniquePerReplica"}
     (leader,) = pod_spec(lws, "leaderTemplate")["containers"]
     (worker,) = pod_spec(lws, "workerTemplate")["containers"]
     # Every pod of the group runs `npuserve serve` with the group's flags, from the controller's variables.

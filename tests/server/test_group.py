@@ -261,6 +261,8 @@ def test_multi_nodes_infer_enabled_must_say_what_nnodes_does(model_dir: Path, tm
 
 def test_the_worker_address_follows_the_leaderworkerset_naming() -> None:
     assert expected_worker_address(2, "llama-0.llama.team-a") == "llama-0-2.llama.team-a"
+    assert expected_worker_address(1, "llama-3.llama-3.team-a") == "llama-3-1.llama-3.team-a"  # UniquePerReplica
+    assert expected_worker_address(1, "llama.llama.team-a") is None
     assert expected_worker_address(1, "my-lws-13.my-lws.default.svc.cluster.local") == \
         "my-lws-13-1.my-lws.default.svc.cluster.local"
     assert expected_worker_address(1, "10.0.0.5") is None
