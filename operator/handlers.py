@@ -15,9 +15,10 @@ carries only kopf's annotations.
   its schedule generation. Reconcile is the one writer of the ConfigMap, and status.tuning.applied its one source;
   kopf runs one object's handlers one at a time, and the engines take only a newer generation, so a ConfigMap
   rendered from an older read never replaces a newer schedule on them.
-- an engine Deployment or LeaderWorkerSet changes: readiness from its pods and each engine's `/info`, judged against
-  `status.plan` (never re-planned). LeaderWorkerSets are watched only where their CRD is installed: kopf logs that
-  an unserved resource cannot be watched and starts watching when the CRD appears.
+- an engine Deployment or LeaderWorkerSet, or a pod of a LeaderWorkerSet group, changes: readiness from its pods
+  and each engine's `/info`, judged against `status.plan` (never re-planned). LeaderWorkerSets are watched only
+  where their CRD is installed: kopf logs that an unserved resource cannot be watched and starts watching when the
+  CRD appears.
 
 kopf settings, chosen on purpose:
 - standalone (no peering), so no peering CRDs or RBAC: with several replicas, which one runs kopf is decided before
@@ -58,7 +59,7 @@ from . import status as st
 from .autotune_loop import AutotuneLoop, outside_signature
 from .autotune_types import Status
 from .kube import INSTALL_HINTS, OPTIONAL_KINDS
-from .names import INSTANCE_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
+from .names import INSTANCE_LABEL, LWS_WORKER_INDEX_LABEL, MEMO_PROMETHEUS_URL, PROMETHEUS_URL_ENV
 from .render import render, render_admin_secret, render_configmap, selector
 from .tuning_schedule import configmap_schedule
 
@@ -274,9 +275,23 @@ def on_engine_leaderworkerset(*, body: kopf.Body, type: str | None, logger: kopf
     _on_workload(body, type, logger, memo)
 
 
+# A LeaderWorkerSet counts a group ready from its leader pod and the worker StatefulSet's size, not the workers'
+# readiness (sigs.k8s.io/lws v0.7.0, leaderworkerset_controller.go): a worker that becomes ready after its leader
+# changes no LeaderWorkerSet status, so the pods of groups are watched themselves.
+@kopf.on.event("", "v1", "pods", labels={INSTANCE_LABEL: kopf.PRESENT, LWS_WORKER_INDEX_LABEL: kopf.PRESENT})
+def on_group_pod(*, body: kopf.Body, type: str | None, logger: kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
+    """A pod of a multi-node replica changed, or went (its group is down): the same readiness update as for its
+    workload."""
+    _readiness_of(body, logger, memo)
+
+
 def _on_workload(body: kopf.Body, type: str | None, logger: kopf.Logger, memo: kopf.Memo) -> None:
     if type == "DELETED":
         return
+    _readiness_of(body, logger, memo)
+
+
+def _readiness_of(body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo) -> None:
     name, namespace = body.metadata.labels[INSTANCE_LABEL], body.metadata.namespace or "default"
     loop = autotune_loop_of(memo)
     if loop is not None:

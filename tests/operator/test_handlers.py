@@ -231,6 +231,23 @@ def test_readiness_reads_the_plan_from_the_status(monkeypatch: pytest.MonkeyPatc
     assert events[-1] == ("Normal", "Ready", "1/1 engine pods ready")
 
 
+def test_a_group_pods_change_or_end_updates_readiness(monkeypatch: pytest.MonkeyPatch, events: list[Any]) -> None:
+    """A LeaderWorkerSet's status does not follow its workers' readiness: a group's pod events update readiness,
+    its going included (the group is down); the workload's own deletion does not."""
+    fake = _cluster(monkeypatch, TINY)
+    _reconcile(fake)
+    asked: list[tuple[str, str]] = []
+    monkeypatch.setattr(handlers, "update_readiness", lambda name, ns, logger, client: asked.append((name, ns)))
+    labels = {"npuserve.io/inferenceservice": "tiny", "leaderworkerset.sigs.k8s.io/worker-index": "1"}
+    pod = kopf.Body({"metadata": {"name": "tiny-0-1", "namespace": "team-a", "labels": labels}})
+    lws = kopf.Body({"metadata": {"name": "tiny", "namespace": "team-a", "labels": {
+        "npuserve.io/inferenceservice": "tiny"}}})
+    for kind in ("MODIFIED", "DELETED"):
+        handlers.on_group_pod(body=pod, type=kind, logger=LOG, memo=_memo(fake))  # type: ignore[arg-type]
+    handlers.on_engine_leaderworkerset(body=lws, type="DELETED", logger=LOG, memo=_memo(fake))  # type: ignore[arg-type]
+    assert asked == [("tiny", "team-a"), ("tiny", "team-a")]
+
+
 def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monkeypatch: pytest.MonkeyPatch,
                                                                           events: list[Any]) -> None:
     fake = _cluster(monkeypatch, TINY)
