@@ -374,8 +374,9 @@ def merge_status(now: Mapping[str, Any], computed: Mapping[str, Any]) -> Status:
             new[key] = computed[key]
         else:
             new.pop(key, None)
-    if "observed" in computed and (now.get("observed") or {}).get("kvBlocksAllocated") is not None:
-        new["observed"] = {**computed["observed"], "kvBlocksAllocated": now["observed"]["kvBlocksAllocated"]}
+    blocks = (now.get("observed") or {}).get("kvBlocksAllocated")
+    if blocks is not None:  # readiness's, whether or not the loop has observed anything yet
+        new["observed"] = {**(computed.get("observed") or {}), "kvBlocksAllocated": blocks}
     conditions = list(now.get("conditions") or [])
     for cond in computed.get("conditions") or []:
         if cond.get("type") in _OWNED_CONDITIONS:

@@ -98,6 +98,9 @@ def test_merge_takes_what_autotune_owns_and_keeps_what_readiness_wrote() -> None
     assert (conditions["Tuning"]["status"], conditions["Tuning"]["reason"]) == ("True", "Measuring")
     assert conditions["SLOMet"]["status"] == "True" and conditions["Deployed"]["reason"] == "Applied"
     assert merged["phase"] == "Tuning"
+    # Before the loop has observed anything (its computed status has no `observed`), readiness's blocks stay too.
+    early = merge_status(now, {k: v for k, v in computed.items() if k != "observed"})
+    assert early["observed"] == {"kvBlocksAllocated": 64}
 
 
 def test_merge_moves_the_phase_only_between_ready_and_tuning() -> None:
