@@ -114,6 +114,17 @@ def _group_ready(c: localk8s.Cluster, ns: str, name: str, replaced: str | None =
     return all(p is not None and _ready(p) for p in group)
 
 
+def _group_of_two(name: str, ns: str, pod_spec: dict[str, Any], restart_policy: str) -> dict[str, Any]:
+    """A LeaderWorkerSet of one group of two pods (leader and worker from the same template)."""
+    return {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"replicas": 1, "leaderWorkerTemplate": {
+            "size": 2, "restartPolicy": restart_policy, "workerTemplate": {"spec": pod_spec}}},
+    }
+
+
 def test_leaderworkerset_controller_makes_a_group(k8s_cluster: localk8s.Cluster) -> None:
     """The real LeaderWorkerSet controller and its webhooks: a group of a leader and a worker (ordinary containers,
     which KWOK makes Ready), their labels and LWS_* variables, the headless Service, the group recreated when a
@@ -127,19 +138,7 @@ def test_leaderworkerset_controller_makes_a_group(k8s_cluster: localk8s.Cluster)
         assert len(hooks) == 2 and all(h["clientConfig"]["url"].startswith("https://127.0.0.1:") for h in hooks)
     c.kubectl("create", "namespace", ns)
     container = {"name": "main", "image": "npuserve/none:0"}  # KWOK pulls nothing
-    lws = {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "replicas": 1,
-            "leaderWorkerTemplate": {
-                "size": 2,
-                "restartPolicy": "RecreateGroupOnPodRestart",
-                "workerTemplate": {"spec": {"containers": [container]}},
-            },
-        },
-    }
+    lws = _group_of_two(name, ns, {"containers": [container]}, "RecreateGroupOnPodRestart")
     leader, worker = f"{name}-0", f"{name}-0-1"
     try:
         c.kubectl("apply", "-f", "-", input=json.dumps(lws))
@@ -179,19 +178,8 @@ def test_process_pods_of_a_leaderworkerset_get_names_and_variables(k8s_cluster: 
     command = ["npuserve", "serve", "--model", "/models/none", "--port", "8000"]
     command += ["--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)", "--x", "$$(KEPT)"]
     container = {"name": "engine", "image": "npuserve/engine:0", "command": command}
-    lws = {
-        "apiVersion": "leaderworkerset.x-k8s.io/v1",
-        "kind": "LeaderWorkerSet",
-        "metadata": {"name": name, "namespace": ns},
-        "spec": {
-            "replicas": 1,
-            "leaderWorkerTemplate": {
-                "size": 2,
-                "restartPolicy": "None",  # the engines fail and restart in place; the group stays
-                "workerTemplate": {"spec": {"containers": [container], "terminationGracePeriodSeconds": 1}},
-            },
-        },
-    }
+    # restartPolicy None: the engines fail and restart in place; the group stays.
+    lws = _group_of_two(name, ns, {"containers": [container], "terminationGracePeriodSeconds": 1}, "None")
     leader, worker = f"{name}-0", f"{name}-0-1"
     folders = {pod: c.dir / "pods" / f"{ns}_{pod}" for pod in (leader, worker)}
     records = [f"{pod}.{name}.{ns}.svc.cluster.local\t{pod}.{name}.{ns}.svc\t{pod}.{name}.{ns}" for pod in folders]
