@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -299,9 +300,23 @@ def _readiness_of(body: kopf.Body, logger: kopf.Logger, memo: kopf.Memo) -> None
     update_readiness(name, namespace, logger, kube_of(memo))
 
 
+# One readiness update at a time per InferenceService: kopf runs the handlers of different objects at once (a
+# group's pods, its LeaderWorkerSet), and an update that read the pods before another's must not write after it (a
+# stale "worker not ready" landing last, with no later event to correct it).
+_READINESS_LOCKS: dict[tuple[str, str], threading.Lock] = {}
+_READINESS_LOCKS_GUARD = threading.Lock()
+
+
 def update_readiness(name: str, namespace: str, logger: kopf.Logger, client: kube_module.Kube) -> None:
     """Pods ready, the Ready condition, phase, and the KV blocks each engine actually allocated (its /info), judged
     against the plan in the status."""
+    with _READINESS_LOCKS_GUARD:
+        lock = _READINESS_LOCKS.setdefault((namespace, name), threading.Lock())
+    with lock:
+        _update_readiness(name, namespace, logger, client)
+
+
+def _update_readiness(name: str, namespace: str, logger: kopf.Logger, client: kube_module.Kube) -> None:
     obj = client.get_inference_service(namespace, name)
     status = (obj or {}).get("status") or {}
     sel = status.get("selector")

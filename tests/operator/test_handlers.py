@@ -248,6 +248,45 @@ def test_a_group_pods_change_or_end_updates_readiness(monkeypatch: pytest.Monkey
     assert asked == [("tiny", "team-a"), ("tiny", "team-a")]
 
 
+def test_a_readiness_update_that_read_the_pods_first_never_writes_last(monkeypatch: pytest.MonkeyPatch,
+                                                                      events: list[Any]) -> None:
+    """Two pods of a group change at once (kopf runs their handlers concurrently): the update that read the worker
+    not ready yet must not land after the one that read it ready."""
+    import threading
+
+    fake = _cluster(monkeypatch, TINY, served={"ConfigMap", "Service", "Deployment", "LeaderWorkerSet"})
+    _reconcile(fake, {"accelerator": CPU_GROUP})
+    leader = engine_http.EnginePod("tiny-0", "127.1.0.1", True, group="0")
+    stale = [leader, engine_http.EnginePod("tiny-0-1", "127.1.0.2", False, serves_http=False, group="0")]
+    fresh = [leader, engine_http.EnginePod("tiny-0-1", "127.1.0.2", True, serves_http=False, group="0")]
+    reads = iter([stale, fresh])
+    monkeypatch.setattr(fake, "engine_pods", lambda ns, sel: next(reads))
+    second_wrote = threading.Event()
+
+    def read_engines(pods: list[engine_http.EnginePod]) -> list[EngineReport]:
+        if pods is stale:  # the first update is slow to read /info: the second one's write may come meanwhile
+            second_wrote.wait(timeout=1.0)
+        return [EngineReport(p.name, p.ready, kv_blocks=64 if p.serves_http else None, group=p.group) for p in pods]
+
+    monkeypatch.setattr(engine_http, "read_engines", read_engines)
+    update = fake.update_status
+
+    def update_status(*args: Any, **kwargs: Any) -> Any:
+        out = update(*args, **kwargs)
+        if threading.current_thread().name == "second":
+            second_wrote.set()
+        return out
+
+    monkeypatch.setattr(fake, "update_status", update_status)
+    first = threading.Thread(target=handlers.update_readiness, args=("tiny", "team-a", LOG, fake), name="first")
+    second = threading.Thread(target=handlers.update_readiness, args=("tiny", "team-a", LOG, fake), name="second")
+    first.start()
+    second.start()
+    first.join()
+    second.join()
+    assert fake.status["replicas"] == 1 and fake.status["phase"] == "Ready", _conditions(fake)["Ready"]
+
+
 def test_a_crashed_engine_is_on_the_ready_condition_with_one_warning_event(monkeypatch: pytest.MonkeyPatch,
                                                                           events: list[Any]) -> None:
     fake = _cluster(monkeypatch, TINY)
