@@ -43,6 +43,7 @@ from . import kube as kube_module
 from . import look_timing as lt
 from . import tuning_schedule as ts
 from .autotune_types import Status
+from .capacity import group_limit
 from .names import COMPONENT_LABEL, INSTANCE_LABEL
 from .prometheus import Figure, PrometheusClient, Selection, Unreachable, WindowReading
 from .render import ADMIN_TOKEN_KEY, LOADGEN_COMPONENT, admin_secret_name, engine_cpus
@@ -277,7 +278,9 @@ class AutotuneLoop:
         if lt.needs_replica_limit(isvc, plan, status):
             acc = get_accelerator(isvc.spec.accelerator.type)
             per_pod = plan.cardsPerPod if acc.resource_name else float(engine_cpus(isvc, plan))
-            limit = self.calls.replica_limit(acc.resource_name, per_pod, plan.nodes)
+            # Replicas of `nodes` pods, every pod of one on a different node, from what each node's allocatable holds
+            # (ignoring what else runs there: the scheduler has the last word).
+            limit = group_limit(self.calls.pods_per_node(acc.resource_name, per_pod), plan.nodes)
         return tt.Observation(now=now, pods=read.pods, measurement=measurement, prometheus=answers,
                               prometheus_configured=self.prometheus is not None, job=job, replica_limit=limit)
 

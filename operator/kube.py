@@ -27,7 +27,6 @@ from kubernetes.utils import parse_quantity
 from npuserve.planning.api import GROUP, PLURAL, VERSION
 
 from .autotune_types import JobPhase, PodState, Status, Termination
-from .capacity import group_limit
 from .engine_http import EnginePod
 from .names import ENGINE_CONTAINER, INSTANCE_LABEL, LWS_GROUP_INDEX_LABEL, LWS_WORKER_INDEX_LABEL
 from .status_writer import StatusUpdate, get_inference_service, update_status
@@ -261,12 +260,6 @@ class AutotuneKube:
         """Through the scale subresource, as `kubectl scale` and an HPA do."""
         self.kube.custom.patch_namespaced_custom_object_scale(
             GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}})
-
-    def replica_limit(self, resource: str | None, per_pod: float, nodes: int = 1) -> int | None:
-        """How many replicas of `nodes` pods, each asking `per_pod` of `resource` (an accelerator; None: CPUs), the
-        schedulable nodes' allocatable holds, every pod of a replica on a different node (`capacity.group_limit`),
-        ignoring what else runs there (the scheduler has the last word)."""
-        return group_limit(self.pods_per_node(resource, per_pod), nodes)
 
     def pods_per_node(self, resource: str | None, per_pod: float) -> list[int]:
         """How many pods asking `per_pod` of `resource` each schedulable node's allocatable holds."""

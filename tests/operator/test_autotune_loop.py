@@ -15,8 +15,8 @@ import httpx
 from test_autotune import DECODE_SLO, make_isvc, ready_status
 
 from npuserve.operator import autotune as at
+from npuserve.operator import autotune_loop, engine_http
 from npuserve.operator import autotune_types as tt
-from npuserve.operator import engine_http
 from npuserve.operator import look_timing as lt
 from npuserve.operator.autotune_loop import AutotuneLoop, measurement_of, merge_status, outside_signature
 from npuserve.operator.autotune_types import GenerationsRun
@@ -358,23 +358,28 @@ def test_a_groups_leader_alone_takes_the_schedule_and_the_load(monkeypatch: Any)
 
 def test_the_replica_limit_is_asked_for_groups_of_the_plans_pods(monkeypatch: Any) -> None:
     """With spec.capacity, the look asks how many replicas the nodes hold: replicas of `nodes` pods of cardsPerPod
-    (here CPUs: the pod's cores), which the cluster client counts one pod per node (kube.replica_limit)."""
+    (here CPUs: the pod's cores), one pod per node (capacity.group_limit over kube's pods_per_node)."""
     isvc = make_isvc(DECODE_SLO, capacity={"targetConcurrentUsers": 100})
     isvc.spec.accelerator = isvc.spec.accelerator.model_copy(update={"cards": 2, "cardsPerNode": 1})
     plan = plan_spec(isvc.spec)
     data = isvc.model_dump(mode="json", exclude_none=True)
     data["metadata"] = {**data["metadata"], "name": "alpha", "namespace": "default"}
     cluster = ActingCluster([{**data, "status": ready_status(plan) | {"selector": "alpha"}}])
-    asked: list[tuple[str | None, float, int]] = []
+    asked: list[tuple[str | None, float]] = []
 
-    def replica_limit(resource: str | None, per_pod: float, nodes: int = 1) -> int:
-        asked.append((resource, per_pod, nodes))
-        return 3
+    def pods_per_node(resource: str | None, per_pod: float) -> list[int]:
+        asked.append((resource, per_pod))
+        return [4, 0, 1]  # a pod of each replica per node: 1 replica of 2 pods (5 // 2 would say 2)
 
-    cluster.replica_limit = replica_limit  # type: ignore[attr-defined]
+    cluster.pods_per_node = pods_per_node  # type: ignore[attr-defined]
+    groups: list[tuple[list[int], int]] = []
+    real = autotune_loop.group_limit
+    monkeypatch.setattr(autotune_loop, "group_limit", lambda per_node, nodes: groups.append((per_node, nodes))
+                        or real(per_node, nodes))
     monkeypatch.setattr(engine_http, "put_schedule", lambda pods, token, knobs: {})
     fresh_leader(cluster).look([("default", "alpha")], T0)
-    assert asked == [(None, 2.0, 2)]  # tiny-cpu.yaml: spec.engine.cpu 2 per pod, two pods per replica
+    assert asked == [(None, 2.0)]  # tiny-cpu.yaml: spec.engine.cpu 2 per pod
+    assert groups == [([4, 0, 1], 2)]  # two pods per replica
 
 
 def test_a_failed_status_write_applies_nothing_and_the_next_look_opens_the_trial(monkeypatch: Any) -> None:

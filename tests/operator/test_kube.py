@@ -234,8 +234,8 @@ def test_the_replica_limit_reads_every_quantity_the_api_server_writes() -> None:
                            (False, {})])  # type: ignore[assignment]
     calls = AutotuneKube.__new__(AutotuneKube)
     calls.kube = kube
-    assert calls.replica_limit(None, 2.0) == 3 + 8
-    assert calls.replica_limit("npu.example/shares", 250.0) == 4 + 6
+    assert calls.pods_per_node(None, 2.0) == [3, 8]  # the cordoned node and the one without CPUs: none
+    assert calls.pods_per_node("npu.example/shares", 250.0) == [4, 6]
 
 
 def test_a_groups_pods_carry_their_group_and_only_leaders_serve_http() -> None:
@@ -275,6 +275,6 @@ def test_the_replica_limit_of_groups_counts_nodes_not_cards() -> None:
                            (False, {"huawei.com/Ascend910": "4"})])  # type: ignore[assignment]
     calls = AutotuneKube.__new__(AutotuneKube)
     calls.kube = kube
-    assert calls.replica_limit("huawei.com/Ascend910", 8.0, 2) == 1
-    assert calls.replica_limit("huawei.com/Ascend910", 8.0, 3) == 1
-    assert calls.replica_limit("huawei.com/Ascend910", 4.0, 2) == 3  # 2 + 2 + 2 + 1 pods of 4, on 4 nodes
+    assert group_limit(calls.pods_per_node("huawei.com/Ascend910", 8.0), 2) == 1
+    assert group_limit(calls.pods_per_node("huawei.com/Ascend910", 8.0), 3) == 1
+    assert group_limit(calls.pods_per_node("huawei.com/Ascend910", 4.0), 2) == 3  # 2 + 2 + 2 + 1 pods of 4
