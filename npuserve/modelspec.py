@@ -3,7 +3,9 @@ experts) and DeepSeek-V2/V3 (multi-head latent attention plus mixture of experts
 
 The planner sizes memory from it, the engine builds its layers from it, and the dummy writer turns it back into
 a `config.json` that `transformers` loads. What is not implemented (a model type, a quantization scheme, a rope
-scaling kind, an MoE layer pattern) is refused here by name, at load, rather than served wrongly.
+scaling kind, an MoE layer pattern) is refused here by name, at load, rather than served wrongly. A quantized
+checkpoint's scheme (`npuserve/quantization.py`) is read from its own declaration: `config.json`'s
+`quantization_config` (compressed-tensors) or msModelSlim's `quant_model_description.json` beside it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from npuserve.engine_contract import DTYPE_BYTES, DType, kv_bytes_per_block, mla_kv_bytes_per_block
+from npuserve.quantization import QuantScheme, UnsupportedQuantizationError, read_scheme, scheme_of
 
 ModelType = Literal["llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = (
@@ -190,6 +193,8 @@ class ModelSpec(BaseModel):
     eos_token_id: int | list[int] | None = None
     moe: MoESpec | None = None  # the MoE families; `intermediate_size` is then the dense layers' MLP
     mla: MLASpec | None = None  # DeepSeek; `head_dim` is then the query/key head size (nope + rope)
+    # a quantized checkpoint's scheme (npuserve/quantization.py): which linear layers are int8; None: all in `dtype`
+    quantization: QuantScheme | None = None
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -289,7 +294,90 @@ class ModelSpec(BaseModel):
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_parameters * self.dtype_bytes
+        """Bytes of every weight as stored: int8 (with its scales) where the quantization scheme says so."""
+        return self.num_parameters * self.dtype_bytes - self.quantization_saving
+
+    # --- linear layers and quantization ---------------------------------------------------------------------------
+
+    def layer_linears(self, index: int) -> list[tuple[str, int, int]]:
+        """The linear modules of decoder layer `index` as (HF module name, out_features, in_features); a routed
+        expert's appear once, as expert 0's (`routed_expert_linears` has them all)."""
+        h, p = self.hidden_size, f"model.layers.{index}."
+        out: list[tuple[str, int, int]] = []
+        heads = self.num_attention_heads
+        if self.mla is not None:
+            m = self.mla
+            if m.q_lora_rank is None:
+                out.append((p + "self_attn.q_proj", heads * m.qk_head_dim, h))
+            else:
+                out += [(p + "self_attn.q_a_proj", m.q_lora_rank, h),
+                        (p + "self_attn.q_b_proj", heads * m.qk_head_dim, m.q_lora_rank)]
+            out += [(p + "self_attn.kv_a_proj_with_mqa", m.cache_dim, h),
+                    (p + "self_attn.kv_b_proj", heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+                    (p + "self_attn.o_proj", h, heads * m.v_head_dim)]
+        else:
+            out += [(p + "self_attn.q_proj", self.q_size, h), (p + "self_attn.k_proj", self.kv_size, h),
+                    (p + "self_attn.v_proj", self.kv_size, h), (p + "self_attn.o_proj", h, self.q_size)]
+        if self.moe is None or not self.moe.is_moe_layer(index):
+            i = self.intermediate_size
+            return [*out, (p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
+        moe = self.moe
+        out.append((p + "mlp.gate", moe.num_experts, h))
+        out += self.routed_expert_linears(index, 0)
+        if moe.shared_expert_intermediate_size:
+            s = moe.shared_expert_intermediate_size
+            shared = p + ("mlp.shared_experts." if self.mla is not None else "mlp.shared_expert.")
+            out += [(shared + "gate_proj", s, h), (shared + "up_proj", s, h), (shared + "down_proj", h, s)]
+            if moe.shared_expert_gate:
+                out.append((p + "mlp.shared_expert_gate", 1, h))
+        return out
+
+    def routed_expert_linears(self, index: int, expert: int) -> list[tuple[str, int, int]]:
+        """Routed expert `expert`'s gate, up and down projections in MoE layer `index`."""
+        assert self.moe is not None
+        h, i = self.hidden_size, self.moe.moe_intermediate_size
+        p = f"model.layers.{index}.mlp.experts.{expert}."
+        return [(p + "gate_proj", i, h), (p + "up_proj", i, h), (p + "down_proj", h, i)]
+
+    def _saving(self, linears: list[tuple[str, int, int]]) -> int:
+        """Bytes the quantization scheme saves on these linear modules against the model's dtype."""
+        q = self.quantization
+        if q is None:
+            return 0
+        full = self.dtype_bytes
+        return sum(o * i * full - q.linear_bytes(name, o, i, full) for name, o, i in linears)
+
+    def _expert_saving(self, index: int) -> int:
+        """One routed expert's saving in layer `index` (expert 0's scheme stands for all: the tools quantize the
+        experts of a layer alike)."""
+        return self._saving(self.routed_expert_linears(index, 0)) if self.moe is not None else 0
+
+    def _layer_saving(self, index: int) -> int:
+        saving = self._saving(self.layer_linears(index))
+        if self.moe is not None and self.moe.is_moe_layer(index):
+            saving += (self.moe.num_experts - 1) * self._expert_saving(index)
+        return saving
+
+    @property
+    def quantization_saving(self) -> int:
+        """Bytes the quantization scheme saves over the whole model against storing every weight in `dtype`."""
+        if self.quantization is None:
+            return 0
+        return sum(self._layer_saving(i) for i in range(self.num_layers))
+
+    @property
+    def quantized_parameters(self) -> int:
+        """The parameters stored as int8 (every expert counted); 0 when not quantized."""
+        q = self.quantization
+        if q is None:
+            return 0
+        total = 0
+        for index in range(self.num_layers):
+            total += sum(o * i for name, o, i in self.layer_linears(index) if q.module_method(name))
+            if self.moe is not None and self.moe.is_moe_layer(index):
+                total += (self.moe.num_experts - 1) * sum(
+                    o * i for name, o, i in self.routed_expert_linears(index, 0) if q.module_method(name))
+        return total
 
     @property
     def layer_parameters(self) -> int:
@@ -308,7 +396,8 @@ class ModelSpec(BaseModel):
         if self.moe is None:
             return 0.0
         untouched = self.moe.num_experts - self.moe.experts_touched(tokens)
-        return len(self.moe_layers) * untouched * self.moe.expert_params(self.hidden_size) * self.dtype_bytes
+        expert_bytes = self.moe.expert_params(self.hidden_size) * self.dtype_bytes
+        return sum(untouched * (expert_bytes - self._expert_saving(i)) for i in self.moe_layers)
 
     def step_weight_bytes(self, tokens: int) -> float:
         """Weight bytes a step of `tokens` routed tokens (one per decoding sequence, every prompt token of a
@@ -316,7 +405,8 @@ class ModelSpec(BaseModel):
         layer and the LM head (the embedding table is a lookup), less the routed experts no token chose. Dense:
         the same at any batch; MoE: attention, dense layers, router and shared experts, plus the touched experts."""
         head = self.vocab_size * self.hidden_size
-        return (self.layer_parameters + head) * self.dtype_bytes - self.untouched_expert_bytes(tokens)
+        return ((self.layer_parameters + head) * self.dtype_bytes - self.quantization_saving
+                - self.untouched_expert_bytes(tokens))
 
     def kv_bytes_per_block(self, block_size: int, world_size: int = 1, dtype: str | None = None) -> int:
         """KV bytes of one block on one card (the contract's formulas); `dtype` defaults to the model's."""
@@ -337,13 +427,17 @@ class ModelSpec(BaseModel):
     # --- HF config.json ----------------------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
+    def from_hf_config(cls, config: dict[str, Any], quant_description: dict[str, Any] | None = None) -> ModelSpec:
+        """`quant_description`: msModelSlim's `quant_model_description.json`, when the folder has one."""
         model_type = config.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; npuserve serves {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        _refuse_quantization(config)
+        try:
+            quantization = scheme_of(config, quant_description)
+        except UnsupportedQuantizationError as e:
+            raise UnsupportedModelError(str(e)) from e
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         mla = _mla_of(config) if model_type in MLA_MODEL_TYPES else None
@@ -387,6 +481,7 @@ class ModelSpec(BaseModel):
                 eos_token_id=config.get("eos_token_id"),
                 moe=_moe_of(model_type, config) if model_type in MOE_MODEL_TYPES else None,
                 mla=mla,
+                quantization=quantization,
             )
         except ValidationError as e:
             raise UnsupportedModelError(f"config.json of a {model_type} model: {e}") from e
@@ -398,7 +493,12 @@ class ModelSpec(BaseModel):
             config = json.loads(path.read_text())
         except FileNotFoundError as e:
             raise FileNotFoundError(f"no config.json in model folder {folder}") from e
-        return cls.from_hf_config(config)
+        try:
+            quantization = read_scheme(folder, config)
+        except UnsupportedQuantizationError as e:
+            raise UnsupportedModelError(str(e)) from e
+        spec = cls.from_hf_config({k: v for k, v in config.items() if k != "quantization_config"})
+        return spec.model_copy(update={"quantization": quantization})
 
     def to_hf_config(self) -> dict[str, Any]:
         """A `config.json` that `transformers` loads into the matching *ForCausalLM class."""
@@ -452,21 +552,6 @@ class ModelSpec(BaseModel):
             if self.model_type == "qwen2_moe":
                 config["qkv_bias"] = self.attention_bias
         return config
-
-
-_QUANTIZED_ADVICE = {
-    "fp8": ("FP8 block-quantised checkpoints (the original DeepSeek-V3/R1 release) are not supported: Ascend 910B "
-            "cards have no FP8; convert the checkpoint to bf16 first (DeepSeek's inference/fp8_cast_bf16.py)"),
-}
-
-
-def _refuse_quantization(config: dict[str, Any]) -> None:
-    quant = config.get("quantization_config")
-    if not quant:
-        return
-    method = str(quant.get("quant_method") or quant.get("quant_type") or "unknown")
-    raise UnsupportedModelError(_QUANTIZED_ADVICE.get(
-        method, f"quantization_config with quant_method {method!r} is not supported; serve a bf16/fp16 checkpoint"))
 
 
 def _mla_of(config: dict[str, Any]) -> MLASpec:
