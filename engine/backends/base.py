@@ -13,6 +13,7 @@ The methods here are the torch reference; a device backend overrides them with i
 Mixture of experts: `moe_select_experts` (the router's rule: which experts each token goes to, with which weight)
 and `moe_experts` (the routed experts' SwiGLU MLPs over the tokens sent to them, weighted and summed per token).
 The torch reference here is the CPU's; a device backend overrides them with its fused kernels.
+Int8 (W8A8) weights: `int8_linear` and `moe_experts_int8`, the reference in `int8_reference.py`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from npuserve.engine.backends import int8_reference
 from npuserve.modelspec import MoESpec
+
+if TYPE_CHECKING:
+    from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 
 
 @dataclass(slots=True)
@@ -290,6 +295,21 @@ class Backend(ABC):
         `(T, H)` in x's dtype, out[t] = sum_k weights[t, k] * w2[e] @ (silu(gate_e x[t]) * up_e x[t]) with
         e = ids[t, k]. Under tensor parallel this is this rank's partial sum; no all-reduce inside."""
         return grouped_experts(x, weights, ids, w13, w2)
+
+    # --- int8 (W8A8) quantized weights --------------------------------------------------------------------------
+
+    def int8_linear(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        """An int8 linear layer (`engine/model/int8.py` writes out the math of its scheme, `layer.method`): x
+        `(..., K)` in the model's dtype -> `(..., N)` in x's dtype. The reference quantizes x, multiplies in int32
+        and dequantizes in float32."""
+        return int8_reference.int8_linear(x, layer)
+
+    def moe_experts_int8(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         experts: Int8Experts) -> torch.Tensor:
+        """`moe_experts` over int8 experts (`Int8Experts`: per-row weight scales, activations quantized per token
+        before each of the two matmuls)."""
+        return grouped_experts(x, weights, ids, experts.w13, experts.w2,
+                               lambda rows, e: int8_reference.int8_expert(rows, experts, e))
 
 
 def select_experts(router_logits: torch.Tensor, moe: MoESpec,

@@ -1,0 +1,70 @@
+"""The torch reference of the int8 (W8A8) ops (`Backend.int8_linear`, `Backend.moe_experts_int8`): the schemes'
+math step for step (`engine/model/int8.py` writes it out), the product in int32 (`torch._int_mm`, exact), the
+dequantisation in float32. The CPU runs it; a device backend overrides it with its kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from npuserve.engine.model.int8 import Int8Experts, Int8Linear
+
+INT8_MAX = 127
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """`clamp(round(x / scale) + offset, -128, 127)` as int8; round half to even, as the cards' round does."""
+    q = torch.round(x.float() / scale) + offset
+    return q.clamp(-128, 127).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: `s = max |x| / 127` (a zero row gets s = 1), `x_q = round(x / s)`. Returns (x_q int8, s (T,)
+    float32)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(xf / scale.unsqueeze(-1)).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """`x_q (T, K) . w_q (N, K)^T` in int32, exactly (`torch._int_mm`; int64 accumulation where it refuses the
+    shape)."""
+    try:
+        return torch._int_mm(x_q.contiguous(), w_q.t())
+    except RuntimeError:  # a shape or device this torch's int8 GEMM does not take: exact, slower
+        return (x_q.to(torch.int64) @ w_q.t().to(torch.int64)).to(torch.int32)
+
+
+def int8_linear(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    """`Backend.int8_linear`'s reference: x (..., K) in the model's dtype -> (..., N) in x's dtype."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if layer.method == "w8a8":
+        assert layer.input_scale is not None and layer.input_offset is not None and layer.quant_bias is not None
+        x_q = quantize_static(rows, layer.input_scale, layer.input_offset)
+        acc = int32_matmul(x_q, layer.weight) + layer.quant_bias
+        y = acc.float() * (layer.input_scale * layer.weight_scale)
+    else:
+        x_q, token_scale = quantize_per_token(rows)
+        acc = int32_matmul(x_q, layer.weight)
+        y = acc.float() * token_scale.unsqueeze(-1) * layer.weight_scale
+    if layer.bias is not None:
+        y = y + layer.bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], layer.out_features)
+
+
+def int8_expert(rows: torch.Tensor, experts: Int8Experts, expert: int) -> torch.Tensor:
+    """One routed expert over its rows: both matmuls with per-token dynamic activations, SwiGLU in float32."""
+    x_q, s = quantize_per_token(rows)
+    h = int32_matmul(x_q, experts.w13[expert]).float() * s.unsqueeze(-1) * experts.w13_scale[expert]
+    inter = experts.w2.shape[2]
+    act = F.silu(h[:, :inter]) * h[:, inter:]
+    a_q, s2 = quantize_per_token(act)
+    out = int32_matmul(a_q, experts.w2[expert]).float() * s2.unsqueeze(-1) * experts.w2_scale[expert]
+    return out.to(rows.dtype)
