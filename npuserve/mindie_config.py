@@ -32,6 +32,7 @@ from npuserve.engine_contract import (
     schedule_field,
     schedule_generation_field,
 )
+from npuserve.quantization import QuantizationRequest
 
 # MindIE's shipped defaults (docs/mindie-config.md); the ScheduleConfig ones live in the contract's field table.
 DEFAULT_MAX_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxBatchSize"].default)
@@ -155,6 +156,9 @@ class NpuserveExtensions(BaseModel):
     device: Literal["auto", "npu", "cuda", "cpu"] = "auto"
     dtype: Literal["auto"] | DType = "auto"
     loadFormat: Literal["auto", "safetensors", "dummy"] = "auto"
+    quantization: QuantizationRequest | None = Field(
+        default=None, description="the quantized scheme to serve: must be what the checkpoint declares (refused "
+        "otherwise); with loadFormat dummy, random int8 weights of it. Omitted: whatever the checkpoint declares")
     policy: QueuePolicy = "fcfs"
     enablePrefixCaching: bool = True
     chunkedPrefill: bool = Field(default=False, description="MindIE's SplitFuse: prompts split into chunks mixed "

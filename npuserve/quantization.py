@@ -50,6 +50,27 @@ ROW_OVERHEAD_BYTES: dict[tuple[str, str], int] = {
 }
 
 
+class QuantizationRequest(BaseModel):
+    """A scheme named by a user (the InferenceService's `spec.model.quantization`, the engine config's
+    `npuserve.quantization`): which format and method. With a checkpoint, it must be what the checkpoint declares
+    (the engine refuses a mismatch); with random weights (`loadFormat: dummy`) the engine draws int8 weights of this
+    scheme; the planner sizes the weights by it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    format: QuantFormat = Field(description="the tool's format: msmodelslim (quant_model_description.json) or "
+                                "compressed-tensors (llm-compressor)")
+    method: QuantMethod = Field(description="w8a8: int8 weights and static int8 activations; w8a8_dynamic: int8 "
+                                "weights, activations quantized per token at run time")
+
+    def scheme(self) -> QuantScheme:
+        """The standard coverage (`standard_module_method`) of this format and method."""
+        return QuantScheme(format=self.format, method=self.method)
+
+    def matches(self, scheme: QuantScheme) -> bool:
+        return scheme.format == self.format and scheme.method == self.method
+
+
 class UnsupportedQuantizationError(ValueError):
     """The checkpoint declares a quantization npuserve does not serve; the message names the scheme."""
 
