@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend, MemoryInfo, grouped_experts, linear_expert
+from npuserve.engine.model.int8 import Int8Experts
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class CPUBackend(Backend):
     def prepare_model(self, model: nn.Module) -> None:
         self._packed_experts.clear()
         for module in model.modules():
+            if isinstance(module, Int8Experts):
+                continue  # int8 experts run the int8 reference (moe_experts_int8): nothing to pack
             w13, w2 = getattr(module, "w13", None), getattr(module, "w2", None)
             if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):
                 packed = _pack_experts(w13, w2)

@@ -78,3 +78,24 @@ def write_quantized_checkpoint(float_folder: Path, out: Path, request: Quantizat
                                       "strategy": "token" if dynamic else "tensor"}}}}
         (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def dequantized_copy(model: CausalLM) -> CausalLM:
+    """The same model in float32: every int8 weight times its per-row scale (activations then stay float)."""
+    from npuserve.engine.model.int8 import Int8Experts, Int8Linear
+    from npuserve.engine.model.loader import build_model
+
+    spec = model.spec.model_copy(update={"quantization": None})
+    copy = build_model(spec, torch.float32, torch.device("cpu"), model.layout)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, param in copy.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            source = modules.get(owner)
+            if isinstance(source, Int8Linear) and leaf == "weight":
+                param.copy_(source.weight.float() * source.weight_scale.unsqueeze(1))
+            elif isinstance(source, Int8Experts) and leaf in ("w13", "w2"):
+                param.copy_(getattr(source, leaf).float() * getattr(source, f"{leaf}_scale").unsqueeze(-1))
+            else:
+                param.copy_(dict(model.named_parameters())[name])
+    return copy

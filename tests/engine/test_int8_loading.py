@@ -244,3 +244,14 @@ def test_two_ranks_hold_the_whole_int8_model(preset: str, request_: Quantization
             gates = torch.cat([p.w13_scale[:, :inter] for p in part], dim=1)
             assert torch.equal(gates, module.w13_scale[:, : 2 * inter])
             assert torch.equal(part[1].w2_scale, module.w2_scale)
+
+
+def test_the_config_check_names_a_scheme_mismatch(tmp_path: Path) -> None:
+    from npuserve.engine.servable import refusals
+    from npuserve.mindie_config import minimal_config
+
+    spec = get_model_preset("tiny").model_copy(update={"quantization": SCHEMES[1].scheme()})
+    config = minimal_config(tmp_path, extensions={"quantization": {"format": "msmodelslim", "method": "w8a8"}})
+    assert [p for p in refusals(config, "cpu", spec) if p.startswith("npuserve.quantization: ")] == [
+        "npuserve.quantization: the engine config's npuserve.quantization is msmodelslim W8A8, but the checkpoint "
+        "declares msmodelslim W8A8_DYNAMIC; set it to the checkpoint's scheme or leave it out"]

@@ -1,0 +1,98 @@
+"""W8A8 checkpoints end to end on the CPU: `npuserve generate` runs each (dense and MoE, both tools' formats, both
+methods) at worldSize 1 and 2 and returns its tokens, with the scheme in the ready line (/info); the logits stay
+within a bound of the same model with its int8 weights dequantized to float; an engine config that names another
+scheme than the checkpoint's is refused, naming both; random int8 weights (loadFormat dummy) of a named scheme.
+
+The checkpoints: the real tools' (tests/quant_checkpoints.py) where that module is there, else the engine's own
+per-channel quantization written in each tool's layout (int8_models.write_quantized_checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from npuserve.catalog.models import get_model_preset  # noqa: E402
+from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
+from npuserve.engine.model.loader import load_model  # noqa: E402
+from npuserve.modelspec import ModelSpec  # noqa: E402
+from npuserve.quantization import QuantizationRequest  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int8_models import dequantized_copy, prompt_logits, write_quantized_checkpoint  # noqa: E402
+
+NPUSERVE = str(Path(sys.executable).parent / "npuserve")
+PRESETS = {"dense": "tiny", "moe": "tiny-qwen3-moe"}
+FORMATS = {"msmodelslim": "msmodelslim", "llmcompressor": "compressed-tensors"}
+CASES = [(model, tool, method) for model in PRESETS for tool in FORMATS for method in ("w8a8", "w8a8_dynamic")]
+MAX_TOKENS = 6
+# max |logits - dequantized float logits| against the largest float logit: int8 activations and weights, 2 layers
+LOGITS_BOUND = 0.15
+
+
+def checkpoint(tmp: Path, tool: str, model: str, method: str) -> Path:
+    try:
+        from tests.quant_checkpoints import quant_checkpoint  # type: ignore[import-not-found]
+    except ImportError:
+        spec = get_model_preset(PRESETS[model]).model_copy(update={"dtype": "float32"})
+        float_folder = write_dummy_model(spec, tmp / f"{model}-float", seed=4)
+        request = QuantizationRequest(format=FORMATS[tool], method=method)  # type: ignore[arg-type]
+        return write_quantized_checkpoint(float_folder, tmp / f"{model}-{tool}-{method}", request)
+    path: Path = quant_checkpoint(tool, model, method)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], Path]:
+    tmp = tmp_path_factory.mktemp("int8")
+    return {case: checkpoint(tmp, case[1], case[0], case[2]) for case in CASES}
+
+
+def _generate(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([NPUSERVE, "generate", "--model", str(folder), "--prompt", "the quick brown fox",
+                           "--max-tokens", str(MAX_TOKENS), "--ignore-eos", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize(("model", "tool", "method"), CASES, ids=["-".join(c) for c in CASES])
+def test_generate_runs_each_checkpoint(checkpoints: dict[tuple[str, str, str], Path], model: str, tool: str,
+                                       method: str, world_size: int) -> None:
+    folder = checkpoints[(model, tool, method)]
+    run = _generate(folder, "--world-size", str(world_size))
+    assert run.returncode == 0, run.stderr
+    ready = json.loads(run.stderr.strip().splitlines()[-1])
+    scheme = ModelSpec.from_pretrained(folder).quantization
+    assert scheme is not None and ready["quantization"] == scheme.name and ready["worldSize"] == world_size
+    lines = [json.loads(line) for line in run.stdout.splitlines()]
+    assert len(lines[0]["token_ids"]) == MAX_TOKENS
+
+
+@pytest.mark.parametrize(("model", "tool", "method"), CASES, ids=["-".join(c) for c in CASES])
+def test_logits_near_the_dequantized_model(checkpoints: dict[tuple[str, str, str], Path], model: str, tool: str,
+                                          method: str) -> None:
+    folder = checkpoints[(model, tool, method)]
+    int8 = load_model(ModelSpec.from_pretrained(folder), folder, torch.float32, torch.device("cpu"))
+    tokens = torch.randint(5, 500, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    got, want = prompt_logits(int8, tokens), prompt_logits(dequantized_copy(int8), tokens)
+    assert (got - want).abs().max() <= LOGITS_BOUND * want.abs().max()
+
+
+def test_a_config_naming_another_scheme_is_refused(checkpoints: dict[tuple[str, str, str], Path]) -> None:
+    folder = checkpoints[("dense", "msmodelslim", "w8a8_dynamic")]
+    run = _generate(folder, "--quantization", "compressed-tensors:w8a8")
+    assert run.returncode == 2
+    assert "npuserve.quantization is compressed-tensors W8A8 (static), but the checkpoint declares msmodelslim " \
+        "W8A8_DYNAMIC" in run.stderr
+
+
+def test_random_int8_weights_of_a_named_scheme(tmp_path: Path) -> None:
+    folder = write_dummy_model(get_model_preset("tiny-qwen3-moe"), tmp_path / "m", seed=1)
+    run = _generate(folder, "--load-format", "dummy", "--quantization", "msmodelslim:w8a8", "--world-size", "2")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stderr.strip().splitlines()[-1])["quantization"] == "msmodelslim W8A8"
