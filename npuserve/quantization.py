@@ -37,14 +37,15 @@ QUANT_FORMATS: tuple[str, ...] = ("msmodelslim", "compressed-tensors")
 MSMODELSLIM_DESCRIPTION = "quant_model_description.json"  # msModelSlim's declaration, beside config.json
 _MSMODELSLIM_TYPES: dict[str, QuantMethod | None] = {"W8A8": "w8a8", "W8A8_DYNAMIC": "w8a8_dynamic", "FLOAT": None}
 
-# Bytes each int8 linear layer stores per output channel beyond its int8 weight row, by format and method: the
-# scales, offsets and biases the format writes (the per-tensor activation scale/offset are a few bytes per layer and
-# not counted). msModelSlim W8A8: weight_scale and weight_offset (float32 each), deq_scale (int64 or float32: 8
-# counted), quant_bias (int32); W8A8_DYNAMIC: weight_scale and weight_offset (float32). compressed-tensors:
-# weight_scale (in the model's dtype: 2 counted; float32 writes would be 4).
+# Bytes each int8 linear layer stores per output channel beyond its int8 weight row, by format and method, as the
+# tools write them for a 16-bit (bf16/fp16) model: the scales and offsets come in the model's dtype (a float32 model
+# gets 4-byte ones); the per-tensor activation scale/offset are a few bytes per layer and not counted. Measured on
+# msModelSlim 26.1.0 and llm-compressor 0.14.0.1 output (tests/thirdparty/test_quant_tools.py, docs/quantization.md):
+# msModelSlim W8A8: weight_scale and weight_offset (2 each), deq_scale (float32, 4), quant_bias (int32, 4);
+# W8A8_DYNAMIC: weight_scale and weight_offset (2 each). compressed-tensors (static and dynamic): weight_scale (2).
 ROW_OVERHEAD_BYTES: dict[tuple[str, str], int] = {
-    ("msmodelslim", "w8a8"): 4 + 4 + 8 + 4,
-    ("msmodelslim", "w8a8_dynamic"): 4 + 4,
+    ("msmodelslim", "w8a8"): 2 + 2 + 4 + 4,
+    ("msmodelslim", "w8a8_dynamic"): 2 + 2,
     ("compressed-tensors", "w8a8"): 2,
     ("compressed-tensors", "w8a8_dynamic"): 2,
 }
@@ -156,13 +157,28 @@ def scheme_of(config: dict[str, Any], description: dict[str, Any] | None = None)
     return _compressed_tensors_scheme(quant)
 
 
+def description_path(folder: str | Path) -> Path | None:
+    """msModelSlim's description file in `folder`, None without one. Its `ascendV1` save (what its examples write
+    for vllm-ascend, and what vllm-ascend reads) names it `quant_model_description.json`; its `safe_tensor` save
+    (MindIE's) `quant_model_description_<type>.json` (e.g. `_w8a8_dynamic`). Both carry the same entries."""
+    folder = Path(folder)
+    exact = folder / MSMODELSLIM_DESCRIPTION
+    if exact.exists():
+        return exact
+    found = sorted(folder.glob("quant_model_description*.json"))
+    if len(found) > 1:
+        raise UnsupportedQuantizationError(
+            f"the checkpoint has several msModelSlim description files ({', '.join(p.name for p in found)}); keep one")
+    return found[0] if found else None
+
+
 def read_scheme(folder: str | Path, config: dict[str, Any] | None = None) -> QuantScheme | None:
     """`scheme_of` on a model folder (its config.json and msModelSlim's description file, when present)."""
     folder = Path(folder)
     if config is None:
         config = json.loads((folder / "config.json").read_text())
-    path = folder / MSMODELSLIM_DESCRIPTION
-    description = json.loads(path.read_text()) if path.exists() else None
+    path = description_path(folder)
+    description = json.loads(path.read_text()) if path is not None else None
     return scheme_of(config, description)
 
 
