@@ -27,30 +27,50 @@ sys.path.insert(0, str(Path(__file__).parent))
 from int8_models import dequantized_copy, prompt_logits, write_quantized_checkpoint  # noqa: E402
 
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
-PRESETS = {"dense": "tiny", "moe": "tiny-qwen3-moe"}
+PRESETS = {"dense": "tiny", "moe": "tiny-qwen3-moe", "mla": "tiny-deepseek-v3"}
 FORMATS = {"msmodelslim": "msmodelslim", "llmcompressor": "compressed-tensors"}
-CASES = [(model, tool, method) for model in PRESETS for tool in FORMATS for method in ("w8a8", "w8a8_dynamic")]
+CASES = [(model, tool, method) for model in ("dense", "moe") for tool in FORMATS for method in ("w8a8", "w8a8_dynamic")]
+# DeepSeek (latent attention, kv_b_proj dequantized): llm-compressor's (msModelSlim's MLA run fails in the tool here)
+LOGITS_CASES = [*CASES, ("mla", "llmcompressor", "w8a8"), ("mla", "llmcompressor", "w8a8_dynamic")]
 MAX_TOKENS = 6
-# max |logits - dequantized float logits| against the largest float logit: int8 activations and weights, 2 layers
-LOGITS_BOUND = 0.15
+# max |logits - dequantized float logits| against the largest float logit (2-layer models, a GSM8K question).
+# Dynamic: measured 0.01-0.05 on the tools' checkpoints. Static: the calibrated input scales clamp (llm-compressor's
+# moving-average observer: its MoE model's o_proj scale is half this prompt's range): 0.29 measured there, 0.04 with
+# each layer's scale set to the prompt's own range; 0.06-0.10 on the others.
+LOGITS_BOUND = {"w8a8": 0.35, "w8a8_dynamic": 0.15}
+ARGMAX_AGREEMENT = 0.85
+
+
+def prompt_ids(folder: Path) -> list[int]:
+    """A GSM8K question (the tools calibrated on others of them) in the checkpoint's tokenizer; random ids without
+    the data set."""
+    try:
+        from tests.quant_checkpoints import gsm8k_path
+    except ImportError:
+        return torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    import transformers
+
+    text = json.loads(gsm8k_path().read_text().splitlines()[100])["question"]
+    ids: list[int] = transformers.AutoTokenizer.from_pretrained(folder)(text)["input_ids"][:64]
+    return ids
 
 
 def checkpoint(tmp: Path, tool: str, model: str, method: str) -> Path:
     try:
-        from tests.quant_checkpoints import quant_checkpoint  # type: ignore[import-not-found]
+        from tests.quant_checkpoints import quant_checkpoint
     except ImportError:
         spec = get_model_preset(PRESETS[model]).model_copy(update={"dtype": "float32"})
         float_folder = write_dummy_model(spec, tmp / f"{model}-float", seed=4)
         request = QuantizationRequest(format=FORMATS[tool], method=method)  # type: ignore[arg-type]
         return write_quantized_checkpoint(float_folder, tmp / f"{model}-{tool}-{method}", request)
-    path: Path = quant_checkpoint(tool, model, method)
+    path: Path = quant_checkpoint(tool, model, method)  # type: ignore[arg-type]
     return path
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], Path]:
     tmp = tmp_path_factory.mktemp("int8")
-    return {case: checkpoint(tmp, case[1], case[0], case[2]) for case in CASES}
+    return {case: checkpoint(tmp, case[1], case[0], case[2]) for case in LOGITS_CASES}
 
 
 def _generate(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -73,14 +93,15 @@ def test_generate_runs_each_checkpoint(checkpoints: dict[tuple[str, str, str], P
     assert len(lines[0]["token_ids"]) == MAX_TOKENS
 
 
-@pytest.mark.parametrize(("model", "tool", "method"), CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize(("model", "tool", "method"), LOGITS_CASES, ids=["-".join(c) for c in LOGITS_CASES])
 def test_logits_near_the_dequantized_model(checkpoints: dict[tuple[str, str, str], Path], model: str, tool: str,
                                           method: str) -> None:
     folder = checkpoints[(model, tool, method)]
     int8 = load_model(ModelSpec.from_pretrained(folder), folder, torch.float32, torch.device("cpu"))
-    tokens = torch.randint(5, 500, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = prompt_ids(folder)
     got, want = prompt_logits(int8, tokens), prompt_logits(dequantized_copy(int8), tokens)
-    assert (got - want).abs().max() <= LOGITS_BOUND * want.abs().max()
+    assert (got - want).abs().max() <= LOGITS_BOUND[method] * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= ARGMAX_AGREEMENT
 
 
 def test_a_config_naming_another_scheme_is_refused(checkpoints: dict[tuple[str, str, str], Path]) -> None:
