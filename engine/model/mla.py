@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from npuserve.engine.backends.base import AttentionMetadata, Backend, mla_host_lens
+from npuserve.engine.model.int8 import Int8Linear
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, mla_softmax_scale
 from npuserve.engine.parallel.comm import TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
@@ -92,7 +93,9 @@ class MLAttention(nn.Module):
         out = out.reshape(tokens, self.num_heads * self.v_dim)
         if self.o_proj.bias is None or self.tp.world_size == 1:
             return self.tp.all_reduce(self.o_proj(out))
-        # the bias once, after the ranks' partial sums
+        # the bias once, after the ranks' partial sums (an int8 o_proj adds its float bias itself: taken back off)
+        if isinstance(self.o_proj, Int8Linear):
+            return self.tp.all_reduce(self.o_proj(out) - self.o_proj.bias) + self.o_proj.bias
         return self.tp.all_reduce(nn.functional.linear(out, self.o_proj.weight)) + self.o_proj.bias
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

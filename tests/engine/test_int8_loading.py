@@ -209,7 +209,7 @@ def _int8_linears(model: nn.Module) -> dict[str, Int8Linear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, Int8Linear)}
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3-moe", "tiny-deepseek-v3"])
 @pytest.mark.parametrize("request_", [SCHEMES[0], SCHEMES[3]], ids=[IDS[0], IDS[3]])
 def test_two_ranks_hold_the_whole_int8_model(preset: str, request_: QuantizationRequest) -> None:
     spec = get_model_preset(preset).model_copy(update={"quantization": request_.scheme(), "dtype": "float32"})
