@@ -6,7 +6,8 @@ output channels):
   offset zero (symmetric; a non-zero one is refused); static W8A8 adds `M.input_scale`, `M.input_offset` (1,),
   `M.deq_scale` (out,) = input_scale * weight_scale (float32, or its float32 bits in an int64 for fp16 models:
   vllm-ascend `quantization/w8a8.py` `get_perchannel_param`) and `M.quant_bias` (out,) int32, which cancels the
-  activation offset: `-input_offset * sum_k W_q[n, k]` (plus the rounded float bias, if any).
+  activation offset: `-input_offset * sum_k W_q[n, k]` (plus the float bias / deq_scale, rounded, if any: then the
+  float `M.bias` is not added again, as vllm-ascend's static W8A8 ignores it).
 - compressed-tensors (llm-compressor): `M.weight_scale` (out, 1); static W8A8 adds `M.input_scale` (1,), symmetric
   (no offset, no quant_bias).
 
@@ -197,8 +198,17 @@ class QuantLoader:
         bias = torch.cat([found["quant_bias"].to(torch.int64) for found in leaves])
         if bias.shape != layer.quant_bias.shape:
             raise WeightLoadError(f"{name}: quant_bias of {bias.numel()} rows, model wants {layer.quant_bias.numel()}")
-        if self._row_parallel(pieces[0]) and self.layout.rank != 0:
-            bias.zero_()  # the whole row's offset correction is rank 0's (see the module's docstring)
+        if self._row_parallel(pieces[0]):
+            if self.layout.rank != 0:
+                bias.zero_()  # the whole row's offset correction is rank 0's (see the module's docstring)
+        elif layer.bias is not None:
+            # msModelSlim folds a float bias into quant_bias (round(bias / deq_scale)) beside the offset correction;
+            # vllm-ascend's static W8A8 then ignores the float `bias` tensor. Where quant_bias carries more than the
+            # correction, so do we (else the bias would count twice).
+            offset = int(in_offsets[0].item())
+            rest = bias + offset * layer.weight.to(torch.int64).sum(dim=1)
+            if bool(rest.any()):
+                layer.bias.zero_()
         layer.input_scale.copy_(in_scales[0])
         layer.input_offset.copy_(in_offsets[0])
         layer.quant_bias.copy_(bias.to(torch.int32))

@@ -255,3 +255,26 @@ def test_the_config_check_names_a_scheme_mismatch(tmp_path: Path) -> None:
     assert [p for p in refusals(config, "cpu", spec) if p.startswith("npuserve.quantization: ")] == [
         "npuserve.quantization: the engine config's npuserve.quantization is msmodelslim W8A8, but the checkpoint "
         "declares msmodelslim W8A8_DYNAMIC; set it to the checkpoint's scheme or leave it out"]
+
+
+def test_a_bias_folded_into_quant_bias_counts_once(float_dense: Path, tmp_path: Path) -> None:
+    """msModelSlim static W8A8 folds the float bias into quant_bias (round(bias / deq_scale)); the float `bias` tensor
+    beside it is then not added again: the folded checkpoint computes what the unfolded one does, up to rounding."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from int8_models import prompt_logits
+
+    plain = _quantized(float_dense, tmp_path / "plain", SCHEMES[0])
+    folded = _quantized(float_dense, tmp_path / "folded", SCHEMES[0])
+    tensors = load_file(str(folded / "model.safetensors"))
+    for layer in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            p = f"model.layers.{layer}.self_attn.{proj}."
+            extra = torch.round(tensors[p + "bias"].float() / tensors[p + "deq_scale"]).to(torch.int32)
+            tensors[p + "quant_bias"] = tensors[p + "quant_bias"] + extra
+    save_file(tensors, str(folded / "model.safetensors"))
+    a, b = _load(plain), _load(folded)
+    assert b.model.layers[0].self_attn.qkv_proj.bias.abs().sum() == 0
+    assert a.model.layers[0].self_attn.qkv_proj.bias.abs().sum() > 0
+    tokens = list(range(5, 25))
+    want = prompt_logits(a, tokens)
+    assert (prompt_logits(b, tokens) - want).abs().max() <= 0.02 * want.abs().max()
