@@ -278,3 +278,13 @@ def test_a_bias_folded_into_quant_bias_counts_once(float_dense: Path, tmp_path: 
     tokens = list(range(5, 25))
     want = prompt_logits(a, tokens)
     assert (prompt_logits(b, tokens) - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_per_row_tensors_of_shape_out_load_like_out_by_one(float_dense: Path, tmp_path: Path) -> None:
+    folder = _quantized(float_dense, tmp_path, SCHEMES[0])
+    tensors = load_file(str(folder / "model.safetensors"))
+    want = _load(folder).model.layers[0].self_attn.qkv_proj.weight_scale.clone()
+    p = "model.layers.0.self_attn.k_proj."
+    _edit(folder, {p + "weight_scale": tensors[p + "weight_scale"].reshape(-1),
+                   p + "weight_offset": tensors[p + "weight_offset"].reshape(-1)})
+    assert torch.equal(_load(folder).model.layers[0].self_attn.qkv_proj.weight_scale, want)
