@@ -10,7 +10,7 @@ branch for each schema (the line that first has an argument):
 - `npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True)` (every line): div_mode False:
   `round(input * scales + zero_points)` saturated to int8; scales 1D of input's last size (or 1), float32, float16 or
   bfloat16; zero_points the shape and dtype of scales. The fake implements div_mode False, dtype qint8, axis -1.
-- `npu_dynamic_quant(input, *, smooth_scales, group_index, dst_type)` (7.0.0; 26.0.0 adds quant_mode and
+- `npu_dynamic_quant(input, *, smooth_scales, group_index, dst_type)` (6.0.rc3; 26.0.0 adds quant_mode and
   dst_type_max): per row `scale = max|x| / 127`, `y = round(x / scale)`; input float16 or bfloat16 (not float32),
   more than one dimension; scale float32 of input's shape less its last axis. A zero row gives scale 0 and y 0 (the
   formula's 0/0 is not documented). The fake implements no smooth_scales, group_index, int4.

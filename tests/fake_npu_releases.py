@@ -15,7 +15,7 @@ Sources:
   `npu_fused_infer_attention_score` with query_rope/key_rope from 7.0.0; `npu_moe_token_unpermute` from 7.1.0.
   `npu_moe_init_routing_v2`'s quant_mode defaults to 0 in 7.0.0-7.3.0 and to -1 from 26.0.0 (which adds x_dtype);
 - the int8 ops (tests/fake_npu_quant.py): `npu_quantize`, `npu_quant_matmul`, `npu_trans_quant_param` in every
-  line (6.0.rc2's yaml has them); `npu_dynamic_quant` from 7.0.0; `npu_trans_quant_param` takes `round_mode` from
+  line (6.0.rc2's yaml has them); `npu_dynamic_quant` from 6.0.rc3; `npu_trans_quant_param` takes `round_mode` from
   7.1.0, `npu_quant_matmul` `group_sizes` from 7.1.0 and `x1_dtype`... `y_scale` from 26.0.0, `npu_dynamic_quant`
   `quant_mode`/`dst_type_max` from 26.0.0;
 - versions: Ascend/pytorch `COMPATIBILITY.en.md` (master, 2026-08), the TorchNPU / PyTorch / CANN table: one

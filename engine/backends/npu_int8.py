@@ -88,7 +88,7 @@ class NPUInt8:
         if missing:
             raise BackendUnavailableError(
                 f"{self.stack.describe()} lacks {', '.join(missing)}, which the npu backend's int8 (W8A8) layers "
-                "call (op-plugin 7.0.0 or later has them)")
+                "call (every supported line, op-plugin 7.0.0 on, has them)")
 
     def prepare(self, model: nn.Module) -> tuple[int, int]:
         """Lays out every int8 weight (K, N) and makes its scales for the model's dtype; (linears, experts)."""
