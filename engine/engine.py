@@ -31,6 +31,7 @@ from npuserve.engine.affinity import rank_threads
 from npuserve.engine.backends import resolve_device
 from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
+from npuserve.engine.model.served_scheme import served_spec
 from npuserve.engine.output_processor import OutputProcessor, RequestOutput
 from npuserve.engine.parallel.ranks import WorkerArgs, WorkerRanks
 from npuserve.engine.parallel.step_message import Op, StepMessage
@@ -137,7 +138,9 @@ class LLMEngine:
         folder = Path(model_dir or config.model.modelWeightPath)
         self.model_dir = folder
         self.model_name = ext.servedModelName or config.model.modelName
-        self.spec = ModelSpec.from_pretrained(folder)
+        self.spec = served_spec(ModelSpec.from_pretrained(folder), ext.quantization, ext.loadFormat == "dummy")
+        if self.spec.quantization is not None:
+            log.info("quantized weights: %s", self.spec.quantization.name)
         self.clock = clock
         self.group = group
         self.nnodes = group.layout.nnodes if group is not None else 1
@@ -473,5 +476,6 @@ class LLMEngine:
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
             schedule=self.snapshot.schedule.model_dump(mode="json"),
             graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
-            scheduleGeneration=self.config.extensions.scheduleGeneration, **server,
+            scheduleGeneration=self.config.extensions.scheduleGeneration,
+            quantization=self.spec.quantization.name if self.spec.quantization is not None else None, **server,
         )

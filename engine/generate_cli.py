@@ -35,6 +35,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, help="ScheduleConfig.maxBatchSize")
     parser.add_argument("--num-prompts", type=int, help="use the first N prompts of the file")
     parser.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], help="dummy: random weights")
+    parser.add_argument("--quantization", metavar="FORMAT:METHOD",
+                        help="npuserve.quantization, e.g. msmodelslim:w8a8_dynamic or compressed-tensors:w8a8: must "
+                        "be the checkpoint's scheme; with --load-format dummy, random int8 weights of it")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--world-size", type=int, help="ModelConfig.worldSize: tensor-parallel ranks, one process "
                         "and one card each (npuDeviceIds 0..N-1 unless the config lists them)")
@@ -69,6 +72,9 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     ext: dict[str, Any] = {}
     if args.load_format:
         ext["loadFormat"] = args.load_format
+    if args.quantization:
+        fmt, _, method = args.quantization.partition(":")
+        ext["quantization"] = {"format": fmt, "method": method}
     if args.config:
         config = MindIEConfig.load(args.config)
         if args.model:

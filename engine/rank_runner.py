@@ -29,6 +29,7 @@ import torch
 from npuserve.engine.backends import Backend, get_backend
 from npuserve.engine.model.base import CausalLM
 from npuserve.engine.model.loader import TORCH_DTYPES, load_model
+from npuserve.engine.model.served_scheme import served_spec
 from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel, connect
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.engine.parallel.step_message import StepChannel
@@ -98,7 +99,8 @@ def build_rank_runner(config: MindIEConfig, model_dir: str | Path, *, seed: int,
     env = env or EngineEnvironment.from_environ()
     ext = config.npuserve or NpuserveExtensions()
     folder = Path(model_dir)
-    spec = ModelSpec.from_pretrained(folder)
+    # the engine config's npuserve.quantization against the checkpoint (or the dummy weights' scheme)
+    spec = served_spec(ModelSpec.from_pretrained(folder), ext.quantization, ext.loadFormat == "dummy")
     world_size = config.model.worldSize
     per_pod = cards_per_pod or world_size
     local_rank, node_rank = rank % per_pod, rank // per_pod

@@ -9,6 +9,7 @@ rule the operator's plan applies.
 
 from __future__ import annotations
 
+from npuserve.engine.model.served_scheme import QuantizationMismatchError, served_spec
 from npuserve.engine.parallel.layout import TensorParallelLayoutError, TPLayout
 from npuserve.engine_contract import FLAG_MASTER_ADDR, FLAG_NNODES, FLAG_NODE_RANK, unservable
 from npuserve.mindie_config import MindIEConfig
@@ -47,6 +48,12 @@ def refusals(config: MindIEConfig, device: str, spec: ModelSpec | None = None, n
             TPLayout.of(spec, 0, model.worldSize)
         except TensorParallelLayoutError as e:
             out.append(f"BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize: {e}")
+    ext = config.npuserve
+    if spec is not None and ext is not None and ext.quantization is not None:
+        try:
+            served_spec(spec, ext.quantization, ext.loadFormat == "dummy")
+        except QuantizationMismatchError as e:
+            out.append(f"npuserve.quantization: {e}")
     if spec is not None:
         problem = block_size_problem(device, config.schedule.cacheBlockSize, spec.head_dim,
                                      latent_attention=spec.mla is not None)

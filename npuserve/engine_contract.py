@@ -341,6 +341,8 @@ class EngineInfo(BaseModel):
         default_factory=list, description="decode batch sizes captured as graphs (a decode batch replays the "
         "smallest that holds it, up to the largest; past it decode runs eagerly); empty on a backend without graphs")
     scheduleGeneration: int | None = schedule_generation_field()  # of that schedule
+    quantization: str | None = Field(default=None, description="the quantized scheme served (QuantScheme.name, "
+                                     "e.g. 'msmodelslim W8A8_DYNAMIC'); None: the weights in `dtype`")
     # The HTTP server's side (absent offline, from `npuserve generate`).
     served_model_name: str | None = None
     version: str | None = None

@@ -16,6 +16,10 @@
 - Fused kernels (`prepare_model`): RMSNorm, neox RoPE and the MLP's SiLU-and-mul as one Triton kernel each
   (`triton_fused_ops.py`), in place of the eager modules' dozens of small kernels per layer.
 - Swap: a device-to-host block copy completes before the host reads it (`copy_blocks`).
+- Int8 (W8A8) weights: the reference's math (`int8_reference.py`) with the int32 product on `torch._int_mm`
+  (cuBLAS int8 GEMM), whose CUDA kernel wants more than 16 rows and K, N multiples of 8: the rows are padded with
+  zeros (`int_mm_rows`); a K or N that is not a multiple of 8 (tiny test models only) multiplies the int8 values in
+  float32 instead, exact while |acc| < 2^24 (K below ~1000).
 
 With a CPU device (the tests) the same code runs: the kernel under Triton's interpreter (TRITON_INTERPRET=1, set
 before triton is imported), no graphs, memory figures from the host.
@@ -32,9 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from npuserve.engine.backends import triton_fused_ops
-from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
+from npuserve.engine.backends import int8_reference, triton_fused_ops
+from npuserve.engine.backends.base import (
+    AttentionMetadata,
+    Backend,
+    BackendUnavailableError,
+    MemoryInfo,
+    grouped_experts,
+)
 from npuserve.engine.backends.triton_paged_attention import DEFAULT_BLOCK_N, paged_decode_attention
+from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
 
@@ -45,6 +56,31 @@ log = logging.getLogger(__name__)
 MAX_DECODE_SPLITS = 16
 # The multiprocessor count assumed off the GPU (the interpreter tier): small, so the tests' batches get split.
 INTERPRETER_SMS = 8
+
+
+INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, and M, K, N multiples of 8
+
+
+def int_mm_rows(rows: int) -> int:
+    """The row count `torch._int_mm` takes on CUDA for `rows` rows: above 16 and a multiple of 8."""
+    return -(-max(rows, INT_MM_MIN_ROWS) // 8) * 8
+
+
+def int_mm_takes(k: int, n: int) -> bool:
+    """Whether `torch._int_mm` on CUDA takes a (., k) x (k, n) product (after padding the rows)."""
+    return k % 8 == 0 and n % 8 == 0
+
+
+def cuda_int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
+    """`int8_reference.int32_matmul` for CUDA: x_q (T, K) int8 . w_q (N, K)^T -> (T, N) int32."""
+    rows, k = x_q.shape
+    n = w_q.shape[0]
+    if not int_mm_takes(k, n):  # exact while |acc| < 2^24 (K * 127 * 128): the tiny test models
+        return torch.round(x_q.float() @ w_q.float().t()).to(torch.int32)
+    padded = int_mm_rows(rows)
+    if padded != rows:
+        x_q = torch.cat([x_q, x_q.new_zeros((padded - rows, k))])
+    return torch._int_mm(x_q.contiguous(), w_q.t())[:rows]
 
 
 def decode_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
@@ -122,6 +158,16 @@ class CUDABackend(Backend):
                 setattr(module, "act_fn", triton_fused_ops.silu_and_mul)  # noqa: B010 (a hook mypy may not know)
                 swapped["silu_and_mul"] += 1
         log.info("cuda: fused kernels swapped in: %s", swapped)
+
+    # --- int8 (W8A8) weights ---------------------------------------------------------------------------------
+
+    def int8_linear(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        return int8_reference.int8_linear(x, layer, cuda_int32_matmul)
+
+    def moe_experts_int8(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         experts: Int8Experts) -> torch.Tensor:
+        return grouped_experts(x, weights, ids, experts.w13, experts.w2,
+                               lambda rows, e: int8_reference.int8_expert(rows, experts, e, cuda_int32_matmul))
 
     # --- device -------------------------------------------------------------------------------------------------
 

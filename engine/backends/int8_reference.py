@@ -5,6 +5,7 @@ dequantisation in float32. The CPU runs it; a device backend overrides it with i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 
 INT8_MAX = 127
+# `x_q (T, K) int8 . w_q (N, K)^T` -> (T, N) int32, exactly: `int32_matmul`, or a device's (cuda.py)
+Int32Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -41,30 +44,32 @@ def int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
         return (x_q.to(torch.int64) @ w_q.t().to(torch.int64)).to(torch.int32)
 
 
-def int8_linear(x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
-    """`Backend.int8_linear`'s reference: x (..., K) in the model's dtype -> (..., N) in x's dtype."""
+def int8_linear(x: torch.Tensor, layer: Int8Linear, matmul: Int32Matmul = int32_matmul) -> torch.Tensor:
+    """`Backend.int8_linear`'s reference: x (..., K) in the model's dtype -> (..., N) in x's dtype. `matmul`: the
+    int32 product (a device's own; the rest of the math stays this one)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if layer.method == "w8a8":
         assert layer.input_scale is not None and layer.input_offset is not None and layer.quant_bias is not None
         x_q = quantize_static(rows, layer.input_scale, layer.input_offset)
-        acc = int32_matmul(x_q, layer.weight) + layer.quant_bias
+        acc = matmul(x_q, layer.weight) + layer.quant_bias
         y = acc.float() * (layer.input_scale * layer.weight_scale)
     else:
         x_q, token_scale = quantize_per_token(rows)
-        acc = int32_matmul(x_q, layer.weight)
+        acc = matmul(x_q, layer.weight)
         y = acc.float() * token_scale.unsqueeze(-1) * layer.weight_scale
     if layer.bias is not None:
         y = y + layer.bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], layer.out_features)
 
 
-def int8_expert(rows: torch.Tensor, experts: Int8Experts, expert: int) -> torch.Tensor:
+def int8_expert(rows: torch.Tensor, experts: Int8Experts, expert: int,
+                matmul: Int32Matmul = int32_matmul) -> torch.Tensor:
     """One routed expert over its rows: both matmuls with per-token dynamic activations, SwiGLU in float32."""
     x_q, s = quantize_per_token(rows)
-    h = int32_matmul(x_q, experts.w13[expert]).float() * s.unsqueeze(-1) * experts.w13_scale[expert]
+    h = matmul(x_q, experts.w13[expert]).float() * s.unsqueeze(-1) * experts.w13_scale[expert]
     inter = experts.w2.shape[2]
     act = F.silu(h[:, :inter]) * h[:, inter:]
     a_q, s2 = quantize_per_token(act)
-    out = int32_matmul(a_q, experts.w2[expert]).float() * s2.unsqueeze(-1) * experts.w2_scale[expert]
+    out = matmul(a_q, experts.w2[expert]).float() * s2.unsqueeze(-1) * experts.w2_scale[expert]
     return out.to(rows.dtype)

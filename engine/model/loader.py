@@ -30,25 +30,28 @@ import torch
 from torch import nn
 
 from npuserve.engine.model.base import CausalLM
+from npuserve.engine.model.errors import WeightLoadError
+from npuserve.engine.model.quant_loader import QuantLoader, dummy_tensors
+from npuserve.engine.model.quantize import quantize_modules
 from npuserve.engine.model.registry import model_class
 from npuserve.engine.parallel.comm import SINGLE_RANK, TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.engine_contract import DTYPE_BYTES
 from npuserve.modelspec import ModelSpec
 
+__all__ = ["WeightLoadError", "build_model", "load_model"]
+
 # The contract's dtype table, as torch dtypes.
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 
-class WeightLoadError(RuntimeError):
-    """The checkpoint does not match the model (missing, unexpected or misshapen tensors)."""
-
-
 def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device, layout: TPLayout | None = None,
                 tp: TensorParallel = SINGLE_RANK) -> CausalLM:
-    """An uninitialised model (this rank's slice of it) on `device` (parameters allocated, not filled)."""
+    """An uninitialised model (this rank's slice of it) on `device` (parameters allocated, not filled). A quantized
+    spec's int8 modules are swapped in on the meta device, before the cast (`quantize.py`)."""
     with torch.device("meta"):
         model = model_class(spec)(spec, layout, tp)
+        quantize_modules(model, spec)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.finish_build(device)
     model.eval()
@@ -201,6 +204,7 @@ def load_hf_weights(model: CausalLM, folder: str | Path) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
+    quant = QuantLoader(spec, layout) if spec.quantization is not None else None
     mtp_prefix = f"model.layers.{spec.num_layers}."
     for name, lazy in iterate_hf_tensors(Path(folder)):
         if name.endswith("rotary_emb.inv_freq"):
@@ -210,7 +214,11 @@ def load_hf_weights(model: CausalLM, folder: str | Path) -> None:
         if name == "lm_head.weight" and spec.tie_word_embeddings:
             continue
         name = hf_name(name)
+        if quant is not None and quant.take(name, lazy):
+            continue
         _load_tensor(params, layout, name, _take(layout, name, lazy), filled, fused_rows)
+    if quant is not None:
+        filled |= quant.finish(model)
     _check_filled(model, params, filled, fused_rows)
 
 
@@ -249,23 +257,32 @@ def _dummy_value(name: str, shape: tuple[int, ...], gen: torch.Generator, std: f
 def init_dummy_weights(model: CausalLM, seed: int = 0, std: float = 0.02) -> None:
     """Random weights with no files (`loadFormat: dummy`): normal(0, std), norm scales near 1. The whole model's
     values are drawn in one order whatever the ranks; each rank keeps its slice (a fused parameter's pieces are
-    sliced as the HF tensors they stand for)."""
+    sliced as the HF tensors they stand for). A quantized spec: the same float values, quantized per channel into
+    the scheme's tensors (`quant_loader.dummy_tensors`) and loaded as a checkpoint's are."""
     gen = torch.Generator().manual_seed(seed)
-    layout = model.layout
-    if layout.world_size == 1:
+    layout, spec = model.layout, model.spec
+    if layout.world_size == 1 and spec.quantization is None:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(_dummy_value(name, tuple(param.shape), gen, std))
         return
+    float_spec = spec.model_copy(update={"quantization": None})
     with torch.device("meta"):
-        whole = model_class(model.spec)(model.spec)
+        whole = model_class(float_spec)(float_spec)
     params = dict(model.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     fused_rows: dict[str, int] = {}
+    quant = QuantLoader(spec, layout) if spec.quantization is not None else None
     for name, meta in whole.named_parameters():
         value = _dummy_value(name, tuple(meta.shape), gen, std)
-        for piece_name, tensor in _hf_pieces(name, value, model.spec):
-            _load_tensor(params, layout, piece_name, _take(layout, piece_name, tensor), filled, fused_rows)
+        for piece_name, piece in _hf_pieces(name, value, spec):
+            stored = dummy_tensors(piece_name, piece, spec) if quant is not None else [(piece_name, piece)]
+            for hf, tensor in stored:
+                if quant is not None and quant.take(hf, tensor):
+                    continue
+                _load_tensor(params, layout, hf, _take(layout, hf, tensor), filled, fused_rows)
+    if quant is not None:
+        filled |= quant.finish(model)
     _check_filled(model, params, filled, fused_rows)
 
 

@@ -3,7 +3,8 @@
 route (the replicated router, then `Backend.moe_select_experts`) -> the routed experts (`Backend.moe_experts`
 over the fused `w13`/`w2`) -> + the shared expert (Qwen2-MoE: times a sigmoid gate) -> one tensor-parallel
 all-reduce. Under tensor parallel each rank holds every expert's slice of the intermediate rows (`TPLayout`), so
-both the routed and the shared outputs are partial sums until that one all-reduce.
+both the routed and the shared outputs are partial sums until that one all-reduce. An int8 checkpoint's routed
+experts (`Int8Experts`) go through `Backend.moe_experts_int8` instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from npuserve.engine.backends.base import Backend
+from npuserve.engine.model.int8 import Int8Experts
 from npuserve.engine.model.layers import silu_and_mul
 from npuserve.engine.parallel.comm import TensorParallel
 from npuserve.engine.parallel.layout import TPLayout
@@ -77,7 +79,9 @@ class SparseMoeBlock(nn.Module):
         assert spec.moe is not None, "an MoE block needs the spec's moe fields"
         self.moe = spec.moe
         self.gate = Router(spec, float32_logits=float32_router)
-        self.experts = FusedExperts(spec.moe.num_experts, spec.hidden_size, layout.moe_intermediate)
+        # an int8 checkpoint's experts: `Int8Experts`, swapped in by `quantize.quantize_modules`
+        self.experts: FusedExperts | Int8Experts = FusedExperts(spec.moe.num_experts, spec.hidden_size,
+                                                                layout.moe_intermediate)
         self.shared_expert = (GatedMLP(spec.hidden_size, layout.shared_intermediate)
                               if spec.moe.shared_expert_intermediate_size else None)
         self.shared_expert_gate = (nn.Linear(spec.hidden_size, 1, bias=False)
@@ -92,7 +96,10 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.backend.moe_select_experts(logits, self.moe, self.gate.e_score_correction_bias)
         if not self.float32_router and logits.dtype != torch.float32:
             weights = weights.to(logits.dtype).float()  # transformers' Qwen routers hand the experts these values
-        out = self.backend.moe_experts(x, weights, ids, self.experts.w13, self.experts.w2)
+        if isinstance(self.experts, Int8Experts):
+            out = self.backend.moe_experts_int8(x, weights, ids, self.experts)
+        else:
+            out = self.backend.moe_experts(x, weights, ids, self.experts.w13, self.experts.w2)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
