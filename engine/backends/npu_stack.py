@@ -63,6 +63,7 @@ INT8_MOE_OPS = (DYNAMIC_QUANT_OP, GROUPED_MATMUL_OP)
 FIRST_LINE: dict[str, str] = {
     GATING_SOFTMAX_OP: "6.0.rc2", FINALIZE_OP: "6.0.rc2", GATING_TOP_K_OP: "7.0.0", INIT_ROUTING_OP: "7.0.0",
     GROUPED_MATMUL_OP: "7.0.0", KV_RMSNORM_ROPE_CACHE_OP: "7.0.0", FIA_OP: "7.0.0", UNPERMUTE_OP: "7.1.0",
+    QUANTIZE_OP: "6.0.rc2", QUANT_MATMUL_OP: "6.0.rc2", TRANS_QUANT_PARAM_OP: "6.0.rc2", DYNAMIC_QUANT_OP: "6.0.rc3",
 }
 
 
@@ -95,6 +96,12 @@ KEYWORDS: dict[str, frozenset[str]] = {
     KV_RMSNORM_ROPE_CACHE_OP: frozenset({"epsilon", "cache_mode", "is_output_kv"}),
     FIA_OP: frozenset({"query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
                        "antiquant_mode", "block_table", "block_size", "actual_seq_lengths_kv"}),
+    # the int8 ops (npu_int8.py): their tensors, and npu_quantize's dtype/axis/div_mode, go by position, as
+    # vllm-ascend passes them
+    QUANTIZE_OP: frozenset(),
+    DYNAMIC_QUANT_OP: frozenset(),
+    TRANS_QUANT_PARAM_OP: frozenset(),
+    QUANT_MATMUL_OP: frozenset({"pertoken_scale", "bias", "output_dtype"}),
 }
 
 

@@ -24,6 +24,7 @@ from npuserve.engine.backends import int8_reference
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
+from npuserve.engine.backends.npu_stack import INT8_LINEAR_OPS, KEYWORDS
 from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 from tests.fake_npu_attention import FakeNPUError
 from tests.fake_npu_quant import int64_scale_value
@@ -262,3 +263,15 @@ def test_trans_quant_param_takes_round_mode_from_7_1_0(monkeypatch: pytest.Monke
         old.npu_trans_quant_param(torch.ones(2), None, 0)
     new = install_fake_torch_npu(monkeypatch, release="7.1.0").module
     assert new.npu_trans_quant_param(torch.ones(2), None, 0).dtype == torch.int64
+
+
+def test_the_int8_calls_pass_exactly_the_keywords_the_doctor_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake, npu = _backend(monkeypatch, "26.0.0")
+    fake.record.update(INT8_LINEAR_OPS)
+    for method in ("w8a8", "w8a8_dynamic"):
+        layer = _linear(16, 8, method, bias=True, dtype=torch.float16, seed=2)
+        npu.prepare_model(nn.ModuleDict({"proj": layer}))
+        npu.int8_linear(torch.randn(3, 16).half(), layer)
+    used = {op: set().union(*(call.keys() for call in calls)) for op, calls in fake.args.items()}
+    assert set(used) == set(INT8_LINEAR_OPS)
+    assert all(used[op] == KEYWORDS[op] for op in used), used
