@@ -14,6 +14,10 @@ Sources:
   `npu_moe_init_routing_v2`, `npu_grouped_matmul` with a Tensor group_list, `npu_kv_rmsnorm_rope_cache` and
   `npu_fused_infer_attention_score` with query_rope/key_rope from 7.0.0; `npu_moe_token_unpermute` from 7.1.0.
   `npu_moe_init_routing_v2`'s quant_mode defaults to 0 in 7.0.0-7.3.0 and to -1 from 26.0.0 (which adds x_dtype);
+- the int8 ops (tests/fake_npu_quant.py): `npu_quantize`, `npu_quant_matmul`, `npu_trans_quant_param` in every
+  line (6.0.rc2's yaml has them); `npu_dynamic_quant` from 6.0.rc3; `npu_trans_quant_param` takes `round_mode` from
+  7.1.0, `npu_quant_matmul` `group_sizes` from 7.1.0 and `x1_dtype`... `y_scale` from 26.0.0, `npu_dynamic_quant`
+  `quant_mode`/`dst_type_max` from 26.0.0;
 - versions: Ascend/pytorch `COMPATIBILITY.en.md` (master, 2026-08), the TorchNPU / PyTorch / CANN table: one
   torch_npu of each line stands for it here.
 
@@ -31,6 +35,7 @@ from tests import fake_npu_attention as attention
 from tests import fake_npu_fused as fused
 from tests import fake_npu_mla as mla
 from tests import fake_npu_moe as moe
+from tests import fake_npu_quant as quant
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class FakeRelease:
         })
         if self.token_unpermute:
             found["npu_moe_token_unpermute"] = moe.npu_moe_token_unpermute
+        found.update(quant.quant_ops(self.name))  # its grouped matmul takes int8 too, else the float one's
         return found
 
 

@@ -23,7 +23,8 @@ The cache write: `npu_scatter_pa_kv_cache(..., cache_mode="Norm")` where the op 
 Per-step tensors (int32 tables, host lengths, the SplitFuse mask, the kernel chosen) are made once per step and
 shared by every layer through `AttentionMetadata.cache`.
 
-Mixture of experts (`moe_select_experts`, `moe_experts`): `npu_moe.py`; multi-head latent attention
+Int8 (W8A8) layers (`int8_linear`, `moe_experts_int8`): `npu_int8.py`. Mixture of experts (`moe_select_experts`,
+`moe_experts`): `npu_moe.py`; multi-head latent attention
 (`mla_write_cache`, `mla_decode_attention`): `npu_mla.py`. Their ops are required only by a model that has MoE
 layers or MLA (`prepare_model` refuses a stack without them, naming them); a shape an op's contract excludes runs on
 the torch reference, said once in the log.
@@ -52,10 +53,12 @@ from npuserve.engine.backends import npu_stack
 from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
 from npuserve.engine.backends.npu_device import local_device_index
 from npuserve.engine.backends.npu_fused import swap_fused_kernels
+from npuserve.engine.backends.npu_int8 import NPUInt8
 from npuserve.engine.backends.npu_masks import causal_mask, check_kernel_dtype, splitfuse_mask
 from npuserve.engine.backends.npu_mla import NPUMLA, host_lengths
 from npuserve.engine.backends.npu_moe import NPUMoE, lay_out_experts
 from npuserve.engine.backends.npu_stack import DECODE_OP, FLASH_OP, PREFIX_OP, SPLITFUSE_OP, NPUStack
+from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 from npuserve.modelspec import MoESpec
 from npuserve.npu_contract import (
     COMPRESSED_MASK_SIZE,
@@ -127,6 +130,7 @@ class NPUBackend(Backend):
         self._mla_model = False  # set by `prepare_model`: every layer attends through the MLA methods
         self._moe = NPUMoE(self._ops, self.stack)
         self._mla = NPUMLA(self._ops, self.stack)
+        self._int8 = NPUInt8(self._ops, self.stack, self._moe)
 
     def _check_nnal(self) -> None:
         """torch_npu loads NNAL's libatb.so at the first ATB call (op-plugin `op_plugin/python/atb/_atb_ops.py`) and
@@ -189,7 +193,8 @@ class NPUBackend(Backend):
 
     def prepare_model(self, model: nn.Module) -> None:
         """The fused kernels; for a MoE or MLA model, its ops (BackendUnavailableError naming any the stack lacks)
-        and, for MoE, the expert weights laid out for the grouped matmul (`npu_moe.lay_out_experts`)."""
+        and, for MoE, the expert weights laid out for the grouped matmul (`npu_moe.lay_out_experts`); for int8
+        layers, their ops, their weights laid out (K, N) and their scales (`npu_int8.NPUInt8.prepare`)."""
         spec = getattr(model, "spec", None)
         if getattr(spec, "moe", None) is not None:
             self._moe.require()
@@ -197,6 +202,10 @@ class NPUBackend(Backend):
         if getattr(spec, "mla", None) is not None:
             self._mla.require()
             self._mla_model = True
+        linears, experts = self._int8.prepare(model)
+        if linears or experts:
+            log.info("npu: %d int8 linear layers and %d int8 expert sets laid out (K, N) with their scales",
+                     linears, experts)
         swap_fused_kernels(self._ops, model)
 
     def new_decode_graph(self) -> Any | None:
@@ -219,6 +228,15 @@ class NPUBackend(Backend):
     def moe_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor) -> torch.Tensor:
         return self._moe.experts(x, weights, ids, w13, w2)
+
+    # --- int8 (W8A8) layers (npu_int8.py) ----------------------------------------------------------------------------
+
+    def int8_linear(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+        return self._int8.linear(x, layer)
+
+    def moe_experts_int8(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                         experts: Int8Experts) -> torch.Tensor:
+        return self._int8.experts(x, weights, ids, experts)
 
     def allocate_mla_cache(
         self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int,

@@ -29,6 +29,7 @@ laid out so is transposed at each call (logged once).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +77,17 @@ def lay_out_experts(model: nn.Module) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class Routed:
+    """`npu_moe_init_routing_v2`'s result: the rows sorted by expert, the gather index back to (token, k) slots, the
+    rows per expert (int64, the grouped matmul's group_list) and the ids it sorted by (int32)."""
+
+    rows: torch.Tensor
+    row_idx: torch.Tensor
+    counts: torch.Tensor
+    expert_ids: torch.Tensor
+
+
 class NPUMoE:
     """The MoE ops of one stack (`ops`: the torch_npu module)."""
 
@@ -121,7 +133,7 @@ class NPUMoE:
             weights = weights * moe.routed_scaling_factor
         return weights, ids.to(torch.int32)
 
-    def _kn(self, w: torch.Tensor, name: str) -> torch.Tensor:
+    def kn(self, w: torch.Tensor, name: str) -> torch.Tensor:
         """(E, N, K) -> the (E, K, N) the grouped matmul takes: a free view when `lay_out_experts` ran."""
         t = w.transpose(1, 2)
         if not t.is_contiguous():
@@ -129,27 +141,36 @@ class NPUMoE:
             t = t.contiguous()
         return t
 
-    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                w2: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> Routed:
+        """x's rows, one per (token, k) slot, sorted by expert (`npu_moe_init_routing_v2`, unquantized)."""
         self.require()
         tokens, top = ids.shape
         expert_ids = ids.to(torch.int32).contiguous()
         expanded_x, row_idx, counts, _ = self._ops.npu_moe_init_routing_v2(
-            x=x.contiguous(), expert_idx=expert_ids, active_num=tokens * top, expert_num=w13.shape[0],
+            x=x.contiguous(), expert_idx=expert_ids, active_num=tokens * top, expert_num=num_experts,
             expert_tokens_num_type=1, expert_tokens_num_flag=True, quant_mode=-1)
-        group_list = counts.to(torch.int64)
-        h = self._ops.npu_grouped_matmul(x=[expanded_x], weight=[self._kn(w13, "w13")], group_list=group_list,
-                                         split_item=2, group_type=0, group_list_type=1)[0]
-        h = self._ops.npu_swiglu(h.contiguous(), dim=-1)
-        out = self._ops.npu_grouped_matmul(x=[h], weight=[self._kn(w2, "w2")], group_list=group_list,
-                                           split_item=2, group_type=0, group_list_type=1)[0]
-        probs = weights.to(x.dtype).contiguous()
+        return Routed(expanded_x, row_idx, counts.to(torch.int64), expert_ids)
+
+    def combine(self, out: torch.Tensor, weights: torch.Tensor, routed: Routed) -> torch.Tensor:
+        """Each token's expert rows weighted and summed (token_unpermute, or finalize_routing on 7.0.0)."""
+        tokens, top = routed.expert_ids.shape
+        probs = weights.to(out.dtype).contiguous()
         if self.stack.moe_combine_op == UNPERMUTE_OP:
-            combined: torch.Tensor = self._ops.npu_moe_token_unpermute(permuted_tokens=out, sorted_indices=row_idx,
-                                                                       probs=probs)
+            combined: torch.Tensor = self._ops.npu_moe_token_unpermute(permuted_tokens=out,
+                                                                       sorted_indices=routed.row_idx, probs=probs)
             return combined
-        k_major = row_idx.view(tokens, top).t().contiguous().view(-1)  # finalize mode 0 reads slot i + k*N
+        k_major = routed.row_idx.view(tokens, top).t().contiguous().view(-1)  # finalize mode 0 reads slot i + k*N
         finalized: torch.Tensor = self._ops.npu_moe_finalize_routing(
             expanded_permuted_rows=out, skip1=None, skip2=None, bias=None, scales=probs,
-            expanded_src_to_dst_row=k_major, export_for_source_row=expert_ids, drop_pad_mode=0)
+            expanded_src_to_dst_row=k_major, export_for_source_row=routed.expert_ids, drop_pad_mode=0)
         return finalized
+
+    def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor) -> torch.Tensor:
+        routed = self.route(x, ids, w13.shape[0])
+        h = self._ops.npu_grouped_matmul(x=[routed.rows], weight=[self.kn(w13, "w13")], group_list=routed.counts,
+                                         split_item=2, group_type=0, group_list_type=1)[0]
+        h = self._ops.npu_swiglu(h.contiguous(), dim=-1)
+        out = self._ops.npu_grouped_matmul(x=[h], weight=[self.kn(w2, "w2")], group_list=routed.counts,
+                                           split_item=2, group_type=0, group_list_type=1)[0]
+        return self.combine(out, weights, routed)

@@ -52,10 +52,18 @@ FIA_OP = "npu_fused_infer_attention_score"
 MOE_OPS = (GATING_SOFTMAX_OP, GATING_TOP_K_OP, INIT_ROUTING_OP, GROUPED_MATMUL_OP, "npu_swiglu")
 MOE_COMBINE_OPS = (UNPERMUTE_OP, FINALIZE_OP)
 MLA_OPS = (KV_RMSNORM_ROPE_CACHE_OP, FIA_OP)
+# The int8 (W8A8) ops (engine/backends/npu_int8.py), required only by a model with int8 layers.
+QUANTIZE_OP = "npu_quantize"
+DYNAMIC_QUANT_OP = "npu_dynamic_quant"
+QUANT_MATMUL_OP = "npu_quant_matmul"
+TRANS_QUANT_PARAM_OP = "npu_trans_quant_param"
+INT8_LINEAR_OPS = (QUANTIZE_OP, DYNAMIC_QUANT_OP, QUANT_MATMUL_OP, TRANS_QUANT_PARAM_OP)
+INT8_MOE_OPS = (DYNAMIC_QUANT_OP, GROUPED_MATMUL_OP)
 # The first op-plugin line with each MoE/MLA op (under the schema the backend calls).
 FIRST_LINE: dict[str, str] = {
     GATING_SOFTMAX_OP: "6.0.rc2", FINALIZE_OP: "6.0.rc2", GATING_TOP_K_OP: "7.0.0", INIT_ROUTING_OP: "7.0.0",
     GROUPED_MATMUL_OP: "7.0.0", KV_RMSNORM_ROPE_CACHE_OP: "7.0.0", FIA_OP: "7.0.0", UNPERMUTE_OP: "7.1.0",
+    QUANTIZE_OP: "6.0.rc2", QUANT_MATMUL_OP: "6.0.rc2", TRANS_QUANT_PARAM_OP: "6.0.rc2", DYNAMIC_QUANT_OP: "6.0.rc3",
 }
 
 
@@ -88,6 +96,12 @@ KEYWORDS: dict[str, frozenset[str]] = {
     KV_RMSNORM_ROPE_CACHE_OP: frozenset({"epsilon", "cache_mode", "is_output_kv"}),
     FIA_OP: frozenset({"query_rope", "key_rope", "num_heads", "num_key_value_heads", "input_layout", "scale",
                        "antiquant_mode", "block_table", "block_size", "actual_seq_lengths_kv"}),
+    # the int8 ops (npu_int8.py): their tensors, and npu_quantize's dtype/axis/div_mode, go by position, as
+    # vllm-ascend passes them
+    QUANTIZE_OP: frozenset(),
+    DYNAMIC_QUANT_OP: frozenset(),
+    TRANS_QUANT_PARAM_OP: frozenset(),
+    QUANT_MATMUL_OP: frozenset({"pertoken_scale", "bias", "output_dtype"}),
 }
 
 
@@ -178,6 +192,11 @@ class NPUStack:
     def missing_moe(self) -> list[str]:
         return [op for op in self.moe_ops() if op not in self.present]
 
+    def missing_int8(self, *, linear: bool, experts: bool) -> list[str]:
+        """The int8 ops a model with int8 linear layers and/or int8 experts calls that this stack lacks."""
+        wanted = (INT8_LINEAR_OPS if linear else ()) + (INT8_MOE_OPS if experts else ())
+        return sorted({op for op in wanted if op not in self.present})
+
     def missing_mla(self) -> list[str]:
         return [op for op in MLA_OPS if op not in self.present]
 
@@ -201,7 +220,7 @@ def detect(ops: Any, torch_version: str) -> NPUStack:
     """The stack behind the imported torch_npu module `ops`."""
     version = str(getattr(ops, "__version__", "unknown"))
     release = release_of(version)
-    present = frozenset(op for op in (*REQUIRED_OPS, SCATTER_OP, *MOE_OPS, *MOE_COMBINE_OPS, *MLA_OPS)
+    present = frozenset(op for op in (*REQUIRED_OPS, SCATTER_OP, *MOE_OPS, *MOE_COMBINE_OPS, *MLA_OPS, *INT8_LINEAR_OPS)
                         if callable(getattr(ops, op, None)))
     scatter_mode = False
     if SCATTER_OP in present:

@@ -26,6 +26,7 @@ from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu import NPUBackend, refuse_unusable
 from npuserve.engine.backends.npu_stack import (
     FIRST_LINE,
+    INT8_LINEAR_OPS,
     MLA_OPS,
     NPUStack,
     detect,
@@ -158,11 +159,12 @@ def check_release(stack: NPUStack) -> DoctorCheck:
 
 
 def check_ops(ops: Any, stack: NPUStack) -> list[DoctorCheck]:
-    """Each op the backend calls: present, with the keywords it passes. A MoE or MLA op that is absent is a
-    warning, not a failure: only a model with MoE layers or latent attention needs it (the backend refuses such a
-    model on this stack, naming the op)."""
+    """Each op the backend calls: present, with the keywords it passes. A MoE, MLA or int8 op that is absent is a
+    warning, not a failure: only a model with MoE layers, latent attention or W8A8 weights needs it (the backend
+    refuses such a model on this stack, naming the op)."""
     checks = []
-    optional = {op: "MoE" for op in stack.moe_ops() if op != "npu_swiglu"} | {op: "MLA" for op in MLA_OPS}
+    optional = ({op: "MoE" for op in stack.moe_ops() if op != "npu_swiglu"} | {op: "MLA" for op in MLA_OPS}
+                | {op: "W8A8" for op in INT8_LINEAR_OPS})
     for name in (*stack.used_ops(), *optional):
         op = getattr(ops, name, None)
         if not callable(op):

@@ -11,7 +11,7 @@ import torch
 
 from npuserve.engine.backends.cpu import CPUBackend
 from npuserve.engine.backends.npu import NPUBackend
-from npuserve.engine.backends.npu_stack import KEYWORDS, MLA_OPS, MOE_COMBINE_OPS, MOE_OPS
+from npuserve.engine.backends.npu_stack import INT8_LINEAR_OPS, KEYWORDS, MLA_OPS, MOE_COMBINE_OPS, MOE_OPS
 from npuserve.engine.runner import ModelRunner
 from npuserve.modelspec import ModelSpec
 from tests.fake_torch_npu import RELEASES, install_fake_torch_npu
@@ -77,6 +77,7 @@ def test_the_backend_passes_each_op_exactly_the_keywords_the_doctor_checks(monke
     _generate(runner_of(tiny_model_dir, NPUBackend(device=fake.device), DTYPE), prompts, chunked=True)
     used = {op: set().union(*(call.keys() for call in calls)) for op, calls in fake.args.items()}
     # on 26.0.0 at block 128 every op but the flash kernel runs (reshape-and-cache in the backend's NNAL check)
-    moe_mla = (set(MOE_OPS) | set(MOE_COMBINE_OPS) | set(MLA_OPS)) - {"npu_swiglu"}  # a dense model: none of them
+    # a dense float model calls none of the MoE, MLA and int8 ops
+    moe_mla = (set(MOE_OPS) | set(MOE_COMBINE_OPS) | set(MLA_OPS) | set(INT8_LINEAR_OPS)) - {"npu_swiglu"}
     assert set(used) == set(KEYWORDS) - {"_npu_flash_attention"} - moe_mla
     assert all(used[op] == KEYWORDS[op] for op in used), used
