@@ -18,8 +18,9 @@ from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
-from npuserve.planning.api import InferenceService, InferenceServiceSpec, Plan
+from npuserve.planning.api import NOT_QUANTIZED, InferenceService, InferenceServiceSpec, Plan, parse_quantization
 from npuserve.planning.planner import PlanError, plan
+from npuserve.quantization import QUANT_FORMATS, QUANT_METHODS, QuantizationRequest
 
 DEFAULT_ACCELERATOR = "ascend-910b4"  # the guide's worked example: 32 GB cards
 
@@ -45,7 +46,7 @@ FLAG_OF = {
     "spec.workload.maxOutputTokens": "--max-output-tokens", "spec.workload.maxInputTokens": "--max-input-tokens",
     "spec.slo.objective": "--objective", "spec.slo.ttftMs": "--ttft-ms", "spec.slo.tpotMs": "--tpot-ms",
     "spec.capacity.targetConcurrentUsers": "--target-concurrent-users", "spec.replicas": "--replicas",
-    "spec.engine.schedule.cacheBlockSize": "--block-size",
+    "spec.engine.schedule.cacheBlockSize": "--block-size", "spec.model.quantization": "--quantization",
 }
 _SPEC_PATH = re.compile(r"\bspec(?:\.[A-Za-z]+)+")
 REQUIRED = "required without --from-file"
@@ -71,6 +72,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(MODEL_PRESETS), help=f"model architecture from the catalog "
                         f"({REQUIRED})")
     parser.add_argument("--name", help="served model name (default: the preset)")
+    parser.add_argument("--quantization", type=quantization_flag, metavar="FORMAT:METHOD",
+                        help="serve the model's W8A8 checkpoint: FORMAT one of " + ", ".join(QUANT_FORMATS)
+                        + "; METHOD one of " + ", ".join(QUANT_METHODS) + " (e.g. msmodelslim:w8a8_dynamic); "
+                        "omitted: 16-bit weights")
     parser.add_argument("--accelerator", choices=sorted(ACCELERATORS),
                         help=f"card type (default without --from-file: {DEFAULT_ACCELERATOR}, the guide's card)")
     parser.add_argument("--cards", type=int, help="cards per replica; omitted: the smallest count that fits")
@@ -90,6 +95,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, help="a fixed replica count")
     parser.add_argument("--block-size", type=int, help="cacheBlockSize (default 128)")
     parser.add_argument("--format", choices=["table", "json"], default="table")
+
+
+def quantization_flag(value: str) -> QuantizationRequest:
+    try:
+        return parse_quantization(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
@@ -123,6 +135,8 @@ def build_spec(args: argparse.Namespace) -> InferenceServiceSpec:
         _set(data, "model.preset", args.preset)
         if not args.from_file or args.name:
             _set(data, "model.name", args.name or args.preset)
+    if args.quantization is not None:
+        _set(data, "model.quantization", args.quantization.model_dump())
     _set(data, "accelerator.type", args.accelerator)
     _set(data, "accelerator.cards", args.cards)
     _set(data, "accelerator.cardsPerNode", args.cards_per_node)
@@ -209,6 +223,9 @@ def print_table(result: Plan, warnings: list[str] | None = None) -> None:
         highlight=False,
     )
     console.print(replica_layout(result), highlight=False)
+    console.print(f"Weights: {result.weightsGiB:g} GiB, "
+                  + (f"quantized {result.quantization}" if result.quantization != NOT_QUANTIZED else "not quantized")
+                  + "; the KV cache stays in the model's dtype", highlight=False)
     for warning in result.warnings if warnings is None else warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 

@@ -201,6 +201,7 @@ def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | N
             device=acc.npu_device_type,
             dtype=model_spec(spec).dtype,
             loadFormat=spec.model.weights.loadFormat,
+            quantization=spec.model.quantization,
             policy=spec.engine.policy,
             servedModelName=spec.model.name,
             maxBatchSizeLimit=max_batch_size_limit(plan),

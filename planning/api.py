@@ -17,6 +17,7 @@ from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
 from npuserve.engine_contract import DType, QueuePolicy, schedule_field, schedule_generation_field
 from npuserve.modelspec import MLA_MODEL_TYPES, MOE_MODEL_TYPES
+from npuserve.quantization import QUANT_FORMATS, QUANT_METHODS, QuantizationRequest
 
 GROUP = "npuserve.io"
 VERSION = "v1alpha1"
@@ -296,6 +297,12 @@ class ModelSource(_Model):
     )
     architecture: Architecture | None = None
     weights: Weights
+    quantization: QuantizationRequest | None = Field(
+        default=None, description="the W8A8 scheme the checkpoint declares (msModelSlim's "
+        "quant_model_description.json or compressed-tensors' quantization_config): the planner sizes the weights by "
+        "it and the engine refuses a checkpoint that declares another; with loadFormat dummy, random int8 weights "
+        "of it. Omitted: 16-bit weights (the engine still serves what a checkpoint declares). The KV cache stays in "
+        "the model's 16-bit dtype: KV cache quantization has no field and a checkpoint declaring it is refused")
 
     @field_validator("preset")
     @classmethod
@@ -309,6 +316,16 @@ class ModelSource(_Model):
         if (self.preset is None) == (self.architecture is None):
             _fail(MODEL_RULES[0]["message"])
         return self
+
+
+def parse_quantization(value: str, flag: str = "--quantization") -> QuantizationRequest:
+    """A command line's `FORMAT:METHOD` (msmodelslim:w8a8_dynamic) as spec.model.quantization; the ValueError names
+    `flag`."""
+    fmt, sep, method = value.partition(":")
+    if not sep or fmt not in QUANT_FORMATS or method not in QUANT_METHODS:
+        raise ValueError(f"{flag} {value!r}: expected FORMAT:METHOD with FORMAT one of {', '.join(QUANT_FORMATS)} "
+                         f"and METHOD one of {', '.join(QUANT_METHODS)} (KV cache quantization is not supported)")
+    return QuantizationRequest.model_validate({"format": fmt, "method": method})
 
 
 # --- spec.accelerator, workload, slo, capacity ------------------------------------------------------------------
@@ -721,6 +738,9 @@ class PlanSchedule(_Model):
     maxQueueDelayMicroseconds: int = schedule_field("maxQueueDelayMicroseconds", required=True)
 
 
+NOT_QUANTIZED = "none"  # Plan.quantization of a model served in its own dtype
+
+
 class Plan(_Model):
     """`npuserve plan --format json`, and `status.plan`: every number of the tuning guide, each explained."""
 
@@ -735,6 +755,10 @@ class Plan(_Model):
     reservedGiB: float
     memoryFraction: float
     weightsGiB: float
+    # a string, never null: the status keeps every plan field (a null would fail the CRD's schema)
+    quantization: str = Field(default=NOT_QUANTIZED, description="the quantized scheme served (`msmodelslim "
+                              "W8A8_DYNAMIC`, `compressed-tensors W8A8 (static)`...), or `none`: weights in the "
+                              "model's dtype; the KV cache stays in the model's dtype either way")
     npuMemSizeGiB: int
     cpuMemSizeGiB: int
     blockBytesPerCard: int

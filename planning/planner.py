@@ -24,6 +24,7 @@ from npuserve.mindie_config import (
 from npuserve.modelspec import MLASpec, ModelSpec, MoESpec
 from npuserve.npu_contract import NPU_BLOCK_RULE, NPU_MLA_BLOCK_RULE, block_size_problem
 from npuserve.planning.api import (
+    NOT_QUANTIZED,
     Architecture,
     ExplainEntry,
     InferenceServiceSpec,
@@ -95,20 +96,44 @@ class _Planner:
 
     def weights(self) -> tuple[Fraction, int]:
         arch = self.spec.model.architecture
-        params = arch.parameters if arch is not None and arch.parameters else self.model.num_parameters
-        weight_bytes = params * self.model.dtype_bytes
+        m = self.model
+        params = arch.parameters if arch is not None and arch.parameters else m.num_parameters
         source = "spec.model.architecture.parameters" if arch is not None and arch.parameters else (
             "counted from the architecture (embeddings, attention, MLP, norms, LM head)"
         )
-        m = self.model
+        if m.quantization is None:
+            weight_bytes = Fraction(params * m.dtype_bytes)
+        else:
+            weight_bytes = self.quantized_weight_bytes(params)
         if m.moe is not None:  # every expert is held, whichever a token chooses
             source += (f"; every expert counted ({m.moe.num_experts} routed per MoE layer x {len(m.moe_layers)} "
                        f"layers); a token computes with {m.active_parameters / 1e9:.2f} B of them (top "
                        f"{m.moe.num_experts_per_tok}, shared experts, dense parts, LM head)")
-        weights = Fraction(weight_bytes, GIB)
-        self.add(0, "weightsGiB", _gib(weights), "numParameters x dtypeBytes / 2^30", "GiB",
-                 f"parameters {source}", numParameters=params, dtypeBytes=self.model.dtype_bytes)
+        weights = weight_bytes / GIB
+        if m.quantization is None:
+            self.add(0, "weightsGiB", _gib(weights), "numParameters x dtypeBytes / 2^30", "GiB",
+                     f"parameters {source}", numParameters=params, dtypeBytes=m.dtype_bytes)
+            return weights, params
+        saving = m.quantization_saving
+        scale = Fraction(params, m.num_parameters)
+        note = (f"{m.quantization.name}: {m.quantized_parameters:,} parameters of the decoder layers' linear modules "
+                f"stored as int8 with {m.quantization.row_overhead_bytes()} bytes of scales per output row (saving "
+                f"{saving / GIB:.3f} GiB of the {m.dtype} weights); embeddings, LM head, norms"
+                f"{' and MoE routers' if m.moe is not None else ''} stay {m.dtype}; parameters {source}")
+        if scale != 1:
+            note += (f"; the saving scaled by numParameters / counted parameters ({params:,} / "
+                     f"{m.num_parameters:,}), so the published count keeps its share of int8")
+        self.add(0, "weightsGiB", _gib(weights),
+                 "(numParameters x dtypeBytes - quantizationSaving x numParameters / countedParameters) / 2^30",
+                 "GiB", note, numParameters=params, dtypeBytes=m.dtype_bytes, quantizationSaving=saving,
+                 countedParameters=m.num_parameters)
         return weights, params
+
+    def quantized_weight_bytes(self, params: int) -> Fraction:
+        """Weight bytes as stored under the scheme (ModelSpec.weight_bytes), for `params` parameters: a published
+        count other than the architecture's keeps the counted model's share of int8 (the saving scaled)."""
+        m = self.model
+        return Fraction(params * m.dtype_bytes) - Fraction(m.quantization_saving * params, m.num_parameters)
 
     def card_memory(self) -> tuple[Fraction, Fraction, Fraction]:
         acc, spec = self.accelerator, self.spec.accelerator
@@ -232,7 +257,7 @@ class _Planner:
 
     def plan(self) -> Plan:
         spec, w = self.spec, self.spec.workload
-        weights, _ = self.weights()
+        weights, params = self.weights()
         memory, reserved, fraction = self.card_memory()
         self.block_size_rule()
         mem = self.world_size(memory, reserved, fraction, weights)
@@ -324,36 +349,42 @@ class _Planner:
             model=spec.model.name, preset=spec.model.preset, accelerator=self.accelerator.name,
             objective=spec.slo.objective, worldSize=ws, nodes=nodes, cardsPerPod=ws // nodes,
             cardMemoryGiB=_gib(memory), reservedGiB=_gib(reserved), memoryFraction=float(fraction),
-            weightsGiB=_gib(weights), npuMemSizeGiB=mem.npu_mem_size_gib, cpuMemSizeGiB=cpu_mem,
+            weightsGiB=_gib(weights), quantization=m.quantization.name if m.quantization is not None else NOT_QUANTIZED,
+            npuMemSizeGiB=mem.npu_mem_size_gib, cpuMemSizeGiB=cpu_mem,
             blockBytesPerCard=mem.block_bytes, totalBlocks=total, blocksPerRequest=bpr, maxBatchSize=mbs,
             maxSeqLen=max_seq_len, maxInputTokenLen=w.maxInputTokens, memoryBound=memory_bound,
             schedule=schedule, pinned=sorted(self.pinned), concurrencyPerReplica=concurrency, replicas=replicas,
             explain=sorted(self.explain, key=lambda e: e.step), warnings=self.warnings,
         )
         _check_schedule(plan)
-        plan.warnings.extend(self.slo_warnings(ws, weights))
+        plan.warnings.extend(self.slo_warnings(ws, weights, params))
         why = servability(plan)
         if why is not None:
             plan.warnings.append(f"engine: {why}; the operator writes this plan to the status and deploys nothing "
                                  f"(condition Deployed=False, reason EngineCannotServe)")
         return plan
 
-    def slo_warnings(self, world_size: int, weights: Fraction) -> list[str]:
+    def slo_warnings(self, world_size: int, weights: Fraction, params: int) -> list[str]:
         """SLOs below what the cards can physically do: a decode step reads every weight once (TPOT at least the
         weights over the cards' memory bandwidth), a prefill computes 2 x parameters FLOPs per prompt token (TTFT at
         least that over their peak compute). Published figures, else the catalog's fitted ones (named).
 
-        A mixture of experts: a decode step of one sequence reads the dense parts and the top-k experts of each
-        MoE layer, not the others (the expert-touch rule at one token, `ModelSpec.untouched_expert_bytes`, the
-        simulator's rule), and a prompt token computes with the active parameters only."""
+        The weights a decode step of one sequence reads are `ModelSpec.step_weight_bytes(1)` (the simulator's rule):
+        the decoder layers and the LM head as stored (int8 with its scales under a quantization scheme), not the
+        embedding table (a lookup); a mixture of experts reads the dense parts and the top-k experts of each MoE
+        layer, not the others (the expert-touch rule at one token). A published parameter count
+        (spec.model.architecture.parameters) scales it by the weights' ratio to the counted ones. A prompt token
+        computes with the active parameters only, at the card's 16-bit rate even when quantized: the catalog has no
+        int8 TOPS figure for the cards (docs/planning.md, "Quantized weights")."""
         acc, slo, warnings = self.accelerator, self.spec.slo, []
         bandwidth, bw_kind = acc.memory_bandwidth_gbps, "published"
         if bandwidth is None:
             bandwidth, bw_kind = acc.fitted_memory_bandwidth_gbps, "fitted"
         m = self.model
         if slo.tpotMs is not None and bandwidth:
-            read = max(0.0, float(weights) * GIB - m.untouched_expert_bytes(1))
-            what = (f"the {_gib(weights):g} GiB of weights" if m.moe is None else
+            read = m.step_weight_bytes(1) * float(weights * GIB / m.weight_bytes)
+            what = (f"{read / GIB:.3g} GiB of the {_gib(weights):g} GiB of weights (all but the embedding table)"
+                    if m.moe is None else
                     f"{read / GIB:.3g} GiB of the {_gib(weights):g} GiB of weights (the dense parts and the top "
                     f"{m.moe.num_experts_per_tok} experts of each MoE layer)")
             floor_ms = read / (bandwidth * 1e9 * world_size) * 1000
@@ -366,10 +397,10 @@ class _Planner:
         if tflops is None:
             tflops, fl_kind = acc.fitted_tflops_16bit, "fitted"
         if slo.ttftMs is not None and tflops:
-            # a dense model's FLOPs per token from its weights (spec.model.architecture.parameters included)
-            params = float(m.active_parameters) if m.moe is not None else float(weights) * GIB / m.dtype_bytes
+            # a dense model's FLOPs per token from its parameters (spec.model.architecture.parameters included)
+            flop_params = float(m.active_parameters) if m.moe is not None else float(params)
             tokens = self.spec.workload.avgInputTokens
-            floor_ms = 2 * params * tokens / (tflops * 1e12 * world_size) * 1000
+            floor_ms = 2 * flop_params * tokens / (tflops * 1e12 * world_size) * 1000
             if slo.ttftMs < floor_ms:
                 warnings.append(
                     f"spec.slo.ttftMs {slo.ttftMs:g} ms is below {floor_ms:.2f} ms, the time the prefill of an average "
@@ -605,12 +636,17 @@ def architecture_of(spec: ModelSpec) -> Architecture:
 
 
 def model_spec(spec: InferenceServiceSpec) -> ModelSpec:
-    """The architecture the spec names (preset or inline)."""
+    """The architecture the spec names (preset or inline), with spec.model.quantization's scheme (its standard
+    coverage: every decoder linear layer but the MoE router int8)."""
     source = spec.model
     if source.preset is not None:
-        return get_model_preset(source.preset)
-    assert source.architecture is not None
-    return _spec_from_architecture(source.architecture)
+        model = get_model_preset(source.preset)
+    else:
+        assert source.architecture is not None
+        model = _spec_from_architecture(source.architecture)
+    if source.quantization is not None:
+        model = model.model_copy(update={"quantization": source.quantization.scheme()})
+    return model
 
 
 def cards_per_node(spec: InferenceServiceSpec) -> int | None:

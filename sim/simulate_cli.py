@@ -35,8 +35,9 @@ from npuserve.loadgen.report_vllm import render_vllm
 from npuserve.loadgen.sweep import SweepParameter, SweepPoint, sweep_csv
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, MindIEConfigError
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
-from npuserve.planning.api import InferenceServiceSpec, Plan
+from npuserve.planning.api import InferenceServiceSpec, Plan, parse_quantization
 from npuserve.planning.planner import PlanError, architecture_of, plan
+from npuserve.quantization import MSMODELSLIM_DESCRIPTION
 
 from .engine import SimulationConfig, SimulationResult, draw_requests, simulate, sweep
 from .lengths import OutputLengths
@@ -58,6 +59,10 @@ def add_simulation_args(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model architecture from the catalog")
     source.add_argument("--model-config", metavar="CONFIG_JSON", help="a Hugging Face config.json")
     m.add_argument("--name", help="served model name (default: the preset, or the config's folder)")
+    m.add_argument("--quantization", metavar="FORMAT:METHOD",
+                   help="W8A8 weights (e.g. msmodelslim:w8a8_dynamic, compressed-tensors:w8a8), as `npuserve plan`; "
+                   "with --model-config: what its folder declares (config.json's quantization_config or "
+                   "quant_model_description.json beside it), which this flag must match")
     m.add_argument("--accelerator", choices=sorted(ACCELERATORS), default=DEFAULT_ACCELERATOR,
                    help=f"card type (default {DEFAULT_ACCELERATOR}, the guide's card)")
     m.add_argument("--cards", type=int, help="cards per replica (worldSize); omitted: the plan's")
@@ -120,13 +125,29 @@ def parse_schedule(pairs: list[str]) -> dict[str, Any]:
 
 
 def _model(args: argparse.Namespace) -> tuple[ModelSpec, str]:
+    """The model, with its quantization scheme: --quantization's (standard coverage) on a preset; a config.json's
+    folder's own declaration (every module as declared), which --quantization, when given, must match."""
+    try:
+        request = parse_quantization(args.quantization) if args.quantization else None
+    except ValueError as e:
+        raise SimulateError(str(e)) from None
     if args.preset:
-        return get_model_preset(args.preset), args.name or args.preset
+        spec = get_model_preset(args.preset)
+        if request is not None:
+            spec = spec.model_copy(update={"quantization": request.scheme()})
+        return spec, args.name or args.preset
     path = Path(args.model_config)
     try:
-        spec = ModelSpec.from_hf_config(json.loads(path.read_text()))
+        config = json.loads(path.read_text())
+        description = path.parent / MSMODELSLIM_DESCRIPTION
+        spec = ModelSpec.from_hf_config(config, json.loads(description.read_text()) if description.exists() else None)
     except (OSError, json.JSONDecodeError, KeyError, UnsupportedModelError) as e:
         raise SimulateError(f"--model-config {path}: {e}") from None
+    declared = spec.quantization
+    if request is not None and declared is None:
+        spec = spec.model_copy(update={"quantization": request.scheme()})
+    elif request is not None and declared is not None and not request.matches(declared):
+        raise SimulateError(f"--quantization {args.quantization}: {path.parent} declares {declared.name}")
     return spec, args.name or path.parent.name or "model"
 
 
@@ -137,6 +158,8 @@ def _spec(args: argparse.Namespace, spec: ModelSpec, name: str, requests: list[S
         model["preset"] = args.preset
     else:
         model["architecture"] = architecture_of(spec).model_dump(exclude_none=True)
+    if spec.quantization is not None:  # the plan sizes the weights by the scheme's standard coverage
+        model["quantization"] = {"format": spec.quantization.format, "method": spec.quantization.method}
     accelerator: dict[str, Any] = {"type": args.accelerator}
     for key, value in (("cards", cards), ("memoryGiB", args.card_memory_gib), ("reservedGiB", args.reserved_gib)):
         if value is not None:
@@ -215,7 +238,8 @@ def build_with_plan(args: argparse.Namespace) -> tuple[SimulationConfig, list[Si
         f"simulated: {name} on {config.world_size} x {args.accelerator}, engine config from {source}"
         f"{' with --schedule' if changes else ''}: maxBatchSize {s.maxBatchSize}, maxPrefillBatchSize "
         f"{s.maxPrefillBatchSize}, maxPrefillTokens {s.maxPrefillTokens}, supportSelectBatch "
-        f"{str(s.supportSelectBatch).lower()}; {config.kv_blocks} KV blocks, {config.host_blocks} host blocks")
+        f"{str(s.supportSelectBatch).lower()}; {config.kv_blocks} KV blocks, {config.host_blocks} host blocks; "
+        f"weights {spec.quantization.name if spec.quantization is not None else spec.dtype}")
     return config, requests, notes, planned
 
 

@@ -196,6 +196,32 @@ def test_the_schema_accepts_the_catalog_names_and_refuses_others(root_schema: di
         assert _schema_errors(root_schema, _mutated(path, value)), value
 
 
+def test_the_schema_takes_the_w8a8_schemes_and_refuses_others_naming_the_field(root_schema: dict[str, Any]) -> None:
+    # the four schemes of issue 31: msModelSlim and compressed-tensors, W8A8 static and dynamic
+    for fmt in ("msmodelslim", "compressed-tensors"):
+        for method in ("w8a8", "w8a8_dynamic"):
+            obj = _mutated("model.quantization", {"format": fmt, "method": method})
+            assert _crd_errors(root_schema, obj) == [], (fmt, method)
+            assert api.InferenceService.model_validate(obj).spec.model.quantization is not None
+    # a KV cache scheme has no field: kubectl's strict field validation refuses it by name, the models too
+    obj = _mutated("model.quantization", {"format": "msmodelslim", "method": "w8a8", "kvCache": "int8"})
+    assert unknown_fields(root_schema, obj) == [".spec.model.quantization.kvCache"]
+    with pytest.raises(ValidationError, match="kvCache"):
+        api.InferenceService.model_validate(obj)
+    # an int4 method, another format, a missing method
+    for bad, field in (({"format": "msmodelslim", "method": "w4a8"}, "method"),
+                       ({"format": "gptq", "method": "w8a8"}, "format"),
+                       ({"format": "msmodelslim"}, "method")):
+        obj = _mutated("model.quantization", bad)
+        errors = list(jsonschema.Draft4Validator(root_schema).iter_errors(apply_defaults(root_schema, obj)))
+        assert errors, bad
+        assert any(field in [*map(str, e.path), e.message] or field in e.message for e in errors), (bad, errors)
+        with pytest.raises(ValidationError, match=field):
+            api.InferenceService.model_validate(obj)
+    description = root_schema["properties"]["spec"]["properties"]["model"]["properties"]["quantization"]
+    assert "KV cache quantization has no field" in description["description"]
+
+
 # MindIE Server's documented ScheduleConfig ranges (its config.json reference; docs/mindie-config.md), written out here.
 MINDIE_RANGES = {"maxBatchSize": (1, 5000), "maxQueueDelayMicroseconds": (500, 1_000_000),
                  "prefillTimeMsPerReq": (0, 1000), "decodeTimeMsPerReq": (0, 1000)}

@@ -83,6 +83,16 @@ def test_configmap_holds_the_plans_mindie_config() -> None:
     assert config.extensions.device == "npu" and config.extensions.servedModelName == "Meta-Llama-3-8B-Instruct"
 
 
+def test_the_config_carries_the_quantization_the_spec_names() -> None:
+    isvc, p = load("deepseek-r1-w8a8-multinode.yaml")
+    config = json.loads(by_kind(r.render(isvc, p))["ConfigMap"]["data"]["config.json"])
+    assert config["npuserve"]["quantization"] == {"format": "msmodelslim", "method": "w8a8"}
+    assert MindIEConfig.from_dict(config).extensions.quantization == isvc.spec.model.quantization
+    # a 16-bit model's config says so: no scheme, the engine serves what its checkpoint declares
+    plain_isvc, plain = load("llama3-8b-throughput.yaml")
+    assert r.mindie_config(plain_isvc, plain).extensions.quantization is None
+
+
 def test_the_config_carries_the_plans_memory_maximum_as_the_batch_size_limit() -> None:
     isvc, p = load("llama3-8b-throughput.yaml")
     config = r.mindie_config(isvc, p)
