@@ -22,17 +22,15 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from npuserve.engine.backends import int8_reference
+from npuserve.engine.backends.int8_reference import Int8Experts, Int8Linear
 from npuserve.modelspec import MoESpec
-
-if TYPE_CHECKING:
-    from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 
 
 @dataclass(slots=True)

@@ -44,8 +44,8 @@ from npuserve.engine.backends.base import (
     MemoryInfo,
     grouped_experts,
 )
+from npuserve.engine.backends.int8_reference import Int8Experts, Int8Linear
 from npuserve.engine.backends.triton_paged_attention import DEFAULT_BLOCK_N, paged_decode_attention
-from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
 

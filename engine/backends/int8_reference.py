@@ -6,15 +6,50 @@ dequantisation in float32. The CPU runs it; a device backend overrides it with i
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from npuserve.engine.model.int8 import Int8Experts, Int8Linear
-
 INT8_MAX = 127
+
+
+class Int8Linear(Protocol):
+    """What the ops read of an int8 linear layer (`engine/model/int8.py`'s `Int8Linear`; a protocol, so the
+    backends' interface does not import the model's modules)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def in_features(self) -> int: ...
+    @property
+    def out_features(self) -> int: ...
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def weight_scale(self) -> torch.Tensor: ...
+    @property
+    def input_scale(self) -> torch.Tensor | None: ...
+    @property
+    def input_offset(self) -> torch.Tensor | None: ...
+    @property
+    def quant_bias(self) -> torch.Tensor | None: ...
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+
+class Int8Experts(Protocol):
+    """What the ops read of int8 routed experts (`engine/model/int8.py`'s `Int8Experts`)."""
+
+    @property
+    def w13(self) -> torch.Tensor: ...
+    @property
+    def w2(self) -> torch.Tensor: ...
+    @property
+    def w13_scale(self) -> torch.Tensor: ...
+    @property
+    def w2_scale(self) -> torch.Tensor: ...
+
 # `x_q (T, K) int8 . w_q (N, K)^T` -> (T, N) int32, exactly: `int32_matmul`, or a device's (cuda.py)
 Int32Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -51,6 +51,7 @@ from torch import nn
 
 from npuserve.engine.backends import npu_stack
 from npuserve.engine.backends.base import AttentionMetadata, Backend, BackendUnavailableError, MemoryInfo
+from npuserve.engine.backends.int8_reference import Int8Experts, Int8Linear
 from npuserve.engine.backends.npu_device import local_device_index
 from npuserve.engine.backends.npu_fused import swap_fused_kernels
 from npuserve.engine.backends.npu_int8 import NPUInt8
@@ -58,7 +59,6 @@ from npuserve.engine.backends.npu_masks import causal_mask, check_kernel_dtype, 
 from npuserve.engine.backends.npu_mla import NPUMLA, host_lengths
 from npuserve.engine.backends.npu_moe import NPUMoE, lay_out_experts
 from npuserve.engine.backends.npu_stack import DECODE_OP, FLASH_OP, PREFIX_OP, SPLITFUSE_OP, NPUStack
-from npuserve.engine.model.int8 import Int8Experts, Int8Linear
 from npuserve.modelspec import MoESpec
 from npuserve.npu_contract import (
     COMPRESSED_MASK_SIZE,

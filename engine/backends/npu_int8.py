@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from npuserve.engine.backends import int8_reference
 from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu_moe import NPUMoE
 from npuserve.engine.backends.npu_stack import NPUStack
@@ -73,8 +74,8 @@ class NPUInt8:
 
     def __init__(self, ops: Any, stack: NPUStack, moe: NPUMoE) -> None:
         self._ops, self.stack, self._moe = ops, stack, moe
-        self._linear: dict[tuple[nn.Module, torch.dtype], LinearScales] = {}
-        self._experts: dict[tuple[nn.Module, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._linear: dict[tuple[object, torch.dtype], LinearScales] = {}
+        self._experts: dict[tuple[object, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._said: set[str] = set()
 
     def _once(self, message: str, *args: object) -> None:
@@ -111,7 +112,7 @@ class NPUInt8:
 
     # --- scales -----------------------------------------------------------------------------------------------------
 
-    def _linear_scales(self, layer: Int8Linear, dtype: torch.dtype) -> LinearScales:
+    def _linear_scales(self, layer: int8_reference.Int8Linear, dtype: torch.dtype) -> LinearScales:
         found = self._linear.get((layer, dtype))
         if found is not None:
             return found
@@ -133,7 +134,8 @@ class NPUInt8:
         self._linear[(layer, dtype)] = found
         return found
 
-    def _expert_scales(self, experts: Int8Experts, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _expert_scales(self, experts: int8_reference.Int8Experts,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         found = self._experts.get((experts, dtype))
         if found is None:
             # the grouped matmul's table: bfloat16 scales for a bf16 output, float32 for fp16
@@ -152,7 +154,7 @@ class NPUInt8:
 
     # --- the layers -------------------------------------------------------------------------------------------------
 
-    def linear(self, x: torch.Tensor, layer: Int8Linear) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, layer: int8_reference.Int8Linear) -> torch.Tensor:
         shape, dtype = x.shape, x.dtype
         rows = x.reshape(-1, shape[-1]).contiguous()
         scales = self._linear_scales(layer, dtype)
@@ -170,7 +172,7 @@ class NPUInt8:
         return out.reshape(*shape[:-1], layer.out_features)
 
     def experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                experts: Int8Experts) -> torch.Tensor:
+                experts: int8_reference.Int8Experts) -> torch.Tensor:
         dtype = x.dtype
         w13_scale, w2_scale = self._expert_scales(experts, dtype)
         routed = self._moe.route(x, ids, experts.w13.shape[0])
