@@ -46,7 +46,9 @@ def main(source: str, out: str, scheme: str, calib_json: str) -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, torch_dtype="auto").eval()
-    routers = [name for name, _ in model.named_modules() if name.endswith(".mlp.gate")]
+    # the MoE routers stay float; msModelSlim takes only nn.Linear names (DeepSeek-V3's router is a module of its own)
+    routers = [name for name, module in model.named_modules()
+               if name.endswith(".mlp.gate") and isinstance(module, torch.nn.Linear)]
     texts = json.loads(Path(calib_json).read_text())
     calib = [[tokenizer(text, return_tensors="pt", truncation=True, max_length=MAX_SEQ_LEN,
                         add_special_tokens=False).input_ids] for text in texts]

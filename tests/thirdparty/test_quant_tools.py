@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
+# dense (Llama) and MoE (Qwen3-MoE) in both methods; DeepSeek-V3 (MoE and latent attention) static
 CHECKPOINTS = [(tool, model, scheme) for tool in ("msmodelslim", "llmcompressor") for model in ("dense", "moe")
                for scheme in ("w8a8", "w8a8_dynamic")]
+CHECKPOINTS += [("msmodelslim", "mla", "w8a8"), ("llmcompressor", "mla", "w8a8")]
 
 
 def tensors(folder: Path) -> dict[str, tuple[str, list[int]]]:
