@@ -8,6 +8,7 @@ under a file lock, complete when its `.complete` marker is there. Standard libra
 
     python tests/quant_checkpoints.py llmcompressor dense w8a8     # prints the folder
     python tests/quant_checkpoints.py refused llmcompressor int4
+    python tests/quant_checkpoints.py mindie
 """
 
 from __future__ import annotations
@@ -138,9 +139,17 @@ def refused_checkpoint(kind: RefusedKind, tool: Tool = "llmcompressor") -> Path:
     return _build(tool, "dense", kind)
 
 
+def mindie_checkpoint() -> Path:
+    """msModelSlim's dense static W8A8 saved in MindIE's layout (`quant_model_description_w8a8.json`) rather than
+    vllm-ascend's (`quant_model_description.json`)."""
+    return _build("msmodelslim", "dense", "w8a8-mindie")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args and args[0] == "refused":
+    if args == ["mindie"]:
+        print(mindie_checkpoint())
+    elif args and args[0] == "refused":
         print(refused_checkpoint(args[2], args[1]))  # type: ignore[arg-type]
     else:
         print(quant_checkpoint(*args))  # type: ignore[arg-type]

@@ -11,7 +11,9 @@ SCHEME: w8a8 (static: per-tensor activation scale and offset from calibration), 
 moe (what msModelSlim's Qwen3-30B-A3B W8A8 practice, lab_practice/qwen3_moe/qwen3-30b-a3b-w8a8.yaml, does: W8A8
 with mix_cfg `*.mlp.*` -> w8a8_dynamic, every `mlp.gate` (the router) disabled; its m4 anti-outlier step is left
 out), w8a16 (weight-only int8), kv (w8a8 with `use_kvcache_quant`, the C8 KV cache). Weights per output channel
-(`mm_tensor=False`), symmetric; the last linear (lm_head) stays float (`disable_last_linear`, the default).
+(`mm_tensor=False`), symmetric; the last linear (lm_head) stays float (`disable_last_linear`, the default). A
+`-mindie` suffix (e.g. w8a8-mindie) saves in MindIE's layout instead (`save_type=["safe_tensor"]`:
+`quant_model_description_<type>.json`), as its example scripts' `--mindie_format` does.
 """
 
 from __future__ import annotations
@@ -46,14 +48,17 @@ def main(source: str, out: str, scheme: str, calib_json: str) -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, torch_dtype="auto").eval()
-    routers = [name for name, _ in model.named_modules() if name.endswith(".mlp.gate")]
+    # the MoE routers stay float; msModelSlim takes only nn.Linear names (DeepSeek-V3's router is a module of its own)
+    routers = [name for name, module in model.named_modules()
+               if name.endswith(".mlp.gate") and isinstance(module, torch.nn.Linear)]
     texts = json.loads(Path(calib_json).read_text())
     calib = [[tokenizer(text, return_tensors="pt", truncation=True, max_length=MAX_SEQ_LEN,
                         add_special_tokens=False).input_ids] for text in texts]
+    scheme, mindie, _ = scheme.partition("-mindie")
     cfg, mix_cfg = config(scheme, routers)
     calibrator = Calibrator(model, cfg, calib_data=calib, disable_level="L0", mix_cfg=mix_cfg)
     calibrator.run()
-    calibrator.save(out, save_type=["ascendV1"])
+    calibrator.save(out, save_type=["safe_tensor" if mindie else "ascendV1"])
 
 
 if __name__ == "__main__":

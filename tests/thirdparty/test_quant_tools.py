@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
-from tests.quant_checkpoints import quant_checkpoint, refused_checkpoint
+from tests.quant_checkpoints import mindie_checkpoint, quant_checkpoint, refused_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,10 @@ pytestmark = pytest.mark.slow
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
+# dense (Llama) and MoE (Qwen3-MoE) in both methods; DeepSeek-V3 (MoE and latent attention) static
 CHECKPOINTS = [(tool, model, scheme) for tool in ("msmodelslim", "llmcompressor") for model in ("dense", "moe")
                for scheme in ("w8a8", "w8a8_dynamic")]
+CHECKPOINTS += [("msmodelslim", "mla", "w8a8"), ("llmcompressor", "mla", "w8a8")]
 
 
 def tensors(folder: Path) -> dict[str, tuple[str, list[int]]]:
@@ -101,6 +103,17 @@ def test_msmodelslim_moe_follows_its_qwen3_moe_practice() -> None:
             assert q.module_method(f"model.layers.1.mlp.experts.{expert}.{proj}") == "w8a8_dynamic"
     assert q.module_method("model.layers.0.mlp.gate") is None
     assert q.module_method("lm_head") is None
+
+
+def test_msmodelslim_mindie_layout_reads_the_same() -> None:
+    """MindIE's save names the description after the type; the scheme read is the one its entries declare."""
+    folder = mindie_checkpoint()
+    assert [p.name for p in folder.glob("quant_model_description*.json")] == ["quant_model_description_w8a8.json"]
+    spec = ModelSpec.from_pretrained(folder)
+    q = spec.quantization
+    assert q is not None and (q.format, q.method) == ("msmodelslim", "w8a8")
+    assert q.module_method("model.layers.0.mlp.down_proj") == "w8a8"
+    assert spec.weight_bytes == pytest.approx(stored_bytes(folder), rel=0.01)
 
 
 @pytest.mark.parametrize(("tool", "kind", "named"), [

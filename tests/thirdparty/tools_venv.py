@@ -91,8 +91,8 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def _missing(root: Path, name: str) -> list[str]:
-    """What the set should provide and the venv lacks: executables by path, modules by an import probe (run only
-    when the executables are there; the probe costs a python start and the module's import)."""
+    """What the set should provide and the venv lacks: executables by path, modules by a probe of the venv's python
+    (`find_spec`: it finds the module, borrowed ones included, without importing it; one python start)."""
     missing = [exe for exe in EXECUTABLES.get(name, ()) if not (root / "bin" / exe).exists()]
     modules = IMPORTS.get(name, ())
     if missing or not modules:
