@@ -86,12 +86,12 @@ EXAMPLE_PLANS: dict[str, dict[str, Any]] = {
     "deepseek-r1-multinode.yaml": {"worldSize": 32, "nodes": 4, "npuMemSizeGiB": 17, "totalBlocks": 2029,
                                    "blocksPerRequest": {"min": 2, "avg": 5, "max": 6},
                                    "maxBatchSize": {"min": 338, "avg": 405, "max": 1014}, "replicas": 1},
-    # The same model as msModelSlim W8A8 (tests/planning/test_quant_plans.py derives it by hand): 676,429,176,064 B =
-    # 629.97 GiB; 8 cards hold 78.7 GiB each; 16 (2 nodes of 8, MindIE's W8A8 layout): floor((64 - 3.4 - 39.37) x
-    # 0.8) = 16 GiB of 8,994,816-byte blocks = 1909.
-    "deepseek-r1-w8a8-multinode.yaml": {"worldSize": 16, "nodes": 2, "npuMemSizeGiB": 16, "totalBlocks": 1909,
+    # The same model as msModelSlim W8A8 (tests/planning/test_quant_plans.py derives it by hand): 675,052,397,312 B =
+    # 628.69 GiB; 8 cards hold 78.6 GiB each; 16 (2 nodes of 8, MindIE's W8A8 layout): floor((64 - 3.4 - 39.29) x
+    # 0.8) = 17 GiB of 8,994,816-byte blocks = 2029 (2029 / 5 = 405, / 6 = 338, / 2 = 1014).
+    "deepseek-r1-w8a8-multinode.yaml": {"worldSize": 16, "nodes": 2, "npuMemSizeGiB": 17, "totalBlocks": 2029,
                                         "blocksPerRequest": {"min": 2, "avg": 5, "max": 6},
-                                        "maxBatchSize": {"min": 318, "avg": 381, "max": 954}, "replicas": 1},
+                                        "maxBatchSize": {"min": 338, "avg": 405, "max": 1014}, "replicas": 1},
     # The two-layer float32 model in 2 GiB of host memory: 1 GiB of KV, 128 KiB blocks.
     "tiny-cpu.yaml": {"worldSize": 1, "nodes": 1, "npuMemSizeGiB": 1, "totalBlocks": 8192,
                       "blocksPerRequest": {"min": 1, "avg": 2, "max": 2},

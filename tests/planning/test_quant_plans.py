@@ -3,8 +3,9 @@ from the published config numbers in the comments (docs/planning.md, "Quantized 
 code under test.
 
 A W8A8 linear layer stores one int8 byte per parameter plus, per output row, the scales its format writes:
-msModelSlim W8A8 (static) 20 bytes (weight_scale and weight_offset float32, deq_scale 8, quant_bias int32),
-W8A8_DYNAMIC 8 bytes (weight_scale, weight_offset), compressed-tensors 2 bytes (a bf16 weight_scale). Every linear
+msModelSlim W8A8 (static) 12 bytes (weight_scale and weight_offset bf16, deq_scale float32, quant_bias int32),
+W8A8_DYNAMIC 4 bytes (weight_scale, weight_offset bf16), compressed-tensors 2 bytes (a bf16 weight_scale): what
+msModelSlim 26.1.0 and llm-compressor 0.14.0.1 write for a bf16 model (docs/quantization.md, "What the tools write"). Every linear
 module of a decoder layer is int8 except the MoE router; the embedding table, the LM head and the norms stay bf16
 (2 bytes), and so does the KV cache.
 
@@ -52,16 +53,16 @@ def npu_mem_gib(weight_bytes: int, world_size: int) -> int:
 # 1,555,824,640, final norm 5120.
 QWEN3_32B_PARAMS = 64 * (487_587_840 + 10_496) + 1_555_824_640 + 5_120  # 32,762,123,264
 QWEN3_32B_BF16 = 2 * QWEN3_32B_PARAMS  # 65,524,246,528 bytes = 61.02 GiB
-QWEN3_32B_W8A8_DYNAMIC = 64 * (487_587_840 + 8 * 71_680 + 2 * 10_496) + 2 * (1_555_824_640 + 5_120)  # 34,355,324,928
+QWEN3_32B_W8A8_DYNAMIC = 64 * (487_587_840 + 4 * 71_680 + 2 * 10_496) + 2 * (1_555_824_640 + 5_120)  # 34,336,974,848
 
 
 def test_qwen3_32b_w8a8_dynamic_weights_and_the_smallest_world_size() -> None:
-    assert QWEN3_32B_PARAMS == 32_762_123_264 and QWEN3_32B_W8A8_DYNAMIC == 34_355_324_928
+    assert QWEN3_32B_PARAMS == 32_762_123_264 and QWEN3_32B_W8A8_DYNAMIC == 34_336_974_848
     bf16 = plan(spec_of("qwen3-32b", None))
     w8a8 = plan(spec_of("qwen3-32b", {"format": "msmodelslim", "method": "w8a8_dynamic"}))
 
     assert bf16.weightsGiB == round(QWEN3_32B_BF16 / GIB, 3) == 61.024 and bf16.quantization == "none"
-    assert w8a8.weightsGiB == round(QWEN3_32B_W8A8_DYNAMIC / GIB, 3) == 31.996
+    assert w8a8.weightsGiB == round(QWEN3_32B_W8A8_DYNAMIC / GIB, 3) == 31.979
     assert w8a8.quantization == "msmodelslim W8A8_DYNAMIC"
     # bf16: 61.02 GiB leave 64 - 3.4 - 61.02 < 0 on one card -> 2 cards; W8A8: 28.6 GiB free on one card -> 1
     assert (bf16.worldSize, w8a8.worldSize) == (2, 1)
@@ -70,7 +71,7 @@ def test_qwen3_32b_w8a8_dynamic_weights_and_the_smallest_world_size() -> None:
     assert w8a8.blockBytesPerCard == 2 * 64 * 128 * 8 * 128 * 2
     assert w8a8.totalBlocks == 22 * GIB // (32 * 2**20) == 704
     entry = w8a8.explained("weightsGiB")
-    assert "msmodelslim W8A8_DYNAMIC" in entry.note and "8 bytes of scales per output row" in entry.note
+    assert "msmodelslim W8A8_DYNAMIC" in entry.note and "4 bytes of scales per output row" in entry.note
     assert entry.inputs["quantizationSaving"] == QWEN3_32B_BF16 - QWEN3_32B_W8A8_DYNAMIC
 
 
@@ -91,17 +92,17 @@ def test_compressed_tensors_scales_are_bf16_two_bytes_a_row() -> None:
 QWEN3_235B_INT8 = 71_303_168 + 128 * 18_874_368  # 2,487,222,272 per layer
 QWEN3_235B_ROWS = 13_312 + 128 * 7_168  # 930,816 per layer
 QWEN3_235B_BF16 = 2 * (94 * (QWEN3_235B_INT8 + 524_288 + 8_448) + 1_244_659_712 + 4_096)  # 470,187,269,120
-QWEN3_235B_W8A8_DYNAMIC = (94 * (QWEN3_235B_INT8 + 8 * QWEN3_235B_ROWS + 2 * (524_288 + 8_448))
-                           + 2 * (1_244_659_712 + 4_096))  # 237,088,349,184
+QWEN3_235B_W8A8_DYNAMIC = (94 * (QWEN3_235B_INT8 + 4 * QWEN3_235B_ROWS + 2 * (524_288 + 8_448))
+                           + 2 * (1_244_659_712 + 4_096))  # 236,738,362,368
 
 
 def test_qwen3_235b_a22b_w8a8_dynamic_halves_the_cards() -> None:
-    assert QWEN3_235B_BF16 == 470_187_269_120 and QWEN3_235B_W8A8_DYNAMIC == 237_088_349_184
+    assert QWEN3_235B_BF16 == 470_187_269_120 and QWEN3_235B_W8A8_DYNAMIC == 236_738_362_368
     bf16 = plan(spec_of("qwen3-235b-a22b", None))
     w8a8 = plan(spec_of("qwen3-235b-a22b", {"format": "msmodelslim", "method": "w8a8_dynamic"}))
     assert bf16.weightsGiB == round(QWEN3_235B_BF16 / GIB, 3) == 437.896
-    assert w8a8.weightsGiB == round(QWEN3_235B_W8A8_DYNAMIC / GIB, 3) == 220.806
-    # bf16 on 4 cards: 109.5 GiB a card > 64; on 8: 54.7 -> 4 GiB of KV. W8A8 on 2: 110.4 > 64; on 4: 55.2 -> 4 GiB
+    assert w8a8.weightsGiB == round(QWEN3_235B_W8A8_DYNAMIC / GIB, 3) == 220.48
+    # bf16 on 4 cards: 109.5 GiB a card > 64; on 8: 54.7 -> 4 GiB of KV. W8A8 on 2: 110.2 > 64; on 4: 55.1 -> 4 GiB
     assert (bf16.worldSize, w8a8.worldSize) == (8, 4)
     assert w8a8.npuMemSizeGiB == npu_mem_gib(QWEN3_235B_W8A8_DYNAMIC, 4) == 4
     # 4 KV heads over 4 cards: one a card, bf16: 2 x 94 x 128 x 1 x 128 x 2 bytes a block
@@ -121,7 +122,7 @@ def test_qwen3_235b_a22b_w8a8_dynamic_halves_the_cards() -> None:
 DSV3_INT8 = 3 * (187_105_280 + 396_361_728) + 58 * (187_105_280 + 257 * 44_040_192)  # 669,065,609,216
 DSV3_ROWS = 3 * (66_624 + 44_032) + 58 * (66_624 + 257 * 11_264)  # 172,097,344
 DSV3_BF16_PARAMS = 61 * 16_384 + 58 * 1_835_264 + 1_853_358_080 + 7_168  # 1,960,809,984
-DSV3_W8A8 = DSV3_INT8 + 20 * DSV3_ROWS + 2 * DSV3_BF16_PARAMS  # 676,429,176,064 bytes = 629.97 GiB
+DSV3_W8A8 = DSV3_INT8 + 12 * DSV3_ROWS + 2 * DSV3_BF16_PARAMS  # 675,052,397,312 bytes = 628.69 GiB
 
 
 def test_deepseek_r1_w8a8_on_910b3_is_mindies_two_nodes_of_eight() -> None:
@@ -130,22 +131,22 @@ def test_deepseek_r1_w8a8_on_910b3_is_mindies_two_nodes_of_eight() -> None:
     servers, W8A8 weights at least 2. On 910B3 cards (64 GiB, 8 a node) the planner gives the same: worldSize 16 over
     2 nodes for W8A8, 32 over 4 nodes for bf16."""
     assert DSV3_INT8 + DSV3_BF16_PARAMS == 671_026_419_200  # DeepSeek-V3's counted parameters (docs/planning.md)
-    assert DSV3_W8A8 == 676_429_176_064
+    assert DSV3_W8A8 == 675_052_397_312
     bf16 = plan(spec_of("deepseek-v3", None))
     w8a8 = plan(spec_of("deepseek-v3", {"format": "msmodelslim", "method": "w8a8"}))
     assert (bf16.worldSize, bf16.nodes, bf16.cardsPerPod) == (32, 4, 8)
-    assert w8a8.weightsGiB == round(DSV3_W8A8 / GIB, 3) == 629.974
-    # 8 cards: 78.7 GiB a card > 64; 16 (the next count dividing the 128 heads and a whole number of nodes): 39.4
+    assert w8a8.weightsGiB == round(DSV3_W8A8 / GIB, 3) == 628.692
+    # 8 cards: 78.6 GiB a card > 64; 16 (the next count dividing the 128 heads and a whole number of nodes): 39.4
     assert (w8a8.worldSize, w8a8.nodes, w8a8.cardsPerPod) == (16, 2, 8)
     assert w8a8.quantization == "msmodelslim W8A8"
-    assert w8a8.npuMemSizeGiB == npu_mem_gib(DSV3_W8A8, 16) == 16
+    assert w8a8.npuMemSizeGiB == npu_mem_gib(DSV3_W8A8, 16) == 17
     # the latent KV cache stays bf16: 61 layers x 128 tokens x (512 + 64) x 2 bytes, whole on each card
     assert w8a8.blockBytesPerCard == 61 * 128 * 576 * 2 == 8_994_816
 
 
 def test_a_published_parameter_count_keeps_its_int8_share() -> None:
     # Qwen3-32B written inline with parameters 32.8 B (a published round figure): bytes = 32.8e9 x 2 - saving x
-    # 32.8e9 / 32,762,123,264, the saving being the counted model's: 65,524,246,528 - 34,355,324,928 = 31,168,921,600
+    # 32.8e9 / 32,762,123,264, the saving being the counted model's: 65,524,246,528 - 34,336,974,848 = 31,187,271,680
     arch = {"modelType": "qwen3", "numLayers": 64, "hiddenSize": 5120, "numAttentionHeads": 64,
             "numKeyValueHeads": 8, "headDim": 128, "intermediateSize": 25600, "vocabSize": 151936,
             "maxPositionEmbeddings": 40960, "parameters": 32_800_000_000}
@@ -153,7 +154,7 @@ def test_a_published_parameter_count_keeps_its_int8_share() -> None:
         "model": {"name": "q", "architecture": arch, "weights": {"loadFormat": "dummy"},
                   "quantization": {"format": "msmodelslim", "method": "w8a8_dynamic"}},
         "accelerator": {"type": "ascend-910b3"}, "workload": WORKLOAD})
-    expected = Fraction(32_800_000_000 * 2) - Fraction(31_168_921_600 * 32_800_000_000, 32_762_123_264)
+    expected = Fraction(32_800_000_000 * 2) - Fraction(31_187_271_680 * 32_800_000_000, 32_762_123_264)
     got = plan(spec)
     assert got.weightsGiB == round(float(expected / GIB), 3)
     assert "scaled by numParameters / counted parameters" in got.explained("weightsGiB").note
@@ -161,11 +162,11 @@ def test_a_published_parameter_count_keeps_its_int8_share() -> None:
 
 def test_the_tpot_floor_reads_the_int8_weights() -> None:
     # Qwen3-32B W8A8_DYNAMIC on one card: a decode step reads every layer and the LM head, not the embedding table:
-    # 34,355,324,928 - 151936 x 5120 x 2 = 32,799,500,288 bytes = 30.5 GiB
+    # 34,336,974,848 - 151936 x 5120 x 2 = 32,781,150,208 bytes = 30.5 GiB
     spec = spec_of("qwen3-32b", {"format": "msmodelslim", "method": "w8a8_dynamic"})
     spec = spec.model_copy(update={"slo": spec.slo.model_copy(update={"objective": "decodeLatency", "tpotMs": 1})})
     (warning,) = [w for w in plan(spec).warnings if w.startswith("spec.slo.tpotMs")]
-    assert f"{(QWEN3_32B_W8A8_DYNAMIC - 151936 * 5120 * 2) / GIB:.3g} GiB of the 31.996 GiB" in warning
+    assert f"{(QWEN3_32B_W8A8_DYNAMIC - 151936 * 5120 * 2) / GIB:.3g} GiB of the 31.979 GiB" in warning
     assert "30.5 GiB" in warning
 
 
