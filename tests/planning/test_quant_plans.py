@@ -5,9 +5,9 @@ code under test.
 A W8A8 linear layer stores one int8 byte per parameter plus, per output row, the scales its format writes:
 msModelSlim W8A8 (static) 12 bytes (weight_scale and weight_offset bf16, deq_scale float32, quant_bias int32),
 W8A8_DYNAMIC 4 bytes (weight_scale, weight_offset bf16), compressed-tensors 2 bytes (a bf16 weight_scale): what
-msModelSlim 26.1.0 and llm-compressor 0.14.0.1 write for a bf16 model (docs/quantization.md, "What the tools write"). Every linear
-module of a decoder layer is int8 except the MoE router; the embedding table, the LM head and the norms stay bf16
-(2 bytes), and so does the KV cache.
+msModelSlim 26.1.0 and llm-compressor 0.14.0.1 write for a bf16 model (docs/quantization.md, "What the tools
+write"). Every linear module of a decoder layer is int8 except the MoE router; the embedding table, the LM head and the
+norms stay bf16 (2 bytes), and so does the KV cache.
 
 Common inputs (as tests/planning/test_moe_mla_plans.py): the guide's GSM8K workload (186 tokens in on average, 346
 out, at most 512 out), cacheBlockSize 128, 64 GiB per card, int(3.4 x 2^30) bytes held at idle, memoryFraction 0.8;
