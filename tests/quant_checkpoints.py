@@ -9,6 +9,7 @@ under a file lock, complete when its `.complete` marker is there. Standard libra
     python tests/quant_checkpoints.py llmcompressor dense w8a8     # prints the folder
     python tests/quant_checkpoints.py refused llmcompressor int4
     python tests/quant_checkpoints.py mindie
+    python tests/quant_checkpoints.py suite                        # every checkpoint the test suite reads
 """
 
 from __future__ import annotations
@@ -87,9 +88,14 @@ def _source(model: Model) -> Path:
     return root
 
 
+def _entry(tool: Tool, model: Model, scheme: str, texts: list[str] | None = None) -> Path:
+    """The cache folder of one checkpoint."""
+    return cache_dir() / "quant-checkpoints" / _key(tool, model, scheme, texts or calibration_texts())
+
+
 def _build(tool: Tool, model: Model, scheme: str) -> Path:
     texts = calibration_texts()
-    root = cache_dir() / "quant-checkpoints" / _key(tool, model, scheme, texts)
+    root = _entry(tool, model, scheme, texts)
     if (root / ".complete").exists():
         return root
     venv = ensure_tools(tool)
@@ -145,9 +151,55 @@ def mindie_checkpoint() -> Path:
     return _build("msmodelslim", "dense", "w8a8-mindie")
 
 
+# every checkpoint the suite reads: (tool, model, scheme) through quant_checkpoint, the refused ones, MindIE's layout
+SUITE_CHECKPOINTS: tuple[tuple[Tool, Model, Scheme], ...] = (
+    *((tool, model, scheme) for tool in ("msmodelslim", "llmcompressor") for model in ("dense", "moe")
+      for scheme in ("w8a8", "w8a8_dynamic")),
+    ("llmcompressor", "mla", "w8a8"), ("llmcompressor", "mla", "w8a8_dynamic"))
+SUITE_REFUSED: tuple[tuple[RefusedKind, Tool], ...] = (
+    ("int4", "llmcompressor"), ("kv", "llmcompressor"), ("w8a16", "msmodelslim"), ("kv", "msmodelslim"))
+
+
+def build_suite() -> None:
+    """Every checkpoint the test suite reads (and so both tools' virtualenvs): what `prewarm` runs."""
+    for tool, model, scheme in SUITE_CHECKPOINTS:
+        quant_checkpoint(tool, model, scheme)
+    for kind, tool in SUITE_REFUSED:
+        refused_checkpoint(kind, tool)
+    mindie_checkpoint()
+
+
+def prewarm() -> subprocess.Popen[bytes] | None:
+    """Starts `build_suite` in a process of its own at the lowest priority, unless every checkpoint is there: on a
+    fresh machine the tools' virtualenvs and their runs take minutes, mostly downloads, which this overlaps with the
+    tests that run before the W8A8 ones (those wait on the file locks and find the work done). Its output goes to
+    `quant-checkpoints/prewarm.log` in the cache."""
+    if _all_complete():
+        return None
+    logfile = cache_dir() / "quant-checkpoints" / "prewarm.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    with logfile.open("wb") as out:
+        return subprocess.Popen([*nice, sys.executable, "-P", str(Path(__file__).resolve()), "suite"],
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def _all_complete() -> bool:
+    """Whether every suite checkpoint's cache entry is complete (cheap: hashes and stats, no tool runs)."""
+    try:
+        texts = calibration_texts()
+    except OSError:  # no GSM8K beside the repo: the tests that need it say so themselves
+        return True
+    return all((_entry(tool, model, _tool_scheme(tool, model, scheme), texts) / ".complete").exists()
+               for tool, model, scheme in SUITE_CHECKPOINTS)
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args == ["mindie"]:
+    if args == ["suite"]:
+        build_suite()
+    elif args == ["mindie"]:
         print(mindie_checkpoint())
     elif args and args[0] == "refused":
         print(refused_checkpoint(args[2], args[1]))  # type: ignore[arg-type]
