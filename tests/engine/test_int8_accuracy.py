@@ -36,18 +36,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from npuserve.engine.model.loader import load_model  # noqa: E402
-from npuserve.modelspec import ModelSpec  # noqa: E402
+from npuserve.engine.model.loader import load_model
+from npuserve.modelspec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).parent))
-from int8_models import prompt_logits  # noqa: E402
+from int8_models import prompt_logits
 
-from tests.quant_checkpoints import gsm8k_path, quant_checkpoint, source_model  # noqa: E402
+from tests.quant_checkpoints import gsm8k_path, quant_checkpoint, source_model
 
 N_PROMPTS = 8
 PROMPT_TOKENS = 32
@@ -62,20 +61,20 @@ SOURCE_CASES = [*[(model, tool, method) for model in ("dense", "moe") for tool i
 # them): the metric's p50 / p90 / max and the top-1 agreement.
 #
 #   same checkpoint (transformers + compressed-tensors 0.19)   p50       p90       max       top-1
-#   dense llm-compressor W8A8 (static)                         1.57e-6   1.89e-6   2.07e-6   1.000
-#   dense llm-compressor W8A8 (dynamic)                        0.0589    0.071     0.0734    0.990
+#   dense llm-compressor W8A8 (static)                         1.57e-6   1.81e-6   2.07e-6   1.000
+#   dense llm-compressor W8A8 (dynamic)                        0.0589    0.0668    0.0734    0.990
 #
 #   unquantized bf16 source (transformers)
-#   dense msModelSlim W8A8                                     0.142     0.325     0.415     0.967
-#   dense msModelSlim W8A8_DYNAMIC                             0.0719    0.094     0.094     0.973
-#   dense llm-compressor W8A8                                  0.104     0.278     0.282     0.961
-#   dense llm-compressor W8A8 dynamic                          0.0751    0.0866    0.0875    0.979
-#   MoE msModelSlim W8A8 (experts dynamic)                     0.199     0.451     0.548     0.945
-#   MoE msModelSlim W8A8_DYNAMIC                               0.147     0.219     0.272     0.969
-#   MoE llm-compressor W8A8                                    0.885     1.25      1.38      0.850
-#   MoE llm-compressor W8A8 dynamic                            0.124     0.231     0.271     0.965
-#   MLA llm-compressor W8A8                                    0.491     0.66      0.744     0.943
-#   MLA llm-compressor W8A8 dynamic                            0.469     0.678     0.758     0.959
+#   dense msModelSlim W8A8                                     0.142     0.277     0.415     0.967
+#   dense msModelSlim W8A8_DYNAMIC                             0.0719    0.0891    0.094     0.973
+#   dense llm-compressor W8A8                                  0.104     0.277     0.282     0.961
+#   dense llm-compressor W8A8 dynamic                          0.0751    0.0837    0.0875    0.979
+#   MoE msModelSlim W8A8 (experts dynamic)                     0.199     0.409     0.548     0.945
+#   MoE msModelSlim W8A8_DYNAMIC                               0.147     0.195     0.272     0.969
+#   MoE llm-compressor W8A8                                    0.885     1.18      1.38      0.850
+#   MoE llm-compressor W8A8 dynamic                            0.124     0.213     0.271     0.965
+#   MLA llm-compressor W8A8                                    0.491     0.617     0.744     0.943
+#   MLA llm-compressor W8A8 dynamic                            0.469     0.609     0.758     0.959
 #
 # Static on the same checkpoint is float32 noise: compressed-tensors fake-quantizes the input with the checkpoint's
 # input_scale (the same rounding as the engine's int8 path), so its bound is a float32 one, 1e-4, not 1.5x of noise.
@@ -92,8 +91,10 @@ BOUND_SOURCE = {
     "moe-llmcompressor-w8a8": 2.1, "moe-llmcompressor-w8a8_dynamic": 0.41,
     "mla-llmcompressor-w8a8": 1.1, "mla-llmcompressor-w8a8_dynamic": 1.1,
 }
-# the measured agreement less 0.1 (8 prompts x 32 positions: one flipped position is 0.004)
-MIN_TOP1 = {"same": 0.89, **{case: 0.85 for case in BOUND_SOURCE}, "moe-llmcompressor-w8a8": 0.75}
+# the lowest measured agreement less about 0.1 (same checkpoint 0.990; source 0.943, llm-compressor's static MoE
+# 0.850 apart); 8 prompts x 32 positions: one flipped position is 0.004
+MIN_TOP1 = {"same": 0.89, **{case: 0.84 for case in BOUND_SOURCE}, "moe-llmcompressor-w8a8": 0.75}
+
 
 def case_id(case: tuple[str, str, str]) -> str:
     return "-".join(case)
@@ -166,7 +167,7 @@ def measure(n: int) -> None:
     sources = {model: transformers_logits(source_model(model), tokens) for model in ("dense", "moe", "mla")}
 
     def row(name: str, errors: list[float], top1: float) -> None:
-        p90 = statistics.quantiles(errors, n=10)[-1] if len(errors) > 1 else errors[0]
+        p90 = statistics.quantiles(errors, n=10, method="inclusive")[-1] if len(errors) > 1 else errors[0]
         print(f"{name:55s} p50 {statistics.median(errors):.3g}  p90 {p90:.3g}  max {max(errors):.3g}  "
               f"top-1 {top1:.3f}", flush=True)
 
