@@ -139,6 +139,11 @@ def quant_checkpoint(tool: Tool, model: Model, scheme: Scheme) -> Path:
     return _build(tool, model, _tool_scheme(tool, model, scheme))
 
 
+def source_model(model: Model) -> Path:
+    """The unquantized bf16 dummy the tools quantize for `model` (a plain Hugging Face folder)."""
+    return _source(model)
+
+
 def refused_checkpoint(kind: RefusedKind, tool: Tool = "llmcompressor") -> Path:
     """A dense checkpoint npuserve must refuse by its scheme's name: `int4` (llm-compressor W4A16), `kv` (a quantized
     KV cache: llm-compressor's kv_cache_scheme, msModelSlim's C8), `w8a16` (msModelSlim weight-only int8)."""

@@ -1,7 +1,11 @@
-"""Helpers of the int8 (W8A8) engine tests: a prompt's logits from a model on the CPU backend, and a W8A8
-checkpoint folder in either tool's layout made from a float dummy one (the engine's own per-channel quantization,
-`quant_loader.dummy_tensors`, written out as the tool's tensors and declaration): a stand-in until the real tools'
-checkpoints (tests/quant_checkpoints.py) are there."""
+"""Helpers of the int8 (W8A8) engine tests: a prompt's logits from a model on the CPU backend, the float copy of an
+int8 model, and a W8A8 checkpoint folder in either tool's layout made from a float dummy one (the engine's own
+per-channel quantization, `quant_loader.dummy_tensors`, written out as the tool's tensors and declaration).
+
+The writer is for the loader's edge cases only (test_int8_loading.py): models and tensors the tools do not write
+here (a Qwen2 model with attention biases, a non-zero weight_offset, (out,) shaped scales, a deq_scale or quant_bias
+edited by hand, pieces of different schemes). Whole-model tests use the real tools' checkpoints
+(tests/quant_checkpoints.py)."""
 
 from __future__ import annotations
 

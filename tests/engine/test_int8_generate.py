@@ -3,8 +3,8 @@ methods) at worldSize 1 and 2 and returns its tokens, with the scheme in the rea
 within a bound of the same model with its int8 weights dequantized to float; an engine config that names another
 scheme than the checkpoint's is refused, naming both; random int8 weights (loadFormat dummy) of a named scheme.
 
-The checkpoints: the real tools' (tests/quant_checkpoints.py) where that module is there, else the engine's own
-per-channel quantization written in each tool's layout (int8_models.write_quantized_checkpoint)."""
+The checkpoints: the real tools' (tests/quant_checkpoints.py), only; how near transformers' logits they are is
+test_int8_accuracy.py's."""
 
 from __future__ import annotations
 
@@ -21,15 +21,16 @@ from npuserve.catalog.models import get_model_preset  # noqa: E402
 from npuserve.engine.model.dummy import write_dummy_model  # noqa: E402
 from npuserve.engine.model.loader import load_model  # noqa: E402
 from npuserve.modelspec import ModelSpec  # noqa: E402
-from npuserve.quantization import QuantizationRequest  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).parent))
-from int8_models import dequantized_copy, prompt_logits, write_quantized_checkpoint  # noqa: E402
+from int8_models import dequantized_copy, prompt_logits  # noqa: E402
+
+from tests.quant_checkpoints import gsm8k_path, quant_checkpoint  # noqa: E402
 
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
-PRESETS = {"dense": "tiny", "moe": "tiny-qwen3-moe", "mla": "tiny-deepseek-v3"}
-FORMATS = {"msmodelslim": "msmodelslim", "llmcompressor": "compressed-tensors"}
-CASES = [(model, tool, method) for model in ("dense", "moe") for tool in FORMATS for method in ("w8a8", "w8a8_dynamic")]
+CASES = [(model, tool, method) for model in ("dense", "moe") for tool in ("msmodelslim", "llmcompressor")
+         for method in ("w8a8", "w8a8_dynamic")]
 # DeepSeek (latent attention, kv_b_proj dequantized): llm-compressor's (msModelSlim's MLA run fails in the tool here)
 LOGITS_CASES = [*CASES, ("mla", "llmcompressor", "w8a8"), ("mla", "llmcompressor", "w8a8_dynamic")]
 MAX_TOKENS = 6
@@ -42,12 +43,7 @@ ARGMAX_AGREEMENT = 0.85
 
 
 def prompt_ids(folder: Path) -> list[int]:
-    """A GSM8K question (the tools calibrated on others of them) in the checkpoint's tokenizer; random ids without
-    the data set."""
-    try:
-        from tests.quant_checkpoints import gsm8k_path
-    except ImportError:
-        return torch.randint(5, 500, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    """A GSM8K question (the tools calibrated on others of them) in the checkpoint's tokenizer."""
     import transformers
 
     text = json.loads(gsm8k_path().read_text().splitlines()[100])["question"]
@@ -55,22 +51,9 @@ def prompt_ids(folder: Path) -> list[int]:
     return ids
 
 
-def checkpoint(tmp: Path, tool: str, model: str, method: str) -> Path:
-    try:
-        from tests.quant_checkpoints import quant_checkpoint
-    except ImportError:
-        spec = get_model_preset(PRESETS[model]).model_copy(update={"dtype": "float32"})
-        float_folder = write_dummy_model(spec, tmp / f"{model}-float", seed=4)
-        request = QuantizationRequest(format=FORMATS[tool], method=method)  # type: ignore[arg-type]
-        return write_quantized_checkpoint(float_folder, tmp / f"{model}-{tool}-{method}", request)
-    path: Path = quant_checkpoint(tool, model, method)  # type: ignore[arg-type]
-    return path
-
-
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, str], Path]:
-    tmp = tmp_path_factory.mktemp("int8")
-    return {case: checkpoint(tmp, case[1], case[0], case[2]) for case in LOGITS_CASES}
+def checkpoints() -> dict[tuple[str, str, str], Path]:
+    return {case: quant_checkpoint(case[1], case[0], case[2]) for case in LOGITS_CASES}  # type: ignore[arg-type]
 
 
 def _generate(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:

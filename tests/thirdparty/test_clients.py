@@ -122,6 +122,32 @@ CONTEXTS = ["The capital of France is", "Natalia sold clips to 48 of her friends
 CONTINUATIONS = [" Paris", " and then she sold half as many", " jumps over the lazy dog"]
 
 
+def lm_eval(tools: Path, server: str, tokenizer: Path, tmp_path: Path,
+            pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """lm-eval's `local-completions` against `server`: the pairs' loglikelihoods and CONTEXTS' greedy generations."""
+    driver = tmp_path / "lm_eval_driver.py"
+    driver.write_text(LM_EVAL_DRIVER)
+    out = run_tool([str(tools / "python"), "-P", str(driver), server, str(tokenizer)], cwd=tmp_path,
+                   stdin=json.dumps({"loglikelihood": pairs, "generate": CONTEXTS}))
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def transformers_loglikelihoods(model: Any, tokenizer: Any, pairs: list[tuple[str, str]]) -> list[float]:
+    """Each continuation's summed log-probability after its context, as lm-eval defines it (the continuation's
+    tokens are those of context + continuation past the context's)."""
+    import torch
+
+    found = []
+    for context, continuation in pairs:
+        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
+        start = len(tokenizer.encode(context, add_special_tokens=False))
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), dim=-1)
+        found.append(sum(logprobs[i - 1, whole[i]].item() for i in range(start, len(whole))))
+    return found
+
+
 def test_lm_eval_loglikelihoods_equal_transformers(tools: Path, server: str, tiny_model_dir: Path,
                                                    tmp_path: Path) -> None:
     """lm-eval's `local-completions` (echo, logprobs, max_tokens 1, token ids): 15 loglikelihoods equal to
@@ -130,23 +156,15 @@ def test_lm_eval_loglikelihoods_equal_transformers(tools: Path, server: str, tin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     pairs = [(c, x) for c in CONTEXTS for x in CONTINUATIONS]
-    driver = tmp_path / "lm_eval_driver.py"
-    driver.write_text(LM_EVAL_DRIVER)
-    out = run_tool([str(tools / "python"), "-P", str(driver), server, str(tiny_model_dir)], cwd=tmp_path,
-                   stdin=json.dumps({"loglikelihood": pairs, "generate": CONTEXTS}))
-    result = json.loads(out.strip().splitlines()[-1])
+    result = lm_eval(tools, server, tiny_model_dir, tmp_path, pairs)
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    references = transformers_loglikelihoods(model, tokenizer, pairs)
     worst = 0.0
-    for (context, continuation), (theirs, _) in zip(pairs, result["loglikelihood"], strict=True):
-        whole = tokenizer.encode(context + continuation, add_special_tokens=False)
-        start = len(tokenizer.encode(context, add_special_tokens=False))
-        with torch.no_grad():
-            logprobs = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), dim=-1)
-        reference = sum(logprobs[i - 1, whole[i]].item() for i in range(start, len(whole)))
+    for pair, (theirs, _), reference in zip(pairs, result["loglikelihood"], references, strict=True):
         worst = max(worst, abs(theirs - reference))
-        assert theirs == pytest.approx(reference, abs=1e-5), (context, continuation)
+        assert theirs == pytest.approx(reference, abs=1e-5), pair
     print(f"\nlm-eval: {len(pairs)} loglikelihoods, largest difference from transformers {worst:.2e}")
     for context, theirs in zip(CONTEXTS, result["generate"], strict=True):
         ids = tokenizer(context, return_tensors="pt", add_special_tokens=False).input_ids
@@ -154,3 +172,55 @@ def test_lm_eval_loglikelihoods_equal_transformers(tools: Path, server: str, tin
             greedy = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         text = tokenizer.decode(greedy[0, ids.shape[1]:], skip_special_tokens=True).split("\n\n")[0]
         assert theirs == text, context
+
+
+# --- lm-eval on a W8A8 checkpoint (issue 31) -------------------------------------------------------------------------
+
+# |lm-eval's loglikelihood - transformers'| (nats, summed over the continuation's tokens) on llm-compressor's W8A8
+# dense dummy, 15 pairs, the engine in float32 on the CPU, transformers 5.24.0 + compressed-tensors 0.19.0 in
+# float32 on the same folder. Measured 2026-11-27 (torch 2.15.0) with `pytest -s -k quantized` (the test prints
+# p50 / max): MEASURED_LL. The bound is 1.5x the measured max, and no tighter than float32's 1e-4.
+# Static: compressed-tensors fake-quantizes the activations with the checkpoint's input_scale, the rounding the
+# engine's int8 path does, so the two agree to float32 noise. Dynamic: its per-token scale is max|x| / 127.5, the
+# engine's max|x| / 127 (vLLM's and npu_dynamic_quant's), so the rounding differs.
+# The loglikelihoods themselves are up to 49.5 nats (random dummy weights).
+MEASURED_LL = {"w8a8": (4.77e-7, 1.43e-6), "w8a8_dynamic": (4.84e-3, 1.22e-2)}  # (p50, max)
+LL_BOUND = {"w8a8": 1e-4, "w8a8_dynamic": 0.018}
+
+
+@pytest.fixture(scope="module", params=["w8a8", "w8a8_dynamic"])
+def quantized_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                     ) -> Iterator[tuple[str, str, Path]]:
+    """`npuserve serve` (float32 compute, as transformers' reference) on llm-compressor's W8A8 dense dummy."""
+    from npuserve.mindie_config import minimal_config
+    from tests.quant_checkpoints import quant_checkpoint
+
+    method: str = request.param
+    folder = quant_checkpoint("llmcompressor", "dense", method)  # type: ignore[arg-type]
+    config = tmp_path_factory.mktemp("w8a8-config") / "config.json"
+    config.write_text(json.dumps(minimal_config(folder, extensions={"dtype": "float32"}).to_dict()))
+    with serve_process("--config", str(config), "--served-model-name", "tiny", "--log-level", "warning",
+                       ) as (base, _):
+        yield method, base, folder
+
+
+def test_lm_eval_loglikelihoods_on_a_quantized_checkpoint_near_transformers(
+        tools: Path, quantized_server: tuple[str, str, Path], tmp_path: Path) -> None:
+    """The same 15 loglikelihoods through lm-eval against the served W8A8 checkpoint, within the measured bound of
+    transformers' on the same folder (compressed-tensors); the greedy generations come back, one per context."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    method, server, folder = quantized_server
+    pairs = [(c, x) for c in CONTEXTS for x in CONTINUATIONS]
+    result = lm_eval(tools, server, folder, tmp_path, pairs)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    references = transformers_loglikelihoods(model, AutoTokenizer.from_pretrained(folder), pairs)
+    errors = [abs(theirs - reference) for (theirs, _), reference in zip(result["loglikelihood"], references,
+                                                                          strict=True)]
+    print(f"\nlm-eval on {method}: |loglikelihood - transformers'| p50 {statistics.median(errors):.3g} "
+          f"max {max(errors):.3g} (of |loglikelihood| up to {max(abs(r) for r in references):.3g})")
+    assert max(errors) <= LL_BOUND[method], list(zip(pairs, errors, strict=True))
+    assert len(result["generate"]) == len(CONTEXTS)
