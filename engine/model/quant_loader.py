@@ -195,6 +195,9 @@ class QuantLoader:
             if deq.shape != want.shape or not torch.allclose(deq, want, rtol=DEQ_SCALE_RTOL, atol=0.0):
                 raise WeightLoadError(f"{piece}.deq_scale is not input_scale * weight_scale (max relative error "
                                       f"{((deq - want).abs() / want.abs()).max().item():.3g})")
+        # the dequantisation takes deq_scale, as vllm-ascend's npu_quant_matmul does: msModelSlim computes it in float32
+        # before it rounds the two scales to the model's dtype, so it is the more exact (docs/quantization.md)
+        layer.weight_scale.copy_(torch.cat([deq_scale_values(found["deq_scale"]) for found in leaves]) / in_scales[0])
         bias = torch.cat([found["quant_bias"].to(torch.int64) for found in leaves])
         if bias.shape != layer.quant_bias.shape:
             raise WeightLoadError(f"{name}: quant_bias of {bias.numel()} rows, model wants {layer.quant_bias.numel()}")

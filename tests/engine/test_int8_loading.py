@@ -288,3 +288,24 @@ def test_per_row_tensors_of_shape_out_load_like_out_by_one(float_dense: Path, tm
     _edit(folder, {p + "weight_scale": tensors[p + "weight_scale"].reshape(-1),
                    p + "weight_offset": tensors[p + "weight_offset"].reshape(-1)})
     assert torch.equal(_load(folder).model.layers[0].self_attn.qkv_proj.weight_scale, want)
+
+
+def test_msmodelslim_static_dequantizes_with_its_deq_scale() -> None:
+    """msModelSlim computes deq_scale in float32 before rounding input_scale and weight_scale to bf16 (0.4% apart,
+    docs/quantization.md): the loaded layer's input_scale x weight_scale is the checkpoint's deq_scale, as
+    vllm-ascend's npu_quant_matmul takes it, not the product of the rounded scales."""
+    from tests.quant_checkpoints import quant_checkpoint
+
+    folder = quant_checkpoint("msmodelslim", "dense", "w8a8")
+    model = load_model(ModelSpec.from_pretrained(folder), folder, torch.float32, CPU)
+    layer = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    assert isinstance(layer, Int8Linear) and layer.input_scale is not None
+    tensors: dict[str, torch.Tensor] = {}
+    for path in folder.glob("*.safetensors"):
+        tensors |= load_file(path)
+    want = torch.cat([deq_scale_values(tensors[f"model.layers.0.self_attn.{p}.deq_scale"])
+                      for p in ("q_proj", "k_proj", "v_proj")])
+    rounded = torch.cat([tensors[f"model.layers.0.self_attn.{p}.weight_scale"].float().reshape(-1)
+                         for p in ("q_proj", "k_proj", "v_proj")]) * layer.input_scale
+    assert not torch.allclose(rounded, want, rtol=1e-4, atol=0.0)  # the two differ in this checkpoint
+    torch.testing.assert_close(layer.input_scale * layer.weight_scale, want, rtol=1e-6, atol=0.0)
