@@ -1,4 +1,4 @@
-"""Chat templates from `tokenizer_config.json`, rendered the way `transformers` renders them.
+"""Chat templates from `chat_template.jinja` or `tokenizer_config.json`, rendered the way `transformers` renders them.
 
 The engine image does not carry transformers, so the template runs in jinja2's immutable sandbox with the same
 options and helpers (`raise_exception`, `tojson`, trim_blocks/lstrip_blocks) and the same variables
@@ -47,11 +47,14 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, folder: str | Path) -> ChatTemplate | None:
+        """The template as transformers' tokenizer loads it: `chat_template.jinja` first (what its `save_pretrained`
+        writes since 4.50, llm-compressor's checkpoints included; it "takes priority over template entries in the
+        tokenizer config", transformers/tokenization_utils_base.py), else tokenizer_config.json's `chat_template`.
+        The BOS and EOS tokens come from tokenizer_config.json in both cases."""
         path = Path(folder) / "tokenizer_config.json"
-        if not path.exists():
-            return None
-        config = json.loads(path.read_text())
-        template = config.get("chat_template")
+        config = json.loads(path.read_text()) if path.exists() else {}
+        raw = Path(folder) / "chat_template.jinja"
+        template = raw.read_text(encoding="utf-8") if raw.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")

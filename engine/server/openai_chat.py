@@ -133,8 +133,8 @@ async def _chat_prompt(state: ServerState, body: ChatCompletionRequest,
     """The conversation through the chat template and the tokenizer, both off the asyncio loop."""
     template = state.chat_template
     if template is None:
-        raise APIError(400, "this model has no chat template in tokenizer_config.json; use /v1/completions",
-                       param="messages")
+        raise APIError(400, "this model has no chat template (chat_template.jinja or tokenizer_config.json); "
+                       "use /v1/completions", param="messages")
     messages = [_template_message(m) for m in body.messages]
     try:
         text = await state.off_loop(template.render, messages, add_generation_prompt=body.add_generation_prompt,
