@@ -58,7 +58,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) 
     """`clamp(round(x / scale) + offset, -128, 127)` as int8; round half to even, as the cards' round does."""
     # a 16-bit x / a float32 scale with a dimension is float32 (a 0-dim scale would keep x's dtype): the division
     # makes the one new tensor, without a float32 copy of x first; the rest in place
-    q = torch.div(x, torch.atleast_1d(scale.float()))
+    q = torch.div(x, scale.float().reshape(-1))
     return q.round_().add_(offset).clamp_(-128, 127).to(torch.int8)
 
 
