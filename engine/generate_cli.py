@@ -105,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
     from npuserve.engine.backends import BackendUnavailableError
     from npuserve.engine.engine import LLMEngine
+    from npuserve.engine.model.errors import WeightLoadError
     from npuserve.engine.request_checks import RequestError
     from npuserve.engine.sequence import SamplingParams
     from npuserve.mindie_config import MindIEConfigError
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         t_load = time.perf_counter()
         engine = LLMEngine(config, model_dir=args.model)
         load_s = time.perf_counter() - t_load
-    except (MindIEConfigError, ValueError, FileNotFoundError, BackendUnavailableError) as e:
+    except (MindIEConfigError, ValueError, FileNotFoundError, BackendUnavailableError, WeightLoadError) as e:
         print(f"npuserve generate: {e}", file=sys.stderr)
         return 2
     info = engine.info().model_dump(exclude_none=True)

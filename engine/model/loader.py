@@ -196,7 +196,12 @@ def _check_filled(model: CausalLM, params: dict[str, nn.Parameter], filled: set[
         filled.add("lm_head.weight")
     missing = sorted(set(params) - filled)
     if missing:
-        raise WeightLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:8])}")
+        hint = ""
+        if any(name.endswith(".mlp.gate.e_score_correction_bias") for name in missing):
+            # msModelSlim 26.1.0 saves parameters only, and transformers 4.57 keeps this router bias as a buffer
+            hint = (" (msModelSlim's DeepSeek-V3/R1 output lacks the routers' e_score_correction_bias: copy those "
+                    "tensors from the bf16 checkpoint; a zero bias would route differently)")
+        raise WeightLoadError(f"tensors missing from the checkpoint: {', '.join(missing[:8])}{hint}")
 
 
 def load_hf_weights(model: CausalLM, folder: str | Path) -> None:

@@ -154,14 +154,15 @@ def run(args: argparse.Namespace) -> int:
 
     from npuserve.engine.backends import BackendUnavailableError
     from npuserve.engine.engine import LLMEngine
+    from npuserve.engine.model.errors import WeightLoadError
     from npuserve.engine.server.app import build_app
     from npuserve.engine.server.async_engine import AsyncEngine
+    from npuserve.engine.server.fatal import EXIT_CODE, write_termination_message
 
     group = None
     if layout.nnodes > 1:  # the leader: every other pod in before anything loads
         from npuserve.engine.backends import resolve_device
         from npuserve.engine.servable import check_servable
-        from npuserve.engine.server.fatal import EXIT_CODE, write_termination_message
         from npuserve.mindie_config import NpuserveExtensions
         from npuserve.modelspec import ModelSpec
 
@@ -186,6 +187,10 @@ def run(args: argparse.Namespace) -> int:
         llm = LLMEngine(config, env=environment, seed=args.seed, group=group)
     except (UnservableConfigError, BackendUnavailableError) as e:
         print(f"npuserve serve: {e}", file=sys.stderr)
+        return 2
+    except WeightLoadError as e:  # the checkpoint is not the model its config.json describes: say which tensors
+        print(f"npuserve serve: {e}", file=sys.stderr)
+        write_termination_message(str(e))
         return 2
     engine = AsyncEngine(llm)
     app = build_app(engine, admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,

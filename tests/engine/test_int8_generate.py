@@ -100,3 +100,14 @@ def test_random_int8_weights_of_a_named_scheme(tmp_path: Path) -> None:
     run = _generate(folder, "--load-format", "dummy", "--quantization", "msmodelslim:w8a8", "--world-size", "2")
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stderr.strip().splitlines()[-1])["quantization"] == "msmodelslim W8A8"
+
+
+def test_msmodelslims_deepseek_without_the_router_bias_is_refused_naming_it() -> None:
+    """msModelSlim 26.1.0 writes DeepSeek-V3 W8A8 without the routers' e_score_correction_bias (docs/quantization.md):
+    the engine refuses it, exit 2, naming the tensors and the fix, rather than routing with a zero bias."""
+    from tests.quant_checkpoints import quant_checkpoint
+
+    run = _generate(quant_checkpoint("msmodelslim", "mla", "w8a8"))
+    assert run.returncode == 2, run.stderr
+    assert "tensors missing from the checkpoint: model.layers.1.mlp.gate.e_score_correction_bias" in run.stderr
+    assert "copy those tensors from the bf16 checkpoint" in run.stderr and "Traceback" not in run.stderr
