@@ -27,7 +27,6 @@ FRACTAL_NZ cast (`npu_format_cast`, vllm-ascend's `is_enable_nz`), a layout the 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +38,6 @@ from npuserve.engine.backends.base import BackendUnavailableError
 from npuserve.engine.backends.npu_moe import NPUMoE
 from npuserve.engine.backends.npu_stack import NPUStack
 from npuserve.engine.model.int8 import Int8Experts, Int8Linear
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,13 +73,6 @@ class NPUInt8:
         self._ops, self.stack, self._moe = ops, stack, moe
         self._linear: dict[tuple[object, torch.dtype], LinearScales] = {}
         self._experts: dict[tuple[object, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
-        self._said: set[str] = set()
-
-    def _once(self, message: str, *args: object) -> None:
-        key = message % args
-        if key not in self._said:
-            self._said.add(key)
-            log.warning("npu: " + message, *args)
 
     def require(self, *, linear: bool, experts: bool) -> None:
         missing = self.stack.missing_int8(linear=linear, experts=experts)
@@ -148,7 +138,7 @@ class NPUInt8:
     def _kn(self, w: torch.Tensor, name: str) -> torch.Tensor:
         t = w.transpose(-2, -1)
         if not t.is_contiguous():
-            self._once("int8 %s is not laid out (K, N) by prepare_model: transposed at every call", name)
+            self._moe.warn_once("int8 %s is not laid out (K, N) by prepare_model: transposed at every call", name)
             t = t.contiguous()
         return t
 

@@ -95,7 +95,8 @@ class NPUMoE:
         self._ops, self.stack = ops, stack
         self._said: set[str] = set()
 
-    def _once(self, message: str, *args: object) -> None:
+    def warn_once(self, message: str, *args: object) -> None:
+        """A warning logged once per distinct message (the int8 ops' too)."""
         key = message % args
         if key not in self._said:
             self._said.add(key)
@@ -113,7 +114,7 @@ class NPUMoE:
         """(weights float32, ids int32) through the gating op, or None where the reference must route."""
         op, why = gating_op(moe)
         if op is None:
-            self._once("MoE routing runs on the torch reference: %s", why)
+            self.warn_once("MoE routing runs on the torch reference: %s", why)
             return None
         self.require()
         logits = router_logits.float().contiguous()
@@ -137,7 +138,7 @@ class NPUMoE:
         """(E, N, K) -> the (E, K, N) the grouped matmul takes: a free view when `lay_out_experts` ran."""
         t = w.transpose(1, 2)
         if not t.is_contiguous():
-            self._once("MoE %s is not laid out for the grouped matmul: transposed at every call", name)
+            self.warn_once("MoE %s is not laid out for the grouped matmul: transposed at every call", name)
             t = t.contiguous()
         return t
 
