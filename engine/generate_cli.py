@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from npuserve.engine_contract import FLAG_CONFIG
+from npuserve.quantization import parse_quantization
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -73,8 +74,7 @@ def _config(args: argparse.Namespace, prompt_lens: list[int]) -> Any:
     if args.load_format:
         ext["loadFormat"] = args.load_format
     if args.quantization:
-        fmt, _, method = args.quantization.partition(":")
-        ext["quantization"] = {"format": fmt, "method": method}
+        ext["quantization"] = parse_quantization(args.quantization).model_dump()
     if args.config:
         config = MindIEConfig.load(args.config)
         if args.model:

@@ -72,6 +72,16 @@ class QuantizationRequest(BaseModel):
         return scheme.format == self.format and scheme.method == self.method
 
 
+def parse_quantization(value: str, flag: str = "--quantization") -> QuantizationRequest:
+    """A command line's `FORMAT:METHOD` (msmodelslim:w8a8_dynamic) as a `QuantizationRequest`; the ValueError names
+    `flag`. One parser for `npuserve plan`, `simulate` and `generate`."""
+    fmt, sep, method = value.partition(":")
+    if not sep or fmt not in QUANT_FORMATS or method not in QUANT_METHODS:
+        raise ValueError(f"{flag} {value!r}: expected FORMAT:METHOD with FORMAT one of {', '.join(QUANT_FORMATS)} "
+                         f"and METHOD one of {', '.join(QUANT_METHODS)} (KV cache quantization is not supported)")
+    return QuantizationRequest.model_validate({"format": fmt, "method": method})
+
+
 class UnsupportedQuantizationError(ValueError):
     """The checkpoint declares a quantization npuserve does not serve; the message names the scheme."""
 

@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
-from npuserve.planning.api import NOT_QUANTIZED, InferenceService, InferenceServiceSpec, Plan, parse_quantization
+from npuserve.planning.api import NOT_QUANTIZED, InferenceService, InferenceServiceSpec, Plan
 from npuserve.planning.planner import PlanError, plan
-from npuserve.quantization import QUANT_FORMATS, QUANT_METHODS, QuantizationRequest
+from npuserve.quantization import QUANT_FORMATS, QUANT_METHODS, QuantizationRequest, parse_quantization
 
 DEFAULT_ACCELERATOR = "ascend-910b4"  # the guide's worked example: 32 GB cards
 

@@ -17,7 +17,7 @@ from npuserve.catalog.accelerators import ACCELERATORS
 from npuserve.catalog.models import MODEL_PRESETS
 from npuserve.engine_contract import DType, QueuePolicy, schedule_field, schedule_generation_field
 from npuserve.modelspec import MLA_MODEL_TYPES, MOE_MODEL_TYPES
-from npuserve.quantization import QUANT_FORMATS, QUANT_METHODS, QuantizationRequest
+from npuserve.quantization import QuantizationRequest
 
 GROUP = "npuserve.io"
 VERSION = "v1alpha1"
@@ -316,16 +316,6 @@ class ModelSource(_Model):
         if (self.preset is None) == (self.architecture is None):
             _fail(MODEL_RULES[0]["message"])
         return self
-
-
-def parse_quantization(value: str, flag: str = "--quantization") -> QuantizationRequest:
-    """A command line's `FORMAT:METHOD` (msmodelslim:w8a8_dynamic) as spec.model.quantization; the ValueError names
-    `flag`."""
-    fmt, sep, method = value.partition(":")
-    if not sep or fmt not in QUANT_FORMATS or method not in QUANT_METHODS:
-        raise ValueError(f"{flag} {value!r}: expected FORMAT:METHOD with FORMAT one of {', '.join(QUANT_FORMATS)} "
-                         f"and METHOD one of {', '.join(QUANT_METHODS)} (KV cache quantization is not supported)")
-    return QuantizationRequest.model_validate({"format": fmt, "method": method})
 
 
 # --- spec.accelerator, workload, slo, capacity ------------------------------------------------------------------

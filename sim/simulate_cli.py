@@ -35,9 +35,9 @@ from npuserve.loadgen.report_vllm import render_vllm
 from npuserve.loadgen.sweep import SweepParameter, SweepPoint, sweep_csv
 from npuserve.mindie_config import EngineEnvironment, MindIEConfig, MindIEConfigError
 from npuserve.modelspec import ModelSpec, UnsupportedModelError
-from npuserve.planning.api import InferenceServiceSpec, Plan, parse_quantization
+from npuserve.planning.api import InferenceServiceSpec, Plan
 from npuserve.planning.planner import PlanError, architecture_of, plan
-from npuserve.quantization import MSMODELSLIM_DESCRIPTION
+from npuserve.quantization import MSMODELSLIM_DESCRIPTION, parse_quantization
 
 from .engine import SimulationConfig, SimulationResult, draw_requests, simulate, sweep
 from .lengths import OutputLengths
