@@ -32,6 +32,7 @@ output channel (`scale = max |row| / 127`) and written out as the format's tenso
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -43,6 +44,8 @@ from npuserve.engine.model.quantize import hf_method, hf_pieces, is_dequantized
 from npuserve.engine.parallel.layout import TPLayout
 from npuserve.modelspec import ModelSpec
 from npuserve.quantization import QuantMethod
+
+log = logging.getLogger(__name__)
 
 PER_ROW = ("weight_scale", "weight_offset", "deq_scale", "quant_bias")
 PER_TENSOR = ("input_scale", "input_offset")
@@ -87,6 +90,7 @@ class QuantLoader:
         assert spec.quantization is not None
         self.spec, self.layout, self.format = spec, layout, spec.quantization.format
         self.aux: dict[str, dict[str, torch.Tensor]] = {}  # HF module (loader naming) -> leaf -> this rank's slice
+        self._static_experts_said = False
 
     def take(self, name: str, tensor: Any) -> bool:
         """True: `name` (loader naming, whole or lazy) was kept here. False: the usual path loads it (int8 and float
@@ -223,6 +227,13 @@ class QuantLoader:
     def _finish_experts(self, name: str, experts: Int8Experts) -> None:
         inter = experts.w2.shape[2]
         method = hf_method(self.spec, f"{name}.0.gate_proj")
+        if method == "w8a8" and not self._static_experts_said:
+            # the checkpoint's static activation scales of the experts are not used: said once per load, not
+            # silently (vLLM refuses such int8 MoE layers; both tools' MoE recipes quantize experts per token)
+            self._static_experts_said = True
+            log.warning("%s (and the other MoE layers): the checkpoint declares static activation scales for its "
+                        "experts; npuserve quantizes "
+                        "the experts' activations per token (docs/engine.md, Quantized weights)", name)
         for e in range(experts.w13.shape[0]):
             found = {proj: self._leaves(f"{name}.{e}.{proj}", method, expert=True)["weight_scale"].float()
                      for proj in _EXPERT_PROJS}
