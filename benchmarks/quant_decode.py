@@ -9,7 +9,8 @@
    taken out as moe_decode.py does. The variants interleaved (their order rotated each repeat), best of
    --repeats. Prints tok/s and each one's ratio to bf16 and to float32, with the CPU's capability
    (`torch.backends.cpu.get_cpu_capability()`), whether oneDNN runs bf16 natively and the CPU's AVX512/AMX flags:
-   which matmul kernels run.
+   which matmul kernels run. `--device cuda`: the same on the GPU (the CUDA backend; int8 products on cuBLAS's
+   int8 GEMM through `torch._int_mm`).
 2. The card, from the simulator's cost model (sim/cost_model.py, the catalog's accelerator, default ascend-910b3):
    the decode step time (= TPOT) at batch 1 and 32 of --sim-model presets (default qwen3-8b and qwen3-32b) in bf16
    and as msModelSlim W8A8_DYNAMIC, one card, a --sim-context token context each, and their ratio; and the card's
@@ -48,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=4,
                    help="each measurement's best of this many (interleaved, the order rotated) runs")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="the engine's device (cuda: the CUDA backend, int8 products on cuBLAS through torch._int_mm)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (0: torch's default); 1 by default: on a shared machine, small ops on several "
                         "threads wait on each other's descheduled threads")
@@ -77,7 +80,7 @@ def write_model(args: argparse.Namespace, out: Path) -> Path:
 
 
 def extensions(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    ext: dict[str, Any] = {"loadFormat": "dummy", "device": "cpu"}
+    ext: dict[str, Any] = {"loadFormat": "dummy", "device": args.device}
     if variant in ("bfloat16", "float32"):
         ext["dtype"] = variant
     else:
@@ -129,7 +132,9 @@ def cpu_decode(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     print(f"Llama-shaped dummy: {args.num_layers} layers, hidden {args.hidden_size}, intermediate "
           f"{args.intermediate_size}, vocab {args.vocab_size}; int8 schemes {args.format}, rest in {args.int8_dtype};"
           f" prompts of {args.prompt_len} tokens, {args.max_tokens} output tokens; torch threads "
-          f"{torch.get_num_threads()}\n{cpu_kernels()}", flush=True)
+          f"{torch.get_num_threads()}\n"
+          f"{cpu_kernels() if args.device == 'cpu' else torch.cuda.get_device_name() + ', torch ' + torch.__version__}",
+          flush=True)
     gen = torch.Generator().manual_seed(0)
     results: dict[str, dict[str, float]] = {}
     for batch in args.batch:
@@ -187,7 +192,7 @@ def main() -> int:
     args = parse_args()
     out: dict[str, Any] = {}
     if not args.sim_only:
-        out["cpu"] = cpu_decode(args)
+        out[args.device] = cpu_decode(args)
     out["card"] = card_decode(args)
     print(json.dumps({part: {k: {n: round(v, 3) for n, v in r.items()} for k, r in rows.items()}
                       for part, rows in out.items()}))

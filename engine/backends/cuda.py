@@ -44,7 +44,7 @@ from npuserve.engine.backends.base import (
     MemoryInfo,
     grouped_experts,
 )
-from npuserve.engine.backends.int8_reference import Int8Experts, Int8Linear
+from npuserve.engine.backends.int8_reference import Int8Experts, Int8Linear, int_mm_takes
 from npuserve.engine.backends.triton_paged_attention import DEFAULT_BLOCK_N, paged_decode_attention
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
@@ -64,11 +64,6 @@ INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA: M > 16, and M, K, N multiples of 
 def int_mm_rows(rows: int) -> int:
     """The row count `torch._int_mm` takes on CUDA for `rows` rows: above 16 and a multiple of 8."""
     return -(-max(rows, INT_MM_MIN_ROWS) // 8) * 8
-
-
-def int_mm_takes(k: int, n: int) -> bool:
-    """Whether `torch._int_mm` on CUDA takes a (., k) x (k, n) product (after padding the rows)."""
-    return k % 8 == 0 and n % 8 == 0
 
 
 def cuda_int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:

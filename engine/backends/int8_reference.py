@@ -72,13 +72,18 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.round_().clamp_(-128, 127).to(torch.int8), scale
 
 
+def int_mm_takes(k: int, n: int) -> bool:
+    """Whether `torch._int_mm` is trusted with a (., k) x (k, n) product: K and N multiples of 8 (CUDA's kernel
+    wants them; torch 2.11's CPU kernel returned wrong values, not an error, for a K = 1 product)."""
+    return k % 8 == 0 and n % 8 == 0
+
+
 def int32_matmul(x_q: torch.Tensor, w_q: torch.Tensor) -> torch.Tensor:
-    """`x_q (T, K) . w_q (N, K)^T` in int32, exactly (`torch._int_mm`; int64 accumulation where it refuses the
-    shape)."""
-    try:
+    """`x_q (T, K) . w_q (N, K)^T` in int32, exactly: `torch._int_mm` where `int_mm_takes` the shape (every real
+    model's), else int64 accumulation (tiny test models)."""
+    if int_mm_takes(x_q.shape[1], w_q.shape[0]):
         return torch._int_mm(x_q.contiguous(), w_q.t())
-    except RuntimeError:  # a shape or device this torch's int8 GEMM does not take: exact, slower
-        return (x_q.to(torch.int64) @ w_q.t().to(torch.int64)).to(torch.int32)
+    return (x_q.to(torch.int64) @ w_q.t().to(torch.int64)).to(torch.int32)
 
 
 def dequantize(acc: torch.Tensor, token_scale: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,21 @@ from npuserve.catalog.models import get_model_preset
 from npuserve.engine.backends import triton_fused_ops
 from npuserve.engine.backends.base import AttentionMetadata, Backend
 from npuserve.engine.backends.cpu import CPUBackend
-from npuserve.engine.backends.cuda import MAX_DECODE_SPLITS, CUDABackend, FusedRMSNorm, FusedRotary, decode_splits
+from npuserve.engine.backends.cuda import (
+    MAX_DECODE_SPLITS,
+    CUDABackend,
+    FusedRMSNorm,
+    FusedRotary,
+    cuda_int32_matmul,
+    decode_splits,
+)
 from npuserve.engine.batch import build_decode, build_prefill
 from npuserve.engine.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from npuserve.engine.model.llama import MLP
 from npuserve.engine.model.loader import load_model
 from npuserve.engine.runner import KVPlan, ModelRunner
 from npuserve.engine.sequence import Sequence
+from npuserve.quantization import QuantScheme
 
 sys.path.append(str(Path(__file__).resolve().parents[2]))  # a worker runs this file as a script: `tests` importable
 from tests.kernel_workers import Check, run_workers, work
@@ -264,9 +272,11 @@ COMPILED["fused-ops-sm90-cubin"] = _compile_for_sm90
 
 
 
-def _greedy_equals_cpu(backend: Backend, device: torch.device, steps: int, fused: bool = False) -> None:
-    """The tiny model's greedy tokens in fp32 (with the fused kernels swapped in when `fused`)."""
-    spec = get_model_preset("tiny")
+def _greedy_equals_cpu(backend: Backend, device: torch.device, steps: int, fused: bool = False,
+                       quantization: QuantScheme | None = None) -> None:
+    """The tiny model's greedy tokens in fp32 (with the fused kernels swapped in when `fused`; with random int8
+    weights of `quantization`'s scheme when given)."""
+    spec = get_model_preset("tiny").model_copy(update={"quantization": quantization})
     plan = KVPlan(num_blocks=48, num_host_blocks=0, block_size=BLOCK_SIZE, bytes_per_block=0, source="test")
     gen = torch.Generator().manual_seed(17)
     prompts = [torch.randint(5, spec.vocab_size, (n,), generator=gen).tolist() for n in (3, 21, 9, 30, 6)]
@@ -355,6 +365,24 @@ def test_gpu_prefill_and_mixed_steps_match_the_cpu_backend(dtype: torch.dtype) -
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_greedy_generation_equals_the_cpu_backend(fused: bool) -> None:
     _greedy_equals_cpu(CUDABackend(GPU), GPU, steps=12, fused=fused)
+
+
+@gpu_only
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 4096, 4096), (17, 128, 256), (64, 4096, 14336), (3, 12, 10)])
+def test_gpu_int32_matmul_is_exact(rows: int, k: int, n: int) -> None:
+    """cuBLAS's int8 GEMM (`torch._int_mm`, rows padded) and the odd-shape fallback against int64 on the host."""
+    gen = torch.Generator().manual_seed(rows + k + n)
+    x_q = torch.randint(-128, 128, (rows, k), generator=gen, dtype=torch.int8)
+    w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    exact = (x_q.to(torch.int64) @ w_q.to(torch.int64).t()).to(torch.int32)
+    got = cuda_int32_matmul(x_q.to(GPU), w_q.to(GPU))
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), exact)
+
+
+@gpu_only
+@pytest.mark.parametrize("method", ["w8a8", "w8a8_dynamic"])
+def test_gpu_int8_greedy_generation_equals_the_cpu_backend(method: str) -> None:
+    _greedy_equals_cpu(CUDABackend(GPU), GPU, steps=12, quantization=QuantScheme(format="msmodelslim", method=method))
 
 
 @gpu_only

@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from npuserve.engine.backends import int8_reference  # noqa: E402
-from npuserve.engine.backends.cuda import cuda_int32_matmul, int_mm_rows, int_mm_takes  # noqa: E402
+from npuserve.engine.backends.cuda import cuda_int32_matmul, int_mm_rows  # noqa: E402
+from npuserve.engine.backends.int8_reference import int_mm_takes  # noqa: E402
 from npuserve.engine.model.int8 import Int8Experts, Int8Linear  # noqa: E402
 
 X = torch.tensor([[1.0, -0.6, 0.2], [2.4, 0.0, -1.3]])
@@ -98,8 +99,19 @@ def test_cuda_rows_are_padded_for_int_mm() -> None:
 
 @pytest.mark.parametrize(("rows", "k", "n"), [(1, 16, 24), (5, 32, 8), (17, 16, 16), (40, 64, 32), (3, 12, 10)])
 def test_cuda_int32_matmul_is_exact(rows: int, k: int, n: int) -> None:
+    x_q, w_q, exact = _int8_operands(rows, k, n)
+    assert torch.equal(cuda_int32_matmul(x_q, w_q), exact)
+
+
+# (1, 1, 3): the experts' second product in test_an_int8_expert_by_hand, which torch 2.11's CPU `_int_mm` got wrong
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 1, 3), (1, 3, 2), (2, 5, 7), (1, 16, 24), (40, 64, 32), (7, 8, 1)])
+def test_int32_matmul_is_exact_on_the_cpu(rows: int, k: int, n: int) -> None:
+    x_q, w_q, exact = _int8_operands(rows, k, n)
+    assert torch.equal(int8_reference.int32_matmul(x_q, w_q), exact)
+
+
+def _int8_operands(rows: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(rows + k + n)
     x_q = torch.randint(-128, 128, (rows, k), generator=gen, dtype=torch.int8)
     w_q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    exact = (x_q.to(torch.int64) @ w_q.to(torch.int64).t()).to(torch.int32)
-    assert torch.equal(cuda_int32_matmul(x_q, w_q), exact)
+    return x_q, w_q, (x_q.to(torch.int64) @ w_q.to(torch.int64).t()).to(torch.int32)
