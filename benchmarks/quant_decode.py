@@ -182,7 +182,7 @@ def card_decode(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             results[f"{name} batch {batch}"] = row
             print(f"{args.accelerator} {name} batch {batch} (context {ctx}): TPOT bf16 {row['bf16_ms']:.2f} ms, "
                   f"W8A8_DYNAMIC {row['w8a8_dynamic_ms']:.2f} ms, {row['ratio']:.2f}x; the card's part alone "
-                  f"({a.bound}-bound, without the fitted {a.overhead_s * 1e3:.1f} ms step overhead) "
+                  f"({a.bound}-bound, without the engine's {a.launch_s * 1e3:.1f} ms of launches) "
                   f"{row['bf16_device_ms']:.2f} -> {row['w8a8_dynamic_device_ms']:.2f} ms, "
                   f"{row['device_ratio']:.2f}x", flush=True)
     return results

@@ -377,9 +377,7 @@ class _Planner:
         computes with the active parameters only, at the card's 16-bit rate even when quantized: the catalog has no
         int8 TOPS figure for the cards (docs/planning.md, "Quantized weights")."""
         acc, slo, warnings = self.accelerator, self.spec.slo, []
-        bandwidth, bw_kind = acc.memory_bandwidth_gbps, "published"
-        if bandwidth is None:
-            bandwidth, bw_kind = acc.fitted_memory_bandwidth_gbps, "fitted"
+        bandwidth, bw_kind = acc.memory_bandwidth_gbps, "datasheet"
         m = self.model
         if slo.tpotMs is not None and bandwidth:
             read = m.step_weight_bytes(1) * float(weights * GIB / m.weight_bytes)
@@ -393,9 +391,7 @@ class _Planner:
                     f"spec.slo.tpotMs {slo.tpotMs:g} ms is below {floor_ms:.2f} ms, the time one decode step takes to "
                     f"read {what} once at {bandwidth:g} GB/s ({bw_kind}) on each of "
                     f"{world_size} card(s): no batch size can meet it")
-        tflops, fl_kind = acc.peak_tflops_16bit, "published"
-        if tflops is None:
-            tflops, fl_kind = acc.fitted_tflops_16bit, "fitted"
+        tflops, fl_kind = acc.peak_tflops_16bit, "datasheet"
         if slo.ttftMs is not None and tflops:
             # a dense model's FLOPs per token from its parameters (spec.model.architecture.parameters included)
             flop_params = float(m.active_parameters) if m.moe is not None else float(params)

@@ -34,64 +34,97 @@ every card (`ModelSpec.kv_bytes_per_block`), and a decode step reads only that c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from npuserve.catalog.accelerators import Accelerator
+from npuserve.catalog.accelerators import EFFICIENCIES, Accelerator, Efficiency, LinkKind, efficiency_of
 from npuserve.modelspec import ModelSpec
 
 GB = 1e9
 TERA = 1e12
 
 
+# Bounds of the engine's host terms, each from a measurement (docs/simulator.md#the-terms-and-their-bounds):
+# - launch: vllm-ascend issue #9404 (2 x 910B3, vLLM-Ascend 0.18.0rc1, eager decode) profiled 832 us per transformer
+#   block of which 591 us was the device idle waiting for the host's launches; an engine with decode graphs launches
+#   less. No engine here is allowed more than that measured eager figure per layer.
+# - per-sequence host work (scheduling, input building, sampling, output): 1 ms per sequence per step bounds it
+#   (this project's CPU engine measures well under it: benchmarks/scheduler_overhead.py).
+# - all-reduce latency: NCCL's and HCCL's small-message all-reduce latencies are tens of microseconds over NVLink
+#   and HCCS; 200 us bounds it over PCIe.
+LAUNCH_US_PER_LAYER_BOUND = 591.0
+PER_SEQ_HOST_MS_BOUND = 1.0
+ALLREDUCE_LATENCY_US_BOUND = 200.0
+
+
 class CostParams(BaseModel):
-    """The free parameters of the cost model (`FITTED_COST_PARAMS`: the fit to the MindIE tuning guide)."""
+    """An engine's host-side terms (fitted per engine: `ENGINE_PROFILES`), each bounded by a measurement. The card's
+    achieved fractions of its datasheet figures are the catalog's (`Efficiency`), not these."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    bandwidth_efficiency: float = Field(default=0.85, gt=0, le=1, description="achieved / peak memory bandwidth")
-    compute_efficiency: float = Field(default=0.6, gt=0, le=1, description="achieved / peak 16-bit FLOP/s (MFU)")
-    step_overhead_ms: float = Field(default=0.0, ge=0, description="per step, overlapping nothing: launches, "
-                                                                    "synchronisation")
-    per_seq_overhead_ms: float = Field(default=0.0, ge=0, description="host work per sequence in a step (inputs, "
-                                                                       "sampling, outputs), overlapped with the device")
-    allreduce_latency_us: float = Field(default=0.0, ge=0, description="fixed cost of one all-reduce (worldSize > 1)")
+    launch_us_per_layer: float = Field(default=0.0, ge=0, le=LAUNCH_US_PER_LAYER_BOUND,
+                                       description="per decoder layer per step: launches the device waits for "
+                                                   "(overlapping nothing)")
+    per_seq_host_ms: float = Field(default=0.0, ge=0, le=PER_SEQ_HOST_MS_BOUND,
+                                   description="host work per sequence in a step (inputs, sampling, outputs), "
+                                               "overlapped with the device")
+    allreduce_latency_us: float = Field(default=0.0, ge=0, le=ALLREDUCE_LATENCY_US_BOUND,
+                                        description="fixed cost of one all-reduce (worldSize > 1)")
     host_link_gbps: float = Field(default=25.0, gt=0, description="device <-> host copies (swap), GB/s; PCIe 4.0 "
                                                                   "x16 as an assumption, not a measurement")
 
 
-# The fit to the MindIE tuning guide (benchmarks/simulator_calibration.py prints it; calibration.py has the setup).
-# The 910B4's bandwidth and compute are fitted with these and live in the catalog (FITTED_910B4_* in
-# npuserve/catalog/accelerators.py). The all-reduce latency is assumed (a typical small-message HCCL/NCCL latency),
-# not fitted: with one step overhead fitted beside it, the two cannot be told apart by the guide's data.
-FITTED_COST_PARAMS = CostParams(
-    bandwidth_efficiency=0.85,
-    compute_efficiency=0.6,
-    step_overhead_ms=32.5,
-    per_seq_overhead_ms=0.125,
-    allreduce_latency_us=20.0,
-)
+class EngineProfile(BaseModel):
+    """One engine's fitted host terms and what they were fitted on."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    params: CostParams
+    source: str
+
+
+# Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), within the bounds above.
+ENGINE_PROFILES: dict[str, EngineProfile] = {
+    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=400.0, per_seq_host_ms=0.1,
+                                              allreduce_latency_us=50.0),
+                            source="placeholder until the fit"),
+    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=300.0, per_seq_host_ms=0.1,
+                                                   allreduce_latency_us=50.0),
+                                 source="placeholder until the fit"),
+    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=50.0, per_seq_host_ms=0.05,
+                                                         allreduce_latency_us=30.0),
+                                       source="placeholder until the fit"),
+    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=20.0, per_seq_host_ms=0.05,
+                                            allreduce_latency_us=20.0),
+                          source="placeholder until the fit"),
+}
+DEFAULT_ENGINE = "mindie"  # what npuserve simulates by default: MindIE's scheduling on Ascend cards
+FITTED_COST_PARAMS = ENGINE_PROFILES[DEFAULT_ENGINE].params
 
 
 @dataclass(frozen=True, slots=True)
 class Hardware:
-    """What the cost model needs of one card, and where each figure comes from."""
+    """What the cost model needs of one card: its datasheet figures (or, for the host CPU, fitted ones), the link
+    kind, and the achieved fractions the cost model applies to them."""
 
     name: str
     bandwidth_gbps: float
     tflops: float
     interconnect_gbps: float
-    source: str  # "datasheet" or "fitted", as the catalog says
+    source: str  # "datasheet" or "fitted"
+    link: LinkKind = "pcie"
+    efficiency: Efficiency = field(default_factory=lambda: EFFICIENCIES["cpu"])
 
     @classmethod
-    def of(cls, accelerator: Accelerator) -> Hardware:
+    def of(cls, accelerator: Accelerator, efficiency: Efficiency | None = None) -> Hardware:
         figures = accelerator.simulation_figures()
         if figures is None:
-            raise ValueError(f"accelerator {accelerator.name!r} has no bandwidth/compute figures (published or fitted) "
-                             "to simulate it with")
+            raise ValueError(f"accelerator {accelerator.name!r} has no datasheet bandwidth/compute figures to "
+                             "simulate it with (the host CPU's come from a fit: npuserve.sim.cpu_profile)")
         return cls(accelerator.name, figures.memory_bandwidth_gbps, figures.tflops_16bit, figures.interconnect_gbps,
-                   figures.source)
+                   figures.source, figures.link, efficiency or efficiency_of(accelerator))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +148,7 @@ class StepCost:
     compute_s: float
     comm_s: float
     host_s: float
-    overhead_s: float
+    launch_s: float
     swap_s: float
 
     @property
@@ -135,7 +168,7 @@ class StepCost:
 
     @property
     def total_s(self) -> float:
-        return self.overhead_s + max(self.device_s, self.host_s) + self.swap_s
+        return self.launch_s + max(self.device_s, self.host_s) + self.swap_s
 
 
 class CostModel:
@@ -154,8 +187,9 @@ class CostModel:
         n = world_size
         dtype = model.dtype_bytes
         lm_head_params = model.vocab_size * model.hidden_size
-        bandwidth = hardware.bandwidth_gbps * GB * p.bandwidth_efficiency
-        flops = hardware.tflops * TERA * p.compute_efficiency
+        eff = hardware.efficiency
+        bandwidth = hardware.bandwidth_gbps * GB * eff.bandwidth
+        flops = hardware.tflops * TERA * eff.compute
         # The embedding table is gathered row by row (a lookup), the LM head read whole: count it once, as weights.
         # Dense: every weight at any batch. MoE: the experts the step's tokens touch (model.step_weight_bytes).
         self.weight_bytes_per_card = model.step_weight_bytes(1 << 62) / n  # all of them (every expert touched)
@@ -173,11 +207,11 @@ class CostModel:
         v_head_dim = model.mla.v_head_dim if model.mla is not None else model.head_dim
         self._s_per_pair = (2.0 * model.num_layers * model.num_attention_heads * (model.head_dim + v_head_dim)
                             / n / flops)
-        self._step_overhead_s = p.step_overhead_ms / 1e3
-        self._seq_overhead_s = p.per_seq_overhead_ms / 1e3
+        self._launch_s = model.num_layers * p.launch_us_per_layer / 1e6
+        self._seq_host_s = p.per_seq_host_ms / 1e3
         if n > 1:
             all_reduces = 2 * model.num_layers + 1  # after attention and after the MLP of each layer; the LM head
-            link = hardware.interconnect_gbps * GB
+            link = hardware.interconnect_gbps * GB * eff.link
             self._comm_fixed_s = all_reduces * p.allreduce_latency_us / 1e6
             self._comm_s_per_token = all_reduces * 2.0 * (n - 1) / n * model.hidden_size * dtype / link
         else:
@@ -201,8 +235,8 @@ class CostModel:
             compute_s=(shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
                        + shape.attended_pairs * self._s_per_pair),
             comm_s=self._comm_fixed_s + shape.new_tokens * self._comm_s_per_token,
-            host_s=shape.num_seqs * self._seq_overhead_s,
-            overhead_s=self._step_overhead_s,
+            host_s=shape.num_seqs * self._seq_host_s,
+            launch_s=self._launch_s,
             swap_s=shape.swapped_blocks * self._swap_s_per_block,
         )
 
@@ -212,6 +246,6 @@ class CostModel:
         compute = (shape.new_tokens * self._s_per_token + shape.sampled_rows * self._s_per_row
                    + shape.attended_pairs * self._s_per_pair)
         device = max(memory, compute) + self._comm_fixed_s + shape.new_tokens * self._comm_s_per_token
-        return (self._step_overhead_s + max(device, shape.num_seqs * self._seq_overhead_s)
+        return (self._launch_s + max(device, shape.num_seqs * self._seq_host_s)
                 + shape.swapped_blocks * self._swap_s_per_block)
 

@@ -104,7 +104,7 @@ class SimulationResult:
 
     def cost_totals(self) -> dict[str, float]:
         """Seconds spent in each cost term over the run (the breakdown summed)."""
-        names = ("weights_s", "kv_s", "compute_s", "comm_s", "host_s", "overhead_s", "swap_s", "total_s")
+        names = ("weights_s", "kv_s", "compute_s", "comm_s", "host_s", "launch_s", "swap_s", "total_s")
         totals = dict.fromkeys(names, 0.0)
         for step in self.steps:
             for name in names:

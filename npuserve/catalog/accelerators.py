@@ -1,11 +1,18 @@
-"""Built-in accelerator catalog: memory, the memory a card holds at idle, peak compute and bandwidth.
+"""Built-in accelerator catalog: each card's datasheet figures with their source, and, apart from them, the achieved
+fractions of those figures that the simulator fits (`EFFICIENCIES`).
 
-Rules: every number names its source in a comment; a number that has no published source is None, never a
-guess. Huawei publishes no per-card FLOP/s or bandwidth for the 910B variants (third-party figures disagree), so
-those stay None; the planner needs only memory. The simulated runner (`npuserve.sim`) needs bandwidth
-and compute for every card it simulates: where no figure is published it takes the `fitted_*` fields, values fitted
-by `benchmarks/simulator_calibration.py` to the MindIE tuning guide's measurements and named as fitted wherever they
-are shown (`simulation_figures().source`). A fitted value is never copied into a published-figure field.
+Rules: every datasheet number names its source (`Accelerator.source`, and a comment where it needs one); a number
+with no citable source is None, never a guess. A new card is one entry: its datasheet figures and its family, whose
+fitted efficiencies it takes (`efficiency_of`). The fitted efficiencies come from `benchmarks/simulator_calibration.py`
+(docs/simulator.md#calibration) and are never copied into a datasheet field.
+
+The 910B variants: Huawei publishes no per-card bandwidth or compute; the figures here are those of Huawei's own
+performance model, Ascend/msmodeling (`tensor_cast/device.py`, HEAD 84fec85), by tier: A2_376T_64G, A2_313T_64G,
+A2_280T_64G (1.6 TiB/s HBM, BF16 353.9 / 294.9 / 245.8 TFLOPS, HCCS full mesh 196 GB/s per direction) and
+A2_280T_32G_PCIE (0.8 TiB/s, BF16 245.8 TFLOPS, PCIe 64 GB/s). No public source maps B1..B4 onto the tiers; the
+mapping below follows the FP16 figures most often cited per variant (B2 376, B3 313, B4 280 TFLOPS; B4 the 32 GB
+part) and B1 takes the highest tier (cited at 414 FP16 elsewhere, no tier that high): an assumption, said so in
+`source`.
 """
 
 from __future__ import annotations
@@ -16,40 +23,42 @@ from pydantic import BaseModel, ConfigDict, Field
 
 GIB = 1024**3
 GB = 1000**3
+TIB_PER_S_IN_GBPS = 1024**4 / 1e9  # msmodeling states HBM bandwidth in TiB/s
+
+LinkKind = Literal["hccs", "nvlink", "pcie"]
+Family = Literal["ascend-910b", "ascend-310p", "nvidia", "cpu"]
 
 
 class Accelerator(BaseModel):
+    """One card as its datasheet gives it. The simulator runs a card with its datasheet figures times its family's
+    fitted efficiencies (`EFFICIENCIES`)."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str
     vendor: str
+    family: Family = Field(description="the fitted efficiencies it takes (EFFICIENCIES)")
     memory_bytes: int | None = Field(description="device memory per card; None for the host CPU")
     idle_memory_bytes: int | None = Field(
         default=None, description="memory a card holds with nothing loaded (driver, runtime, communication buffers)"
     )
     resource_name: str | None = Field(description="Kubernetes extended resource that schedules one card")
     cards_per_node: int | None = None
-    peak_tflops_16bit: float | None = Field(default=None, description="dense bf16/fp16 TFLOP/s")
-    memory_bandwidth_gbps: float | None = Field(default=None, description="GB/s")
+    peak_tflops_16bit: float | None = Field(default=None, description="dense bf16 TFLOP/s (datasheet)")
+    memory_bandwidth_gbps: float | None = Field(default=None, description="GB/s (datasheet)")
+    link: LinkKind | None = Field(default=None, description="how cards of one node are joined: HCCS, NVLink or PCIe")
     interconnect_gbps: float | None = Field(default=None, description="card-to-card bandwidth, GB/s per direction")
     npu_device_type: str = Field(default="cpu", description="engine backend that drives it: npu, cuda or cpu")
-    # Fitted, not published: used by the simulator only where the published field above is None.
-    fitted_tflops_16bit: float | None = Field(default=None, description="fitted dense 16-bit TFLOP/s (simulator)")
-    fitted_memory_bandwidth_gbps: float | None = Field(default=None, description="fitted GB/s (simulator)")
-    fitted_interconnect_gbps: float | None = Field(default=None, description="fitted GB/s per direction (simulator)")
+    source: str = Field(default="", description="where the datasheet figures come from")
 
     def simulation_figures(self) -> SimulationFigures | None:
-        """The figures the simulator runs this card with: the published ones where they exist, else the fitted
-        ones (source "fitted" when any figure is); None when a figure is neither published nor fitted."""
-        tflops = self.peak_tflops_16bit or self.fitted_tflops_16bit
-        bandwidth = self.memory_bandwidth_gbps or self.fitted_memory_bandwidth_gbps
-        link = self.interconnect_gbps or self.fitted_interconnect_gbps
-        if tflops is None or bandwidth is None or link is None:
+        """The datasheet figures the simulator runs this card with; None when one is missing (the host CPU: its
+        figures come from a fit on this machine, `npuserve.sim.cpu_profile`)."""
+        if self.peak_tflops_16bit is None or self.memory_bandwidth_gbps is None or self.interconnect_gbps is None:
             return None
-        published = (self.peak_tflops_16bit is not None and self.memory_bandwidth_gbps is not None
-                     and self.interconnect_gbps is not None)
-        return SimulationFigures(tflops_16bit=tflops, memory_bandwidth_gbps=bandwidth, interconnect_gbps=link,
-                                 source="datasheet" if published else "fitted")
+        return SimulationFigures(tflops_16bit=self.peak_tflops_16bit, memory_bandwidth_gbps=self.memory_bandwidth_gbps,
+                                 interconnect_gbps=self.interconnect_gbps, link=self.link or "pcie",
+                                 source="datasheet")
 
 
 class SimulationFigures(BaseModel):
@@ -58,99 +67,131 @@ class SimulationFigures(BaseModel):
     tflops_16bit: float
     memory_bandwidth_gbps: float
     interconnect_gbps: float
+    link: LinkKind
     source: Literal["datasheet", "fitted"]
 
 
-def _ascend_910b(name: str, hbm_gib: int, idle_gib: float | None, tflops: float, bandwidth: float) -> Accelerator:
+class Efficiency(BaseModel):
+    """A card family's achieved fractions of its datasheet figures, fitted (benchmarks/simulator_calibration.py),
+    each bounded to what published kernels reach."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    bandwidth: float = Field(gt=0, le=1, description="achieved / datasheet memory bandwidth in a decode step")
+    compute: float = Field(gt=0, le=1, description="achieved / datasheet 16-bit FLOP/s in a prefill (MFU)")
+    link: float = Field(gt=0, le=1, description="achieved / datasheet link bandwidth in an all-reduce (bus bw)")
+    source: str = Field(description="what it was fitted on")
+
+
+# Fitted by benchmarks/simulator_calibration.py (its --fit prints these); see docs/simulator.md#calibration.
+EFFICIENCIES: dict[Family, Efficiency] = {
+    "ascend-910b": Efficiency(bandwidth=0.7, compute=0.6, link=0.7,
+                              source="placeholder until the fit: MindIE guide, GPUStack and vLLM-Ascend runs"),
+    "ascend-310p": Efficiency(bandwidth=0.7, compute=0.6, link=0.7,
+                              source="no measurements: the 910B family's fit, assumed"),
+    "nvidia": Efficiency(bandwidth=0.8, compute=0.6, link=0.8,
+                         source="placeholder until the fit: GPUStack and AIConfigurator vLLM runs on H100"),
+    "cpu": Efficiency(bandwidth=1.0, compute=1.0, link=1.0,
+                      source="the CPU's figures are fitted whole (npuserve.sim.cpu_profile): nothing to scale"),
+}
+
+
+def efficiency_of(accelerator: Accelerator) -> Efficiency:
+    return EFFICIENCIES[accelerator.family]
+
+
+_MSMODELING = "Ascend/msmodeling tensor_cast/device.py (HEAD 84fec85), tier {tier}"
+_HCCS_GBPS = 196.0  # msmodeling: HCCS full mesh, 196 GB/s per direction (the cited 392 GB/s both ways)
+
+
+def _ascend_910b(name: str, hbm_gib: int, idle_gib: float | None, tier: str, tflops: float, tib_s: float,
+                 link: LinkKind, link_gbps: float, mapping: str) -> Accelerator:
     return Accelerator(
         name=name,
         vendor="huawei",
+        family="ascend-910b",
         memory_bytes=hbm_gib * GIB,
         idle_memory_bytes=None if idle_gib is None else int(idle_gib * GIB),
         # Ascend device plugin (MindCluster): one card = huawei.com/Ascend910; Atlas 800I/800T A2 hold 8 cards.
         resource_name="huawei.com/Ascend910",
         cards_per_node=8,
         npu_device_type="npu",
-        fitted_tflops_16bit=tflops,
-        fitted_memory_bandwidth_gbps=bandwidth,
-        fitted_interconnect_gbps=FITTED_910B_HCCS_GBPS,
+        peak_tflops_16bit=tflops,
+        memory_bandwidth_gbps=round(tib_s * TIB_PER_S_IN_GBPS, 1),
+        link=link,
+        interconnect_gbps=link_gbps,
+        source=f"{_MSMODELING.format(tier=tier)}; {mapping}",
     )
-
-
-# FITTED, not published (see the module docstring). Third-party figures for "the 910B" disagree and rarely name the
-# variant: 256-414 TFLOPS FP16, 0.4-1.6 TB/s (64 GB parts usually cited at 1.6 TB/s, 32 GB parts at 0.8-1.2 TB/s),
-# HCCS 392 GB/s per card (56 GB/s x 7 links, both directions). The 910B4's two figures are fitted by
-# benchmarks/simulator_calibration.py to the MindIE tuning guide's LLaMA3-8B measurements on 2 x 910B4 (the only
-# published measurements): 1108 GB/s and 220 TFLOPS, peak-equivalent (the simulator applies its achieved fractions,
-# 0.85 and 0.6, on top). The 64 GB variants have no measurements, so they take the 910B4's fit scaled by the ratios of
-# the most often cited per-variant figures (FP16 414 / 376 / 313 / 280 TFLOPS for B1 / B2 / B3 / B4; 1.6 TB/s for the
-# 64 GB parts against 1.2 TB/s for the 32 GB one). HCCS: half the cited 392 GB/s, per direction; only the
-# all-reduce's bytes term uses it (its latency is a cost-model parameter).
-FITTED_910B4_TFLOPS = 220.0
-FITTED_910B4_BANDWIDTH_GBPS = 1108.0
-FITTED_910B_HCCS_GBPS = 196.0
-_CITED_TFLOPS = {"ascend-910b1": 414.0, "ascend-910b2": 376.0, "ascend-910b3": 313.0, "ascend-910b4": 280.0}
-_CITED_BANDWIDTH = {"ascend-910b1": 1600.0, "ascend-910b2": 1600.0, "ascend-910b3": 1600.0, "ascend-910b4": 1200.0}
-
-
-def _fitted_910b(name: str, hbm_gib: int, idle_gib: float | None) -> Accelerator:
-    tflops = FITTED_910B4_TFLOPS * _CITED_TFLOPS[name] / _CITED_TFLOPS["ascend-910b4"]
-    bandwidth = FITTED_910B4_BANDWIDTH_GBPS * _CITED_BANDWIDTH[name] / _CITED_BANDWIDTH["ascend-910b4"]
-    return _ascend_910b(name, hbm_gib, idle_gib, round(tflops, 1), round(bandwidth, 1))
 
 
 ACCELERATORS: dict[str, Accelerator] = {
     # HBM sizes as `npu-smi info` reports them (65536 MB on 910B1/B2/B3, 32768 MB on 910B4).
     # Idle memory: the MindIE tuning guide measured about 3.4 GB held at idle on a 64 GB 910B3, and uses 3 GB in
-    # its worked example on 32 GB cards (910B4). Compute and bandwidth: fitted, see above.
-    "ascend-910b1": _fitted_910b("ascend-910b1", 64, None),
-    "ascend-910b2": _fitted_910b("ascend-910b2", 64, None),
-    "ascend-910b3": _fitted_910b("ascend-910b3", 64, 3.4),
-    "ascend-910b4": _fitted_910b("ascend-910b4", 32, 3.0),
+    # its worked example on 32 GB cards (910B4).
+    "ascend-910b1": _ascend_910b("ascend-910b1", 64, None, "A2_376T_64G", 353.9, 1.6, "hccs", _HCCS_GBPS,
+                                 "B1 -> the highest tier (assumed: no source maps variants to tiers)"),
+    "ascend-910b2": _ascend_910b("ascend-910b2", 64, None, "A2_376T_64G", 353.9, 1.6, "hccs", _HCCS_GBPS,
+                                 "B2 -> 376T (FP16 376 as cited for B2; the mapping is assumed)"),
+    "ascend-910b3": _ascend_910b("ascend-910b3", 64, 3.4, "A2_313T_64G", 294.9, 1.6, "hccs", _HCCS_GBPS,
+                                 "B3 -> 313T (FP16 313 as cited for B3; the mapping is assumed)"),
+    "ascend-910b4": _ascend_910b("ascend-910b4", 32, 3.0, "A2_280T_32G_PCIE", 245.8, 0.8, "pcie", 64.0,
+                                 "B4 -> the 32 GB tier (the only 32 GB one; it is the PCIe part)"),
     # Huawei Atlas 300I Duo datasheet: 96 GB LPDDR4X at 408 GB/s, 140 TFLOPS FP16 (two 310P chips per card),
     # PCIe 4.0 x16 (about 32 GB/s per direction by the PCIe 4.0 spec). Atlas 800 inference server (model 3000)
     # takes up to 8 such cards.
     "atlas-300i-duo": Accelerator(
-        name="atlas-300i-duo", vendor="huawei", memory_bytes=96 * GIB, resource_name="huawei.com/Ascend310P",
-        cards_per_node=8, peak_tflops_16bit=140.0, memory_bandwidth_gbps=408.0, interconnect_gbps=32.0,
-        npu_device_type="npu",
+        name="atlas-300i-duo", vendor="huawei", family="ascend-310p", memory_bytes=96 * GIB,
+        resource_name="huawei.com/Ascend310P", cards_per_node=8, peak_tflops_16bit=140.0, memory_bandwidth_gbps=408.0,
+        link="pcie", interconnect_gbps=32.0, npu_device_type="npu",
+        source="Huawei Atlas 300I Duo datasheet (as cited by 3dnews.ru/1131049); PCIe 4.0 x16 by the PCIe spec",
     ),
     # NVIDIA A100 datasheet: 312 TFLOPS dense BF16; 40 GB at 1555 GB/s, 80 GB SXM at 2039 GB/s; NVLink 600 GB/s
     # (both directions: 300 per direction). HGX: 8 per node.
     "nvidia-a100-40gb": Accelerator(
-        name="nvidia-a100-40gb", vendor="nvidia", memory_bytes=40 * GIB, resource_name="nvidia.com/gpu",
+        name="nvidia-a100-40gb", vendor="nvidia", family="nvidia",
+        memory_bytes=40 * GIB, resource_name="nvidia.com/gpu",
         cards_per_node=8, peak_tflops_16bit=312.0, memory_bandwidth_gbps=1555.0, interconnect_gbps=300.0,
-        npu_device_type="cuda",
+        link="nvlink",
+        source="NVIDIA A100 datasheet", npu_device_type="cuda",
     ),
     "nvidia-a100-80gb": Accelerator(
-        name="nvidia-a100-80gb", vendor="nvidia", memory_bytes=80 * GIB, resource_name="nvidia.com/gpu",
+        name="nvidia-a100-80gb", vendor="nvidia", family="nvidia",
+        memory_bytes=80 * GIB, resource_name="nvidia.com/gpu",
         cards_per_node=8, peak_tflops_16bit=312.0, memory_bandwidth_gbps=2039.0, interconnect_gbps=300.0,
-        npu_device_type="cuda",
+        link="nvlink",
+        source="NVIDIA A100 datasheet (SXM 80 GB)", npu_device_type="cuda",
     ),
     # NVIDIA H100 datasheet (SXM): 989 TFLOPS dense BF16 (1979 with sparsity), 80 GB HBM3 at 3.35 TB/s, NVLink
     # 900 GB/s (450 per direction).
     "nvidia-h100-80gb": Accelerator(
-        name="nvidia-h100-80gb", vendor="nvidia", memory_bytes=80 * GIB, resource_name="nvidia.com/gpu",
+        name="nvidia-h100-80gb", vendor="nvidia", family="nvidia",
+        memory_bytes=80 * GIB, resource_name="nvidia.com/gpu",
         cards_per_node=8, peak_tflops_16bit=989.0, memory_bandwidth_gbps=3350.0, interconnect_gbps=450.0,
-        npu_device_type="cuda",
+        link="nvlink",
+        source="NVIDIA H100 datasheet (SXM); ai-dynamo/aiconfigurator systems/h100_sxm.yaml", npu_device_type="cuda",
     ),
     # NVIDIA H200 datasheet (SXM): 141 GB HBM3e at 4.8 TB/s, 989 TFLOPS dense BF16, NVLink 900 GB/s (450 per
     # direction).
     "nvidia-h200": Accelerator(
-        name="nvidia-h200", vendor="nvidia", memory_bytes=141 * GB, resource_name="nvidia.com/gpu",
+        name="nvidia-h200", vendor="nvidia", family="nvidia",
+        memory_bytes=141 * GB, resource_name="nvidia.com/gpu",
         cards_per_node=8, peak_tflops_16bit=989.0, memory_bandwidth_gbps=4800.0, interconnect_gbps=450.0,
-        npu_device_type="cuda",
+        link="nvlink",
+        source="NVIDIA H200 datasheet (SXM); ai-dynamo/aiconfigurator systems/h200_sxm.yaml", npu_device_type="cuda",
     ),
     # NVIDIA L40S datasheet: 48 GB GDDR6 at 864 GB/s, 362 TFLOPS dense BF16 (733 with sparsity), PCIe Gen4 x16
     # 64 GB/s (both directions: 32 per direction).
     "nvidia-l40s": Accelerator(
-        name="nvidia-l40s", vendor="nvidia", memory_bytes=48 * GIB, resource_name="nvidia.com/gpu",
+        name="nvidia-l40s", vendor="nvidia", family="nvidia",
+        memory_bytes=48 * GIB, resource_name="nvidia.com/gpu",
         cards_per_node=None, peak_tflops_16bit=362.0, memory_bandwidth_gbps=864.0, interconnect_gbps=32.0,
-        npu_device_type="cuda",
+        link="pcie",
+        source="NVIDIA L40S datasheet", npu_device_type="cuda",
     ),
     # Development: the host CPU; memory is whatever the pod is given.
     "cpu": Accelerator(
-        name="cpu", vendor="any", memory_bytes=None, idle_memory_bytes=0, resource_name=None, cards_per_node=None,
+        name="cpu", vendor="any", family="cpu", memory_bytes=None, idle_memory_bytes=0, resource_name=None,
+        cards_per_node=None,
         npu_device_type="cpu",
     ),
 }

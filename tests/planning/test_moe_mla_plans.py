@@ -206,7 +206,7 @@ def test_ttft_floor_computes_the_active_parameters() -> None:
         "slo": {"objective": "firstTokenAndDecode", "tpotMs": 1000, "ttftMs": 1}})
     (warning,) = [w for w in plan(spec).warnings if w.startswith("spec.slo.ttftMs")]
     acc = get_accelerator("ascend-910b3")
-    tflops = acc.peak_tflops_16bit or acc.fitted_tflops_16bit
+    tflops = acc.peak_tflops_16bit
     assert tflops
     floor_ms = 2 * 3_041_867_776 * 186 / (tflops * 1e12) * 1000  # one card, 186 prompt tokens
     assert f"below {floor_ms:.2f} ms" in warning

@@ -74,7 +74,7 @@ def test_simulate_serves_the_scheme_of_the_flag(capsys: pytest.CaptureFixture[st
     # one request at a time: each decode step is the fitted 32.5 ms step overhead plus the weights' read (the rest is
     # the same in both), so TPOT drops by exactly the bytes saved over the effective bandwidth (5.55 ms: 44.47 ->
     # 38.92 ms); the overhead dilutes the 0.536 byte ratio on the card, where a step is far above it
-    bandwidth = HW.bandwidth_gbps * 1e9 * FITTED_COST_PARAMS.bandwidth_efficiency
+    bandwidth = HW.bandwidth_gbps * 1e9 * HW.efficiency.bandwidth
     saved_ms = (BF16_STEP_BYTES - W8A8_DYNAMIC_STEP_BYTES) / bandwidth * 1000
     assert _tpot(bf16) - _tpot(w8a8) == pytest.approx(saved_ms, rel=1e-6)
     assert saved_ms == pytest.approx(5.554, abs=1e-3)
