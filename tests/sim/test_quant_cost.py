@@ -14,7 +14,7 @@ from npuserve.catalog.accelerators import get_accelerator
 from npuserve.catalog.models import MODEL_PRESETS
 from npuserve.cli import main
 from npuserve.quantization import QuantScheme
-from npuserve.sim.cost_model import FITTED_COST_PARAMS, CostModel, CostParams, Hardware, StepShape
+from npuserve.sim.cost_model import CostModel, CostParams, Hardware, StepShape
 
 HW = Hardware.of(get_accelerator("ascend-910b3"))
 NO_OVERHEAD = CostParams()  # efficiencies 0.85 / 0.6, no overheads
