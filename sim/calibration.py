@@ -9,16 +9,9 @@ benchmark at client concurrency 1000: a closed loop of 1000 users over the 1319 
 (`lengths.draw_output`), 1000 users, maxPrefillTokens 8192 (the plan's min(8192, maxPrefillBatchSize x 186)),
 cpuMemSize 5 GiB (unused: maxPreemptCount 0, nothing is swapped).
 
-KV budget: 740 blocks (`CALIBRATED_KV_BLOCKS`), fitted, not the 2176 our planner computes for npuMemSize 17 with
-the real head size, nor the guide's own 544 (docs/planning.md#the-steps, step 2; the guide does not print the count the
-engine allocated). The measurements are those of an engine whose cache fills at about 200 running requests of this
-workload: the throughput rises only 5% from maxBatchSize 200 to 300 and falls 15% at 400, while the decode time keeps
-rising with the batch. 740 blocks hold about 205 such requests (3.6 blocks each on average): past that, running requests
-stall for blocks (a few are recomputed) and a larger maxBatchSize only adds prefill churn, so the simulated
-throughput peaks at 300 and falls at 400. With 2176 blocks the cache never fills: the simulated throughput keeps
-rising (3390 tok/s at 300, 3720 at 400: +48% over the guide there). With 544 it fills at about 150 requests: the
-throughput is 2330-2430 tok/s from 200 on (15-21% under the guide at 200 and 300), and the prefill-first run at 200
-(supportSelectBatch=false) stops prefilling for want of blocks, so its decode time comes out 21% low.
+KV budget: the planner's, 2176 blocks for npuMemSize 17 with LLaMA3-8B's real head size (docs/planning.md#the-steps,
+step 2; `guide_kv_blocks`), never a fitted count. The guide's own worked example (head size taken as hidden / KV
+heads) gives 544; the guide does not print the count its engine allocated.
 
 TTFT: the guide's mean TTFT column (6.4 s, 11.3 s, 21.3 s at maxBatchSize 100, 150, 200) cannot come from 1000
 requests in flight: by Little's law a closed loop of N users has mean E2E = N / completed requests per second, so
@@ -31,11 +24,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 
 from npuserve.catalog.models import get_model_preset
 from npuserve.loadgen.config import BenchConfig, LoadConfig
 from npuserve.loadgen.metrics import compute_metrics
 from npuserve.mindie_config import MindIEConfig
+from npuserve.planning.api import InferenceServiceSpec
+from npuserve.planning.planner import plan
 
 from .cost_model import FITTED_COST_PARAMS, CostParams, Hardware
 from .engine import SimulationConfig, simulate
@@ -50,8 +46,10 @@ CONCURRENCY = 1000
 MEAN_INPUT, INPUT_SPREAD = 186, 56  # prompts uniform in [130, 242]
 MEAN_OUTPUT, MAX_OUTPUT, OUTPUT_CV = 346, 512, 0.5
 MAX_PREFILL_TOKENS = 8192
-CALIBRATED_KV_BLOCKS = 740  # fitted (benchmarks/simulator_calibration.py); see the docstring
 SEED = 0
+SOURCE = "mindie-guide"  # the group a leave-one-source-out validation leaves out whole
+CITE = "MindIE tuning guide (LLaMA3-8B, 2 x 910B4, GSM8K, 1000 users)"
+ENGINE = "mindie"
 
 FITTED_METRICS = ("output_tok_s", "decode_ms")  # the guide's figures the fit matches; TTFT is shown, not fitted
 
@@ -70,6 +68,16 @@ class GuidePoint:
     @property
     def label(self) -> str:
         return f"selectBatch={str(self.select_batch).lower()} maxBatchSize={self.max_batch}"
+
+    @property
+    def id(self) -> str:
+        return f"guide {'sel' if self.select_batch else 'pf'}{self.max_batch}"
+
+    @property
+    def measured(self) -> dict[str, float]:
+        """The figures the fit matches (FITTED_METRICS), in the published points' names."""
+        names = {"output_tok_s": "output_tok_s", "decode_ms": "itl_ms"}
+        return {names[m]: getattr(self, m) for m in FITTED_METRICS if getattr(self, m) is not None}
 
 
 GUIDE_POINTS: tuple[GuidePoint, ...] = (
@@ -113,7 +121,18 @@ def guide_requests(seed: int = SEED) -> list[SimRequest]:
             for _ in range(NUM_REQUESTS)]
 
 
-def guide_config(point: GuidePoint, params: CostParams = FITTED_COST_PARAMS, kv_blocks: int = CALIBRATED_KV_BLOCKS,
+@lru_cache(maxsize=1)
+def guide_kv_blocks() -> int:
+    """The planner's KV blocks for the guide's setup (npuMemSize 17 GiB per card: 2176)."""
+    spec = InferenceServiceSpec.model_validate({
+        "model": {"name": MODEL, "preset": MODEL, "weights": {"loadFormat": "dummy"}},
+        "accelerator": {"type": ACCELERATOR, "cards": WORLD_SIZE},
+        "workload": {"avgInputTokens": MEAN_INPUT, "avgOutputTokens": MEAN_OUTPUT, "maxOutputTokens": MAX_OUTPUT},
+    })
+    return plan(spec).totalBlocks
+
+
+def guide_config(point: GuidePoint, params: CostParams = FITTED_COST_PARAMS, kv_blocks: int | None = None,
                  hardware: Hardware | None = None) -> SimulationConfig:
     engine = MindIEConfig.from_dict({"BackendConfig": {
         "ModelDeployConfig": {"ModelConfig": [{"modelName": MODEL, "modelWeightPath": MODEL, "worldSize": WORLD_SIZE,
@@ -124,11 +143,11 @@ def guide_config(point: GuidePoint, params: CostParams = FITTED_COST_PARAMS, kv_
     }})
     bench = BenchConfig(load=LoadConfig(num_prompts=NUM_REQUESTS, max_concurrency=CONCURRENCY, seed=SEED))
     return SimulationConfig(engine=engine, model=get_model_preset(MODEL), accelerator=ACCELERATOR, bench=bench,
-                            num_kv_blocks=kv_blocks, cost=params, hardware=hardware,
+                            num_kv_blocks=kv_blocks or guide_kv_blocks(), cost=params, hardware=hardware,
                             keep_steps=False)
 
 
-def run_point(point: GuidePoint, params: CostParams = FITTED_COST_PARAMS, kv_blocks: int = CALIBRATED_KV_BLOCKS,
+def run_point(point: GuidePoint, params: CostParams = FITTED_COST_PARAMS, kv_blocks: int | None = None,
               requests: list[SimRequest] | None = None, hardware: Hardware | None = None) -> Simulated:
     """The guide's run at one point (the fitted model by default; the calibration script passes candidates)."""
     result = simulate(guide_config(point, params, kv_blocks, hardware), requests or guide_requests())

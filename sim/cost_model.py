@@ -1,28 +1,31 @@
-"""Step time of one engine step from first principles plus fitted overheads (docs/simulator.md). Pure arithmetic.
+"""Step time of one engine step from first principles: every term physical and bounded (docs/simulator.md). Pure
+arithmetic.
 
 A step reads every weight of the card's shard once, reads (and writes) the KV of every token its sequences attend
-to, computes the FLOPs of the tokens it runs, and pays host-side costs; with tensor parallel it all-reduces each
-layer's activations. Per card, with tensor parallel over `world_size` cards:
+to, computes the FLOPs of the tokens it runs, waits for the host's kernel launches, and does host-side work per
+sequence; with tensor parallel it all-reduces each layer's activations. Per card, with tensor parallel over
+`world_size` cards, `eff` the card family's fitted achieved fractions of its datasheet figures (catalog
+`Efficiency`), the host terms the engine's (`CostParams`, `ENGINE_PROFILES`):
 
-    weights_s  = weight bytes read / world_size / (peak bandwidth x bandwidth_efficiency)  dense: same for any batch
-    kv_s       = context tokens x KV bytes per token per card / (same bandwidth)            linear in context
+    weights_s  = weight bytes read / world_size / (datasheet bandwidth x eff.bandwidth)   dense: same for any batch
+    kv_s       = context tokens x KV bytes per token per card / (same bandwidth)          linear in context
     compute_s  = (2 x active layer params x tokens + 2 x LM-head params x sampled rows
                   + 2 x layers x heads x (qk + v head dims) x attended pairs) / world_size
-                  / (peak FLOP/s x compute_efficiency)
-    comm_s     = (2 x layers + 1) all-reduces x (latency + 2 (n-1)/n x tokens x hidden bytes / link bandwidth)
-    host_s     = per_seq_overhead x sequences          the host's per-request work: inputs, sampling, outputs
-    overhead_s = step_overhead                         what overlaps nothing: launch, synchronisation
+                  / (datasheet 16-bit FLOP/s x eff.compute)
+    comm_s     = (2 x layers + 1) all-reduces x (allreduce_latency
+                  + 2 (n-1)/n x tokens x hidden bytes / (link bandwidth x eff.link))
+    host_s     = per_seq_host x sequences         the host's per-request work: inputs, sampling, outputs
+    launch_s   = layers x launch_per_layer        launches the device waits for (eager engines), overlapping nothing
     swap_s     = swapped blocks x block bytes per card / host link bandwidth
 
     device_s   = max(weights_s + kv_s, compute_s) + comm_s
-    total_s    = overhead_s + max(device_s, host_s) + swap_s
+    total_s    = launch_s + max(device_s, host_s) + swap_s
 
 Memory traffic and compute overlap on the device (the roofline's max): a decode step is bandwidth-bound, a prefill
 step of a few thousand tokens compute-bound. The host prepares and post-processes a step while the device runs
 (MindIE's and vLLM's asynchronous scheduling), so the step takes the longer of the two: small batches are paced by
-the device, large ones by the host, which is why the decode time bends upwards past a batch size (the guide's 47,
-50, 60 ms at 100, 150, 200). The overheads, the communication latency and the achieved fractions of peak are the
-free parameters (`CostParams`, fitted by `benchmarks/simulator_calibration.py`).
+the device, large ones by the host. Each free parameter has a bound from a measurement (the constants below, and
+`npuserve.sim.fitting.BOUNDS` for the efficiencies), so no fit can explain a run with a figure no card or engine has.
 
 Mixture of experts and latent attention (docs/simulator.md, "MoE and MLA"): the FLOPs of a token are its active
 parameters' (top-k and shared experts, not all of them: `ModelSpec.active_layer_parameters`); the weights a step
@@ -87,18 +90,18 @@ class EngineProfile(BaseModel):
 
 # Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), within the bounds above.
 ENGINE_PROFILES: dict[str, EngineProfile] = {
-    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=400.0, per_seq_host_ms=0.1,
-                                              allreduce_latency_us=50.0),
-                            source="placeholder until the fit"),
-    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=300.0, per_seq_host_ms=0.1,
-                                                   allreduce_latency_us=50.0),
-                                 source="placeholder until the fit"),
-    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=50.0, per_seq_host_ms=0.05,
-                                                         allreduce_latency_us=30.0),
-                                       source="placeholder until the fit"),
-    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=20.0, per_seq_host_ms=0.05,
-                                            allreduce_latency_us=20.0),
-                          source="placeholder until the fit"),
+    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=164.9, per_seq_host_ms=0.2117,
+                                              allreduce_latency_us=200.0),
+                            source="fitted: MindIE tuning guide (2 x 910B4), GPUStack MindIE 2.1RC1 (910B)"),
+    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.1,
+                                                   allreduce_latency_us=200.0),
+                                 source="fitted: GPUStack vLLM-Ascend 0.9.1 (910B), vllm-ascend #1605 (4 x 910B)"),
+    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=164.9, per_seq_host_ms=0.1,
+                                                         allreduce_latency_us=49.46),
+                                       source="fitted: vLLM-Ascend with ACL graphs (nightly CI, #4448, #4656)"),
+    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=0.0, per_seq_host_ms=0.1649,
+                                            allreduce_latency_us=11.04),
+                          source="fitted: GPUStack vLLM 0.11 and AIConfigurator vLLM 0.12 runs on H100"),
 }
 DEFAULT_ENGINE = "mindie"  # what npuserve simulates by default: MindIE's scheduling on Ascend cards
 FITTED_COST_PARAMS = ENGINE_PROFILES[DEFAULT_ENGINE].params

@@ -39,6 +39,7 @@ from npuserve.planning.api import InferenceServiceSpec, Plan
 from npuserve.planning.planner import PlanError, architecture_of, plan
 from npuserve.quantization import MSMODELSLIM_DESCRIPTION, parse_quantization
 
+from .cost_model import DEFAULT_ENGINE, ENGINE_PROFILES
 from .engine import SimulationConfig, SimulationResult, draw_requests, simulate, sweep
 from .lengths import OutputLengths
 from .runner import SimRequest
@@ -65,6 +66,9 @@ def add_simulation_args(parser: argparse.ArgumentParser) -> None:
                    "quant_model_description.json beside it), which this flag must match")
     m.add_argument("--accelerator", choices=sorted(ACCELERATORS), default=DEFAULT_ACCELERATOR,
                    help=f"card type (default {DEFAULT_ACCELERATOR}, the guide's card)")
+    m.add_argument("--engine-profile", choices=sorted(ENGINE_PROFILES), default=DEFAULT_ENGINE,
+                   help=f"whose host terms price a step (launches, per-sequence work, all-reduce latency; "
+                        f"default {DEFAULT_ENGINE}: MindIE's scheduling on the cards)")
     m.add_argument("--cards", type=int, help="cards per replica (worldSize); omitted: the plan's")
     m.add_argument("--card-memory-gib", type=float, help="memory per card (default: the catalog's)")
     m.add_argument("--reserved-gib", type=float, help="memory a card holds at idle (default: the catalog's)")
@@ -231,6 +235,7 @@ def build_with_plan(args: argparse.Namespace) -> tuple[SimulationConfig, list[Si
     if changes:
         engine = engine.with_schedule(**changes)
     config = SimulationConfig(engine=engine, model=spec, accelerator=args.accelerator, bench=bench,
+                              cost=ENGINE_PROFILES[args.engine_profile].params,
                               output_lengths=lengths, num_kv_blocks=blocks,
                               recompute_threshold=EngineEnvironment.from_environ().recompute_threshold)
     s = engine.schedule
@@ -251,8 +256,10 @@ def cost_lines(result: SimulationResult) -> list[str]:
     total = totals.pop("total_s") or 1.0
     hw = result.hardware
     parts = ", ".join(f"{k.removesuffix('_s')} {v:.1f} s ({v / total:.0%})" for k, v in totals.items())
-    return [f"hardware: {hw.name} {hw.bandwidth_gbps:g} GB/s, {hw.tflops:g} TFLOPS ({hw.source}); "
-            f"{len(result.steps)} steps, {result.num_preemptions} preemptions",
+    eff = hw.efficiency
+    return [f"hardware: {hw.name} {hw.bandwidth_gbps:g} GB/s x {eff.bandwidth:g}, {hw.tflops:g} TFLOPS x "
+            f"{eff.compute:g}, {hw.link} {hw.interconnect_gbps:g} GB/s x {eff.link:g} ({hw.source} figures; "
+            f"achieved fractions {eff.source}); {len(result.steps)} steps, {result.num_preemptions} preemptions",
             f"step time by term (memory and compute overlap, so they sum past the total): {parts}"]
 
 
@@ -263,7 +270,9 @@ def render(args: argparse.Namespace, result: SimulationResult, metrics: BenchMet
                                   "kv_blocks": result.kv_blocks, "host_blocks": result.host_blocks,
                                   "hardware": {"name": result.hardware.name, "source": result.hardware.source,
                                                "bandwidth_gbps": result.hardware.bandwidth_gbps,
-                                               "tflops": result.hardware.tflops},
+                                               "tflops": result.hardware.tflops, "link": result.hardware.link,
+                                               "interconnect_gbps": result.hardware.interconnect_gbps,
+                                               "efficiency": result.hardware.efficiency.model_dump()},
                                   "num_preemptions": result.num_preemptions}
         return json.dumps(json_safe(document), indent=2, default=str)
     body = render_mindie(result.bench, metrics) if args.format == "mindie" else render_vllm(result.bench, metrics)

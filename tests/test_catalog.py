@@ -17,6 +17,7 @@ PUBLISHED_PARAMETERS = {
     "qwen2.5-72b": 72.7e9,
     "qwq-32b": 32.8e9,
     "qwen3-8b": 8.2e9,
+    "qwen3-14b": 14.8e9,  # the Qwen3-14B model card: 14.8B parameters
     "qwen3-32b": 32.8e9,
     "mistral-7b": 7.24e9,
     # model cards: total parameters, every expert counted (the MTP layer of DeepSeek-V3 excluded: 671B + 14B)
@@ -73,10 +74,17 @@ def test_accelerators_memory_and_idle_figures_from_the_guide() -> None:
     assert get_accelerator("nvidia-h100-80gb").resource_name == "nvidia.com/gpu"
 
 
-def test_unsourced_figures_are_none_not_guesses() -> None:
-    for name in ("ascend-910b1", "ascend-910b2", "ascend-910b3", "ascend-910b4"):
-        acc = ACCELERATORS[name]
-        assert acc.peak_tflops_16bit is None and acc.memory_bandwidth_gbps is None
+def test_every_figure_names_its_source_and_fitted_fractions_stay_apart() -> None:
+    for name, acc in ACCELERATORS.items():
+        if name == "cpu":
+            assert acc.peak_tflops_16bit is None and acc.memory_bandwidth_gbps is None  # fitted on the machine
+            continue
+        assert acc.source and acc.link is not None, name
+        assert not any(f.startswith("fitted") for f in type(acc).model_fields), name  # no fitted field on a card
+    # the 910B variants: Huawei's own performance model's tiers (msmodeling), the variant mapping said to be assumed
+    assert all("msmodeling" in ACCELERATORS[f"ascend-910b{i}"].source for i in range(1, 5))
+    assert all("assumed" in ACCELERATORS[f"ascend-910b{i}"].source or "only 32 GB" in
+               ACCELERATORS[f"ascend-910b{i}"].source for i in range(1, 5))
 
 
 def test_unknown_accelerator() -> None:

@@ -27,7 +27,9 @@ def test_runs_with_only_the_defaults(capsys: pytest.CaptureFixture[str]) -> None
     out = capsys.readouterr().out
     assert "engine config from the plan" in out and "KV blocks" in out
     assert "Successful requests:                     1000" in out
-    assert "(fitted)" in out  # the 910B3's figures are fitted, and the output says so
+    # the 910B3's datasheet figures (Ascend/msmodeling's 313T tier) and the family's fitted fractions, said as such
+    assert "ascend-910b3 1759.2 GB/s x " in out and "294.9 TFLOPS x " in out and "hccs 196 GB/s" in out
+    assert "(datasheet figures; achieved fractions fitted: " in out
 
 
 def test_json_report_is_the_bench_one_marked_simulated(capsys: pytest.CaptureFixture[str]) -> None:

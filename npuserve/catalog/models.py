@@ -75,6 +75,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
                       num_key_value_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
                       max_position_embeddings=40960, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
                       qk_norm=True, bos_token_id=151643, eos_token_id=151645),
+    # Qwen/Qwen3-14B (config.json: 40 layers, hidden 5120, 40 heads / 8 KV of 128, intermediate 17408, untied LM head)
+    "qwen3-14b": _spec(model_type="qwen3", num_layers=40, hidden_size=5120, num_attention_heads=40,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=17408, vocab_size=151936,
+                       max_position_embeddings=40960, dtype="bfloat16", rms_norm_eps=1e-6, rope_theta=1000000.0,
+                       qk_norm=True, bos_token_id=151643, eos_token_id=151645),
     # Qwen/Qwen3-32B
     "qwen3-32b": _spec(model_type="qwen3", num_layers=64, hidden_size=5120, num_attention_heads=64,
                        num_key_value_heads=8, head_dim=128, intermediate_size=25600, vocab_size=151936,

@@ -4,7 +4,6 @@ and conserves requests, its records read as a streaming client's, and the fit to
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from pathlib import Path
 
@@ -30,7 +29,6 @@ from npuserve.sim import (
     simulate,
     sweep,
 )
-from npuserve.sim import calibration as cal
 from npuserve.sim.cost_model import StepShape
 from npuserve.sim.lengths import draw_output
 from npuserve.sim.load import LoadDriver
@@ -275,29 +273,3 @@ def test_sweep_runs_one_config_per_batch_on_the_same_requests() -> None:
     assert throughput[1] > throughput[0]
 
 
-# --- the calibration -------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def guide_runs() -> list[cal.Comparison]:
-    requests = cal.guide_requests()
-    return [row for point in cal.GUIDE_POINTS for row in cal.compare(point, cal.run_point(point, requests=requests))]
-
-
-@pytest.mark.slow
-def test_the_fit_matches_every_fitted_figure_of_the_guide_within_15_percent(guide_runs: list[cal.Comparison]) -> None:
-    fitted = [r for r in guide_runs if r.fitted]
-    assert len(fitted) == 9  # 3 throughputs, 6 decode times
-    worst = max(fitted, key=lambda r: abs(r.error))
-    assert abs(worst.error) <= 0.15, f"{worst.point.label} {worst.metric}: {worst.error:+.1%}"
-
-
-@pytest.mark.slow
-def test_the_fit_keeps_the_guides_shape(guide_runs: list[cal.Comparison]) -> None:
-    throughput = {r.point.max_batch: r.simulated for r in guide_runs if r.metric == "output_tok_s"}
-    assert throughput[300] > throughput[200] and throughput[300] > throughput[400]
-    decode = {(r.point.select_batch, r.point.max_batch): r.simulated for r in guide_runs if r.metric == "decode_ms"}
-    for select in (True, False):
-        assert decode[(select, 100)] < decode[(select, 150)] < decode[(select, 200)]
-    assert decode[(True, 200)] - decode[(True, 150)] > decode[(True, 150)] - decode[(True, 100)]  # it bends upwards
-    assert all(math.isfinite(r.simulated) for r in guide_runs)

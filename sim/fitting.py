@@ -1,0 +1,209 @@
+"""Fitting the simulator's free parameters to measured runs, and judging it on runs left out (docs/simulator.md
+#calibration). Used by `benchmarks/simulator_calibration.py`; no torch.
+
+The free parameters are physical and bounded: each card family's achieved fractions of its datasheet bandwidth,
+compute and link (`Efficiency`), and each engine's host terms (`CostParams`: launches per layer, host work per
+sequence, all-reduce latency), each within `BOUNDS`. A case is one measured run (a point of the MindIE guide's table
+or of the published measurements) with the engine and card it ran on; its figures are predicted by running the real
+scheduler on the simulator. The fit is a coordinate descent in log space minimising the sum of squared log errors;
+each step re-runs only the cases the moved parameter touches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from npuserve.catalog.accelerators import EFFICIENCIES, Efficiency, Family, get_accelerator
+
+from . import calibration as guide
+from .cost_model import ENGINE_PROFILES, CostParams, Hardware
+from .published import PUBLISHED_POINTS, PublishedPoint, kv_blocks, point_requests, run_published
+
+# (low, high) of each free parameter: efficiencies by what published kernels reach (memory-bound decode kernels
+# 40-95% of datasheet bandwidth, prefill GEMMs 25-85% of peak, all-reduce bus bandwidth 30-90% of the link), the host
+# terms by the bounds of cost_model.py (the launch bound is a measurement: LAUNCH_US_PER_LAYER_BOUND).
+BOUNDS: dict[str, tuple[float, float]] = {
+    "bandwidth": (0.4, 0.95), "compute": (0.25, 0.85), "link": (0.3, 0.9),
+    "launch_us_per_layer": (0.0, 591.0), "per_seq_host_ms": (0.0, 1.0), "allreduce_latency_us": (5.0, 200.0),
+}
+# Where a fit starts, and what a parameter keeps when no case in the fit touches it (a left-out source's engine):
+# the middle of each range in log terms, not a fitted value.
+PRIOR_EFFICIENCY = Efficiency(bandwidth=0.7, compute=0.5, link=0.6, source="prior: no measurements in the fit")
+PRIOR_PARAMS = CostParams(launch_us_per_layer=100.0, per_seq_host_ms=0.1, allreduce_latency_us=30.0)
+FITTED_FAMILIES: tuple[Family, ...] = ("ascend-910b", "nvidia")
+MIN_GAIN = 1e-3  # a move must cut the subset's score by this share, or the search stops moving that parameter
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One value of every free parameter: the efficiencies by card family, the host terms by engine."""
+
+    efficiencies: dict[str, Efficiency]
+    profiles: dict[str, CostParams]
+
+    @classmethod
+    def committed(cls) -> Fit:
+        return cls({f: EFFICIENCIES[f] for f in FITTED_FAMILIES},
+                   {name: profile.params for name, profile in ENGINE_PROFILES.items()})
+
+    @classmethod
+    def prior(cls) -> Fit:
+        return cls(dict.fromkeys(FITTED_FAMILIES, PRIOR_EFFICIENCY), dict.fromkeys(ENGINE_PROFILES, PRIOR_PARAMS))
+
+    def get(self, param: Param) -> float:
+        holder = self.efficiencies[param.key] if param.kind == "eff" else self.profiles[param.key]
+        return float(getattr(holder, param.name))
+
+    def with_value(self, param: Param, value: float) -> Fit:
+        if param.kind == "eff":
+            eff = self.efficiencies[param.key].model_copy(update={param.name: value})
+            return Fit({**self.efficiencies, param.key: eff}, self.profiles)
+        params = self.profiles[param.key].model_copy(update={param.name: value})
+        return Fit(self.efficiencies, {**self.profiles, param.key: params})
+
+
+@dataclass(frozen=True)
+class Param:
+    kind: str  # "eff" (a family's Efficiency field) or "engine" (an engine's CostParams field)
+    key: str
+    name: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.key}.{self.name}"
+
+
+def free_params() -> list[Param]:
+    params = [Param("eff", f, n) for f in FITTED_FAMILIES for n in ("bandwidth", "compute", "link")]
+    params += [Param("engine", e, n) for e in ENGINE_PROFILES
+               for n in ("launch_us_per_layer", "per_seq_host_ms", "allreduce_latency_us")]
+    return params
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured run: what it ran on and the figures it reports."""
+
+    id: str
+    source: str
+    cite: str
+    engine: str
+    accelerator: str
+    cards: int
+    measured: dict[str, float]
+    assumed: str = ""
+    point: PublishedPoint | guide.GuidePoint | None = field(default=None, compare=False)
+
+    @property
+    def family(self) -> str:
+        return get_accelerator(self.accelerator).family
+
+    def touched_by(self, param: Param) -> bool:
+        if param.kind == "eff":
+            return param.key == self.family and (param.name != "link" or self.cards > 1)
+        return param.key == self.engine and (param.name != "allreduce_latency_us" or self.cards > 1)
+
+
+def cases() -> list[Case]:
+    rows = [Case(p.id, guide.SOURCE, guide.CITE, guide.ENGINE, guide.ACCELERATOR, guide.WORLD_SIZE, p.measured,
+                 "outputs drawn with mean 346 under the cap 512, prompts uniform in [130, 242] (calibration.py)",
+                 point=p)
+            for p in guide.GUIDE_POINTS]
+    rows += [Case(p.id, p.source, p.cite, p.engine, p.accelerator, p.cards, p.measured, p.assumed, point=p)
+             for p in PUBLISHED_POINTS]
+    return rows
+
+
+def hardware_for(case: Case, fit: Fit) -> Hardware:
+    acc = get_accelerator(case.accelerator)
+    return Hardware.of(acc, fit.efficiencies.get(acc.family, EFFICIENCIES[acc.family]))
+
+
+def predict(case: Case, fit: Fit) -> dict[str, float]:
+    """The case's figures on the simulator under `fit`."""
+    params, hardware = fit.profiles[case.engine], hardware_for(case, fit)
+    if isinstance(case.point, guide.GuidePoint):
+        sim = guide.run_point(case.point, params, requests=_guide_requests(), hardware=hardware)
+        figures = {"output_tok_s": sim.output_tok_s, "itl_ms": sim.decode_ms}
+        return {k: figures[k] for k in case.measured}
+    assert isinstance(case.point, PublishedPoint)
+    return run_published(case.point, params, hardware, _blocks(case.point), _requests(case.point))
+
+
+_CACHE: dict[str, object] = {}
+
+
+def _guide_requests() -> list[guide.SimRequest]:
+    if "guide" not in _CACHE:
+        _CACHE["guide"] = guide.guide_requests()
+    return _CACHE["guide"]  # type: ignore[return-value]
+
+
+def _blocks(point: PublishedPoint) -> int:
+    key = f"blocks {point.id}"
+    if key not in _CACHE:
+        _CACHE[key] = kv_blocks(point)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def _requests(point: PublishedPoint) -> list[guide.SimRequest]:
+    key = f"requests {point.id}"
+    if key not in _CACHE:
+        _CACHE[key] = point_requests(point)
+    return _CACHE[key]  # type: ignore[return-value]
+
+
+def _predict_job(job: tuple[Case, Fit]) -> dict[str, float]:
+    return predict(*job)
+
+
+def log_errors(case: Case, predicted: dict[str, float]) -> list[float]:
+    return [math.log(max(predicted[k], 1e-9) / v) for k, v in case.measured.items()]
+
+
+def score(rows: Iterable[tuple[Case, dict[str, float]]]) -> float:
+    return sum(e * e for case, pred in rows for e in log_errors(case, pred))
+
+
+@dataclass
+class Fitter:
+    """Coordinate descent over `free_params()` on `fit_cases`, predictions run on `pool`."""
+
+    fit_cases: Sequence[Case]
+    pool: Executor
+    log: Callable[[str], None] = print
+
+    def evaluate(self, fit: Fit, subset: Sequence[Case]) -> list[tuple[Case, dict[str, float]]]:
+        preds = list(self.pool.map(_predict_job, [(c, fit) for c in subset]))
+        return list(zip(subset, preds, strict=True))
+
+    def run(self, start: Fit, rounds: int = 2, step: float = 0.5) -> Fit:
+        best = start
+        for round_ in range(rounds):
+            for param in free_params():
+                subset = [c for c in self.fit_cases if c.touched_by(param)]
+                if not subset:
+                    continue  # no case in the fit depends on it: it keeps its start (the prior)
+                best_score = score(self.evaluate(best, subset))
+                low, high = BOUNDS[param.name]
+                for direction in (1.0, -1.0):
+                    moved = False
+                    while True:
+                        value = best.get(param)
+                        new = value * math.exp(direction * step) if value > 0 else (high - low) * 0.02
+                        new = min(high, max(low, new))
+                        if abs(new - value) < 1e-9:
+                            break
+                        trial = best.with_value(param, new)
+                        trial_score = score(self.evaluate(trial, subset))
+                        if trial_score >= best_score - MIN_GAIN * max(1.0, best_score):
+                            break
+                        best, best_score, moved = trial, trial_score, True
+                        self.log(f"  round {round_ + 1} {param.label} -> {new:.4g} (subset score {best_score:.3f})")
+                    if moved:
+                        break
+            step /= 2
+        return best
