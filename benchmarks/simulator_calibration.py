@@ -92,6 +92,7 @@ def main() -> int:
     parser.add_argument("--from-committed", action="store_true", help="with --fit: start from the committed values")
     parser.add_argument("--in-sample", action="store_true", help="skip the leave-one-source-out refits")
     parser.add_argument("--rounds", type=int, default=2, help="coordinate-descent rounds of a fit")
+    parser.add_argument("--step", type=float, default=0.5, help="first log-space step of a fit (halved each round)")
     parser.add_argument("--jobs", type=int, default=None, help="processes (default: one per CPU)")
     args = parser.parse_args()
     all_cases = cases()
@@ -100,7 +101,7 @@ def main() -> int:
         fit = Fit.committed()
         if args.fit:
             start = Fit.committed() if args.from_committed else Fit.prior()
-            fit = Fitter(all_cases, pool).run(start, rounds=args.rounds)
+            fit = Fitter(all_cases, pool).run(start, rounds=args.rounds, step=args.step)
             print(f"\nfitted:\n  efficiencies {fit.efficiencies}\n  profiles {fit.profiles}\n")
         print_params(fit)
         in_sample = print_errors("In sample (the fit above, every source in it)",
@@ -110,7 +111,7 @@ def main() -> int:
             left_out_rows = []
             for source in dict.fromkeys(c.source for c in all_cases):
                 kept = [c for c in all_cases if c.source != source]
-                refit = Fitter(kept, pool, log=lambda _: None).run(Fit.prior(), rounds=args.rounds)
+                refit = Fitter(kept, pool, log=lambda _: None).run(Fit.prior(), rounds=args.rounds, step=args.step)
                 left_out_rows += error_rows(pool, refit, [c for c in all_cases if c.source == source])
                 print(f"  (refit without {source}: {time.perf_counter() - started:.0f} s)", flush=True)
             out = print_errors("Left out (each source predicted by a fit on the others, from the prior)",

@@ -90,17 +90,17 @@ class EngineProfile(BaseModel):
 
 # Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), within the bounds above.
 ENGINE_PROFILES: dict[str, EngineProfile] = {
-    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=164.9, per_seq_host_ms=0.2117,
+    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=300.5, per_seq_host_ms=0.246,
                                               allreduce_latency_us=200.0),
                             source="fitted: MindIE tuning guide (2 x 910B4), GPUStack MindIE 2.1RC1 (910B)"),
-    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.1,
+    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.3158,
                                                    allreduce_latency_us=200.0),
                                  source="fitted: GPUStack vLLM-Ascend 0.9.1 (910B), vllm-ascend #1605 (4 x 910B)"),
-    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=164.9, per_seq_host_ms=0.1,
-                                                         allreduce_latency_us=49.46),
+    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=315.9, per_seq_host_ms=0.1,
+                                                         allreduce_latency_us=42.57),
                                        source="fitted: vLLM-Ascend with ACL graphs (nightly CI, #4448, #4656)"),
-    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=0.0, per_seq_host_ms=0.1649,
-                                            allreduce_latency_us=11.04),
+    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=11.82, per_seq_host_ms=0.1419,
+                                            allreduce_latency_us=5.0),
                           source="fitted: GPUStack vLLM 0.11 and AIConfigurator vLLM 0.12 runs on H100"),
 }
 DEFAULT_ENGINE = "mindie"  # what npuserve simulates by default: MindIE's scheduling on Ascend cards

@@ -5,8 +5,8 @@ The free parameters are physical and bounded: each card family's achieved fracti
 compute and link (`Efficiency`), and each engine's host terms (`CostParams`: launches per layer, host work per
 sequence, all-reduce latency), each within `BOUNDS`. A case is one measured run (a point of the MindIE guide's table
 or of the published measurements) with the engine and card it ran on; its figures are predicted by running the real
-scheduler on the simulator. The fit is a coordinate descent in log space minimising the sum of squared log errors;
-each step re-runs only the cases the moved parameter touches.
+scheduler on the simulator. The fit is a coordinate descent in log space minimising the Huber loss of the log errors
+(`score`); each step re-runs only the cases the moved parameter touches.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
 PRIOR_EFFICIENCY = Efficiency(bandwidth=0.7, compute=0.5, link=0.6, source="prior: no measurements in the fit")
 PRIOR_PARAMS = CostParams(launch_us_per_layer=100.0, per_seq_host_ms=0.1, allreduce_latency_us=30.0)
 FITTED_FAMILIES: tuple[Family, ...] = ("ascend-910b", "nvidia")
+HUBER_DELTA = 0.2  # log error (about 22%) past which a figure's pull on the fit stops growing
 MIN_GAIN = 1e-3  # a move must cut the subset's score by this share, or the search stops moving that parameter
 
 
@@ -165,7 +166,14 @@ def log_errors(case: Case, predicted: dict[str, float]) -> list[float]:
 
 
 def score(rows: Iterable[tuple[Case, dict[str, float]]]) -> float:
-    return sum(e * e for case, pred in rows for e in log_errors(case, pred))
+    """Huber loss of the log errors: squared within HUBER_DELTA, linear past it, so a run the model cannot explain
+    (an engine behaviour it lacks, a wrong assumption about the source) does not drag every other fit with it."""
+    total = 0.0
+    for case, pred in rows:
+        for e in log_errors(case, pred):
+            a = abs(e)
+            total += a * a if a <= HUBER_DELTA else 2 * HUBER_DELTA * a - HUBER_DELTA * HUBER_DELTA
+    return total
 
 
 @dataclass

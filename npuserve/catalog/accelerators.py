@@ -86,11 +86,11 @@ class Efficiency(BaseModel):
 # Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), each within its bound
 # (npuserve.sim.fitting.BOUNDS).
 EFFICIENCIES: dict[Family, Efficiency] = {
-    "ascend-910b": Efficiency(bandwidth=0.514, compute=0.389, link=0.3,
+    "ascend-910b": Efficiency(bandwidth=0.95, compute=0.389, link=0.3,
                               source="fitted: MindIE guide, GPUStack and vLLM-Ascend runs (910B3, 910B4)"),
-    "ascend-310p": Efficiency(bandwidth=0.514, compute=0.389, link=0.3,
+    "ascend-310p": Efficiency(bandwidth=0.95, compute=0.389, link=0.3,
                               source="no measurements: the 910B family's fitted values, assumed"),
-    "nvidia": Efficiency(bandwidth=0.545, compute=0.303, link=0.9,
+    "nvidia": Efficiency(bandwidth=0.633, compute=0.303, link=0.9,
                          source="fitted: GPUStack and AIConfigurator vLLM runs on H100"),
     "cpu": Efficiency(bandwidth=1.0, compute=1.0, link=1.0,
                       source="the CPU's figures are fitted whole (npuserve.sim.cpu_profile): nothing to scale"),
