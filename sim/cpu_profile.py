@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +62,7 @@ class ProfilePlan:
     batches: tuple[int, ...] = (2, 4, 8, 16)
     prompt_lengths: tuple[int, ...] = (96, 192)
     decode_steps: int = 8
-    rounds: int = 3
+    rounds: int = 4
     seed: int = 0
 
     @property
@@ -117,8 +117,11 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_steps(model_dir: Path, plan: ProfilePlan) -> list[MeasuredStep]:
-    """Runs the plan on the real engine (the caller fixes torch's threads); one `MeasuredStep` per point and kind."""
+def measure_steps(model_dir: Path, plan: ProfilePlan,
+                  between: Callable[[], object] | None = None) -> list[MeasuredStep]:
+    """Runs the plan on the real engine (the caller fixes torch's threads); one `MeasuredStep` per point and kind.
+    `between` runs halfway through the rounds: a measurement to be compared with the fit (the served run) then sees
+    the machine as the fit saw it, before and after, when neighbours come and go."""
     most = max(plan.batches)
     config = minimal_config(model_dir, max_seq_len=plan.max_seq_len, maxBatchSize=most, maxPrefillBatchSize=most,
                             maxPrefillTokens=most * max(plan.prompt_lengths))
@@ -156,7 +159,9 @@ def measure_steps(model_dir: Path, plan: ProfilePlan) -> list[MeasuredStep]:
 
     run_point(most, min(plan.prompt_lengths), record=False)  # warm the allocator and caches once
     points = [(b, n) for b in plan.batches for n in plan.prompt_lengths]
-    for _ in range(plan.rounds):
+    for round_ in range(plan.rounds):
+        if between is not None and round_ == plan.rounds // 2:
+            between()
         rng.shuffle(points)
         for batch, prompt_len in points:
             run_point(batch, prompt_len, record=True)
@@ -218,13 +223,15 @@ def fit_steps(model: ModelSpec, steps: list[MeasuredStep],
 
 
 def fit_cpu_profile(workdir: Path, plan: ProfilePlan | None = None, *, threads: int = THREADS,
-                    overrides: dict[str, object] | None = None) -> CpuProfile:
-    """Writes model A under `workdir`, measures `plan` on the real CPU engine with `threads` torch threads, fits."""
+                    overrides: dict[str, object] | None = None,
+                    between: Callable[[], object] | None = None) -> CpuProfile:
+    """Writes model A under `workdir`, measures `plan` on the real CPU engine with `threads` torch threads (running
+    `between` halfway: `measure_steps`), fits."""
     plan = plan or ProfilePlan()
     spec = model_spec(overrides or PROFILE_MODEL)
     model_dir = write_dummy_model(spec, workdir / "cpu-profile-model", seed=plan.seed)
     with torch_threads(threads):
-        steps = measure_steps(model_dir, plan)
+        steps = measure_steps(model_dir, plan, between)
     served = ModelSpec.from_pretrained(model_dir)  # what the engine loaded (the dummy writer fixes special ids)
     hardware, params, residuals = fit_steps(served, steps)
     return CpuProfile(hardware, params, residuals, served, threads, plan)

@@ -34,7 +34,7 @@ from npuserve.loadgen.run import run_benchmark
 from npuserve.mindie_config import MindIEConfig, minimal_config
 
 from .cost_model import LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND, CostParams, Hardware
-from .cpu_profile import CpuProfile, fit_cpu_profile, model_spec
+from .cpu_profile import THREADS, CpuProfile, fit_cpu_profile, model_spec
 from .engine import SimulationConfig, SimulationResult, simulate
 from .runner import SimRequest
 
@@ -200,11 +200,20 @@ def fitted_terms(profile: CpuProfile) -> list[FittedTerm]:
 
 def run_cpu_calibration(workdir: Path, load: LoadPlan | None = None, *, profile: CpuProfile | None = None,
                         threads: int | None = None) -> CpuCalibration:
-    """Fits the profile on model A (unless given), serves model B under `load`, predicts it."""
+    """Fits the profile on model A (unless given), serves model B under `load` halfway through the fit's rounds (so
+    both see the shared machine alike), predicts it."""
     load = load or LoadPlan()
-    profile = profile or fit_cpu_profile(workdir)
     model_dir = write_dummy_model(model_spec(PREDICTED_MODEL), workdir / "cpu-predicted-model", seed=load.seed)
-    served = measure_served(model_dir, load, threads or profile.threads)
+    runs: list[ServedRun] = []
+
+    def serve() -> None:
+        runs.append(measure_served(model_dir, load, threads or (profile.threads if profile else THREADS)))
+
+    if profile is None:
+        profile = fit_cpu_profile(workdir, threads=threads or THREADS, between=serve)
+    else:
+        serve()
+    served = runs[0]
     return CpuCalibration(profile, served, predict(served, profile, load), load)
 
 
