@@ -21,6 +21,7 @@ from npuserve.catalog.accelerators import EFFICIENCIES, Efficiency, Family, get_
 from . import calibration as guide
 from .cost_model import ENGINE_PROFILES, CostParams, Hardware
 from .published import PUBLISHED_POINTS, PublishedPoint, kv_blocks, point_requests, run_published
+from .runner import SimRequest
 
 # (low, high) of each free parameter: efficiencies by what published kernels reach (memory-bound decode kernels
 # 40-95% of datasheet bandwidth, prefill GEMMs 25-85% of peak, all-reduce bus bandwidth 30-90% of the link), the host
@@ -137,7 +138,7 @@ def predict(case: Case, fit: Fit) -> dict[str, float]:
 _CACHE: dict[str, object] = {}
 
 
-def _guide_requests() -> list[guide.SimRequest]:
+def _guide_requests() -> list[SimRequest]:
     if "guide" not in _CACHE:
         _CACHE["guide"] = guide.guide_requests()
     return _CACHE["guide"]  # type: ignore[return-value]
@@ -150,7 +151,7 @@ def _blocks(point: PublishedPoint) -> int:
     return _CACHE[key]  # type: ignore[return-value]
 
 
-def _requests(point: PublishedPoint) -> list[guide.SimRequest]:
+def _requests(point: PublishedPoint) -> list[SimRequest]:
     key = f"requests {point.id}"
     if key not in _CACHE:
         _CACHE[key] = point_requests(point)
