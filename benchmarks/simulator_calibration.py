@@ -3,7 +3,8 @@ and source; then each measured figure beside the simulated one, in sample (the c
 fit redone without the run's whole source, from the prior, then the source predicted).
 
     .venv/bin/python -P benchmarks/simulator_calibration.py              # committed fit + leave-one-source-out
-    .venv/bin/python -P benchmarks/simulator_calibration.py --in-sample  # the committed fit only (a few seconds)
+    .venv/bin/python -P benchmarks/simulator_calibration.py --in-sample  # the committed fit only (a minute)
+    .venv/bin/python -P benchmarks/simulator_calibration.py --cpu        # and the CPU engine as a source
     .venv/bin/python -P benchmarks/simulator_calibration.py --fit        # search again from the prior; prints the
                                                                           # constants to commit
 
@@ -94,6 +95,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="coordinate-descent rounds of a fit")
     parser.add_argument("--step", type=float, default=0.5, help="first log-space step of a fit (halved each round)")
     parser.add_argument("--jobs", type=int, default=None, help="processes (default: one per CPU)")
+    parser.add_argument("--cpu", action="store_true", help="also the CPU engine as a source (benchmarks/"
+                                                          "cpu_calibration.py: fit on model A, predict model B served)")
     args = parser.parse_args()
     all_cases = cases()
     started = time.perf_counter()
@@ -118,6 +121,18 @@ def main() -> int:
                                left_out_rows)
             ok = ok and statistics.median(out) <= OUT_MEDIAN_TARGET and max(out) <= OUT_MAX_TARGET
         print_sources(all_cases)
+    if args.cpu:  # after the pool: the CPU engine's fit and served run want the machine to themselves
+        import tempfile
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).parent))  # -P leaves the script's folder off the path
+        from cpu_calibration import cpu_report
+
+        from npuserve.sim.cpu_validation import run_cpu_calibration
+
+        with tempfile.TemporaryDirectory() as tmp:
+            print("\nThe CPU engine (fitted on one model, another model predicted; its own fit, not the cards')")
+            print(cpu_report(run_cpu_calibration(Path(tmp))))
     print(f"\ntargets: in sample every figure within {IN_SAMPLE_TARGET:.0%}; left out median within "
           f"{OUT_MEDIAN_TARGET:.0%}, every figure within {OUT_MAX_TARGET:.0%}: {'met' if ok else 'NOT met'} "
           f"({time.perf_counter() - started:.0f} s)")
