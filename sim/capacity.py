@@ -256,7 +256,7 @@ def search(spec: InferenceServiceSpec, target: Target, value: float, slo: SLOSpe
         per_node = get_accelerator(name).cards_per_node
         batch = max(1, int(held) if target == "users" else instance.problem.batch_max)
         share = instance.comm_share(batch, context)
-        found.append(Candidate(name, tp, "more cards", f"{held:g} {unit} per instance", held, instances,
+        found.append(Candidate(name, tp, "more cards", f"{held:.3g} {unit} per instance", held, instances,
                                instances * tp, nodes_for(instances, tp, per_node), instances * held - value, share,
                                instance.source(engine_profile), probes))
     fitting = [c for c in found if c.cards is not None]
@@ -270,7 +270,7 @@ def search(spec: InferenceServiceSpec, target: Target, value: float, slo: SLOSpe
         elif c.cards is not None and winner is not None:
             more = c.cards - winner.cards  # type: ignore[operator]
             why = (f"needs {c.cards} cards, {more} more than the winner" if more > 0 else
-                   f"needs {c.cards} cards as the winner, but " + (
+                   f"needs {c.cards} cards, as many as the winner, but " + (
                        f"{c.nodes} nodes" if c.nodes != winner.nodes else "less headroom"))
             c = Candidate(**{**c.__dict__, "why": f"{why}; {c.why}"})
         judged.append(c)

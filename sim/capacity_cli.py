@@ -21,7 +21,7 @@ from .cost_model import ENGINE_PROFILES
 
 
 def _per_instance(c: Candidate, unit: str) -> str:
-    return "" if c.per_instance is None else f"{c.per_instance:g} {unit}"
+    return "" if c.per_instance is None else f"{c.per_instance:.3g} {unit}"
 
 
 def _as_dict(c: Candidate) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def print_answer(answer: CapacityAnswer) -> None:
         console.print("No layout holds the load under the SLO (see each verdict).", highlight=False)
         return
     console.print(f"Answer: {w.instances} x {w.world_size} {w.accelerator} = {w.cards} cards, nodes: "
-                  f"{'n/s' if w.nodes is None else w.nodes}; {w.per_instance:g} {unit} per instance under the SLO",
+                  f"{'n/s' if w.nodes is None else w.nodes}; {w.per_instance:.3g} {unit} per instance under the SLO",
                   highlight=False)
     console.print(f"Source: {w.source}", highlight=False)
 
