@@ -28,7 +28,7 @@ from npuserve.catalog.models import get_model_preset
 from npuserve.loadgen.config import BenchConfig, LoadConfig
 from npuserve.loadgen.metrics import compute_metrics
 from npuserve.mindie_config import MindIEConfig
-from npuserve.planning.api import InferenceServiceSpec, LatencyStats, Plan, SLOSpec, TrialMetrics
+from npuserve.planning.api import InferenceServiceSpec, LatencyStats, Plan, PlanSchedule, SLOSpec, TrialMetrics
 from npuserve.planning.planner import PlanError, model_spec, plan
 from npuserve.planning.problem import TuningProblem
 
@@ -136,9 +136,10 @@ class _Instance:
         self.params = ENGINE_PROFILES[engine_profile].params
         self.requests = requests
         self.hardware = Hardware.of(get_accelerator(self.accelerator))
+        self.fixed: PlanSchedule | None = None  # every probe's schedule (a tuned one); None: the tuner's
 
     def config(self, batch: int, load: LoadConfig) -> SimulationConfig:
-        schedule = self.problem.full_schedule(self.problem.schedule_for(batch))
+        schedule = self.fixed or self.problem.full_schedule(self.problem.schedule_for(batch))
         p = self.plan
         engine = MindIEConfig.from_dict({"BackendConfig": {
             "ModelDeployConfig": {"maxSeqLen": p.maxSeqLen, "maxInputTokenLen": p.maxInputTokenLen,
@@ -275,6 +276,19 @@ def search(spec: InferenceServiceSpec, target: Target, value: float, slo: SLOSpe
             c = Candidate(**{**c.__dict__, "why": f"{why}; {c.why}"})
         judged.append(c)
     return CapacityAnswer(target, value, slo, winner, judged)
+
+
+def model_concurrency(spec: InferenceServiceSpec, planned: Plan, slo: SLOSpec, tuned: PlanSchedule,
+                      engine_profile: str = DEFAULT_ENGINE) -> tuple[int, str]:
+    """The model's figure beside a measured capacity: the largest closed-loop concurrency one instance of `planned`
+    (the service's own card and TP) holds under `slo` with the tuned schedule fixed, at most its maxBatchSize (users
+    past it only queue), and its source. For status.capacity.model (not wired into the operator yet)."""
+    w = spec.workload
+    requests = workload_requests(w.avgInputTokens, w.avgOutputTokens, w.maxOutputTokens, 4 * PROBE_REQUESTS)
+    instance = _Instance(planned, spec, slo, engine_profile, requests)
+    instance.fixed = tuned
+    held, _ = _largest(lambda n: instance.users(n)[0], tuned.maxBatchSize)
+    return held, instance.source(engine_profile)
 
 
 def preset_spec(preset: str, mean_input: int, mean_output: int, max_output: int = 512) -> InferenceServiceSpec:

@@ -113,3 +113,15 @@ def test_ties_go_to_fewer_nodes_then_headroom() -> None:
                     layouts_to_try=[("ascend-910b4", tp) for tp in held], measure=_fake(held))
     assert answer.winner is not None and answer.winner.world_size == 4
     assert nodes_for(9, 2, 8) == 3 and nodes_for(9, 1, None) is None  # 4 instances of 2 a node; no figure
+
+
+def test_model_concurrency_with_a_fixed_schedule_stays_within_its_batch() -> None:
+    from npuserve.planning.planner import plan
+    from npuserve.sim.capacity import model_concurrency
+
+    spec = preset_spec("llama3-8b", GUIDE_IN, GUIDE_OUT).model_copy(deep=True)
+    planned = plan(spec)
+    tuned = planned.schedule.model_copy(update={"maxBatchSize": 40, "maxPrefillBatchSize": 20})
+    held, source = model_concurrency(spec, planned, slo_of(None, 50.0), tuned)
+    assert 1 <= held <= 40  # users past maxBatchSize only queue: never counted
+    assert source.startswith("simulated: engine profile mindie")
