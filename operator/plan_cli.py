@@ -76,8 +76,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="serve the model's W8A8 checkpoint: FORMAT one of " + ", ".join(QUANT_FORMATS)
                         + "; METHOD one of " + ", ".join(QUANT_METHODS) + " (e.g. msmodelslim:w8a8_dynamic); "
                         "omitted: 16-bit weights")
-    parser.add_argument("--accelerator", choices=sorted(ACCELERATORS),
-                        help=f"card type (default without --from-file: {DEFAULT_ACCELERATOR}, the guide's card)")
+    parser.add_argument("--accelerator", type=accelerator_list, action="extend", metavar="CARD",
+                        help=f"card type, one of {', '.join(sorted(ACCELERATORS))} (default without --from-file: "
+                        f"{DEFAULT_ACCELERATOR}, the guide's card); with --target-users/--target-rate: the cards to "
+                        "try, given several times or as a comma list, or `all` for every card of the catalog "
+                        "(default: the spec's card, a run of ~15 s per card)")
     parser.add_argument("--cards", type=int, help="cards per replica; omitted: the smallest count that fits")
     parser.add_argument("--cards-per-node", type=int, help="cards a node gives a pod; more cards per replica span "
                         "nodes (default: the catalog's; cpu has none)")
@@ -95,6 +98,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, help="a fixed replica count")
     parser.add_argument("--block-size", type=int, help="cacheBlockSize (default 128)")
     parser.add_argument("--format", choices=["table", "json"], default="table")
+    c = parser.add_argument_group("capacity in cards (the simulator finds what one instance holds under the SLO)")
+    target = c.add_mutually_exclusive_group()
+    target.add_argument("--target-users", type=int, metavar="N",
+                        help="the fewest cards that hold N concurrent users (closed loop) under --ttft-ms/--tpot-ms")
+    target.add_argument("--target-rate", type=float, metavar="R",
+                        help="the fewest cards that hold R requests/s (Poisson) under --ttft-ms/--tpot-ms")
+    c.add_argument("--statistic", choices=["mean", "p90", "p99"], default="mean",
+                   help="the statistic held against the bounds (default mean), as the tuner's judge")
+    c.add_argument("--engine-profile", default="mindie",
+                   help="whose host terms price a simulated step (npuserve simulate --engine-profile; default mindie)")
+
+
+def accelerator_list(value: str) -> list[str]:
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in ACCELERATORS and n != "all"]
+    if unknown:
+        known = ", ".join(sorted(ACCELERATORS))
+        raise argparse.ArgumentTypeError(f"unknown card(s) {', '.join(unknown)}; known: {known}, all")
+    return names
 
 
 def quantization_flag(value: str) -> QuantizationRequest:
@@ -137,7 +159,8 @@ def build_spec(args: argparse.Namespace) -> InferenceServiceSpec:
             _set(data, "model.name", args.name or args.preset)
     if args.quantization is not None:
         _set(data, "model.quantization", args.quantization.model_dump())
-    _set(data, "accelerator.type", args.accelerator)
+    if args.accelerator and args.accelerator[0] != "all":
+        _set(data, "accelerator.type", args.accelerator[0])
     _set(data, "accelerator.cards", args.cards)
     _set(data, "accelerator.cardsPerNode", args.cards_per_node)
     _set(data, "accelerator.memoryGiB", args.card_memory_gib)
@@ -231,6 +254,13 @@ def print_table(result: Plan, warnings: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target_users is not None or args.target_rate is not None:
+        from npuserve.sim.capacity_cli import run_capacity  # the simulator: only for capacity in cards
+
+        return run_capacity(args, build_spec)
+    if args.accelerator and len(args.accelerator) > 1:
+        print("npuserve plan: several --accelerator cards need --target-users or --target-rate", file=sys.stderr)
+        return 2
     try:
         spec = build_spec(args)
         result = plan(spec)
