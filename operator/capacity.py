@@ -95,10 +95,24 @@ def advance(host: CapacityHost) -> bool:
             return True
     if measured is not None:
         cap.phase, cap.measuredConcurrencyPerReplica, cap.measuredAt = "Measured", measured, host.now
+        cap.modelConcurrencyPerReplica, cap.modelSource = model_figure(host, batch)
         host.tuning.lastCheckAt = host.now  # the next SLO window must not cover a probe's load
         _scale(host, cap, spec.targetConcurrentUsers, spec.minReplicas, spec.maxReplicas, measured)
     _write(host, cap)
     return False
+
+
+def model_figure(host: CapacityHost, batch: int) -> tuple[int | None, str]:
+    """The simulator's per-instance concurrency for the tuned schedule (npuserve.sim.capacity), shown beside the
+    measured one; a spec the simulator cannot run gets no figure and says why, and never stops the measurement."""
+    from npuserve.sim.capacity import model_concurrency
+
+    spec = host.isvc.spec
+    tuned = host.problem.full_schedule(host.problem.schedule_for(batch))
+    try:
+        return model_concurrency(spec, host.plan, spec.slo, tuned)
+    except (ValueError, KeyError) as e:  # a card without figures (the host CPU), a model the cost model lacks
+        return None, f"no model figure: {e}"
 
 
 def _write(host: CapacityHost, cap: CapacityStatus) -> None:

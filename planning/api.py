@@ -940,6 +940,11 @@ class CapacityStatus(_Model):
     staticConcurrencyPerReplica: int = Field(ge=1, description="the plan's estimate (status.plan)")
     staticReplicas: int = Field(ge=0, description="ceil(targetConcurrentUsers / staticConcurrencyPerReplica)")
     measuredConcurrencyPerReplica: int | None = Field(default=None, ge=1)
+    modelConcurrencyPerReplica: int | None = Field(
+        default=None, ge=0, description="what the simulator predicts one instance holds under the SLO with the tuned "
+        "schedule, beside the measured figure (0: not even one user)")
+    modelSource: str = Field(default="", description="where the model's figure comes from (engine profile, card "
+                                                     "figures, fitted efficiencies), or why there is none")
     method: str = Field(default="", description="how the concurrency was measured or derived")
     measuredAt: str | None = None
     replicas: int | None = Field(default=None, ge=0, description="set through the scale subresource")

@@ -282,7 +282,7 @@ def model_concurrency(spec: InferenceServiceSpec, planned: Plan, slo: SLOSpec, t
                       engine_profile: str = DEFAULT_ENGINE) -> tuple[int, str]:
     """The model's figure beside a measured capacity: the largest closed-loop concurrency one instance of `planned`
     (the service's own card and TP) holds under `slo` with the tuned schedule fixed, at most its maxBatchSize (users
-    past it only queue), and its source. For status.capacity.model (not wired into the operator yet)."""
+    past it only queue), and its source: status.capacity.modelConcurrencyPerReplica (operator/capacity.py)."""
     w = spec.workload
     requests = workload_requests(w.avgInputTokens, w.avgOutputTokens, w.maxOutputTokens, 4 * PROBE_REQUESTS)
     instance = _Instance(planned, spec, slo, engine_profile, requests)

@@ -692,6 +692,9 @@ def test_capacity_probes_double_then_bisect_to_what_one_instance_holds(measured_
     assert holds == 6176  # 4096 + (1500 - 459.6) / 0.5
     assert cap.phase == "Measured" and cap.measuredConcurrencyPerReplica is not None
     assert holds * (1 - capacity.CAPACITY_TOLERANCE) <= cap.measuredConcurrencyPerReplica <= holds
+    # beside it, the model's figure: none on the host CPU (no datasheet figures; its profile is fitted on a machine),
+    # and the status says why instead of failing the measurement
+    assert cap.modelConcurrencyPerReplica is None and "accelerator 'cpu' has no datasheet" in cap.modelSource
     # The probes: the best trial's load (a known pass), then doubling, then bisection, as next_capacity_probe says.
     probes = [(p.concurrency, p.passed) for p in cap.probes]
     assert probes[0] == (batch - 1, True)
