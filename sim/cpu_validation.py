@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from npuserve.engine.model.dummy import write_dummy_model
+from npuserve.engine_contract import FLAG_CONFIG, FLAG_HOST, FLAG_PORT, INFO_PATH, READY_PATH
 from npuserve.loadgen.config import BenchConfig, DatasetConfig, DatasetName, LoadConfig
 from npuserve.loadgen.metrics import compute_metrics
 from npuserve.loadgen.result import BenchResult
@@ -130,8 +131,8 @@ def serve_process(config_path: Path, threads: int) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [str(Path(sys.executable).parent / "npuserve"), "serve", "--config", str(config_path),
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    command = [str(Path(sys.executable).parent / "npuserve"), "serve", FLAG_CONFIG, str(config_path),
+               FLAG_HOST, "127.0.0.1", FLAG_PORT, str(port), "--log-level", "warning"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -139,7 +140,7 @@ def serve_process(config_path: Path, threads: int) -> Iterator[str]:
         deadline = time.monotonic() + 180
         while True:
             with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                if httpx.get(url + READY_PATH, timeout=1).status_code == 200:
                     break
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"npuserve serve did not start (exit {proc.poll()})")
@@ -155,7 +156,7 @@ def measure_served(model_dir: Path, load: LoadPlan, threads: int) -> ServedRun:
     config_path = model_dir.parent / "cpu-validation-config.json"
     config.save(config_path)
     with serve_process(config_path, threads) as url:
-        info: dict[str, Any] = httpx.get(url + "/info", timeout=10).json()
+        info: dict[str, Any] = httpx.get(url + INFO_PATH, timeout=10).json()
         result = asyncio.run(run_benchmark(load.bench(url)))
     return ServedRun(result, config, int(info["kv_blocks"]), int(info["kv_host_blocks"]))
 
