@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from functools import cache, lru_cache
 
 from npuserve.catalog.accelerators import EFFICIENCIES, Efficiency, Family, get_accelerator
 
@@ -132,30 +133,22 @@ def predict(case: Case, fit: Fit) -> dict[str, float]:
         figures = {"output_tok_s": sim.output_tok_s, "itl_ms": sim.decode_ms}
         return {k: figures[k] for k in case.measured}
     assert isinstance(case.point, PublishedPoint)
-    return run_published(case.point, params, hardware, _blocks(case.point), _requests(case.point))
+    return run_published(case.point, params, hardware, _blocks_of(case.point.id), _requests_of(case.point.id))
 
 
-_CACHE: dict[str, object] = {}
+# Each is drawn once per process (a fit re-runs every case dozens of times): the same requests and KV budget per case.
+_guide_requests = lru_cache(maxsize=1)(guide.guide_requests)
+_POINTS = {p.id: p for p in PUBLISHED_POINTS}
 
 
-def _guide_requests() -> list[SimRequest]:
-    if "guide" not in _CACHE:
-        _CACHE["guide"] = guide.guide_requests()
-    return _CACHE["guide"]  # type: ignore[return-value]
+@cache
+def _blocks_of(point_id: str) -> int:
+    return kv_blocks(_POINTS[point_id])
 
 
-def _blocks(point: PublishedPoint) -> int:
-    key = f"blocks {point.id}"
-    if key not in _CACHE:
-        _CACHE[key] = kv_blocks(point)
-    return _CACHE[key]  # type: ignore[return-value]
-
-
-def _requests(point: PublishedPoint) -> list[SimRequest]:
-    key = f"requests {point.id}"
-    if key not in _CACHE:
-        _CACHE[key] = point_requests(point)
-    return _CACHE[key]  # type: ignore[return-value]
+@cache
+def _requests_of(point_id: str) -> list[SimRequest]:
+    return point_requests(_POINTS[point_id])
 
 
 def _predict_job(job: tuple[Case, Fit]) -> dict[str, float]:
