@@ -887,20 +887,28 @@ class TrialInProgress(_Model):
 
 StopReason = Literal["converged", "maxTrials", "pinned", "sloUnreachable", "allFailed"]
 BatchLimit = Literal["memory", "slo", "failure", "throughputPeak", "pinned", "none"]
+# What makes the verdict's claim that its schedule meets the SLO: its own windows; a larger batch's windows
+# (latency never falls as the batch grows); or the calibrated model, while it passes its adequacy test.
+ClaimBasis = Literal["windows", "monotone", "model"]
 
 
 class TuningVerdict(_Model):
     """How a tuning round ended, and the evidence behind it: the windows measured at the chosen schedule."""
 
     reason: StopReason
-    sloMet: bool | None = Field(default=None, description="the chosen schedule's own windows, pooled, meet every "
-                                "bound with the noise measured (None: nothing was measured)")
+    sloMet: bool | None = Field(default=None, description="the chosen schedule is proven to meet every bound with the "
+                                "noise measured (claimBasis says by what; None: nothing was measured)")
     maxBatchSize: int | None = None
     limit: BatchLimit = Field(default="none", description="what stops maxBatchSize from going higher: memory (the "
                               "plan's maximum, what the KV cache holds), slo (a larger batch missed a bound), "
                               "failure (a larger batch failed), throughputPeak (throughput falls beyond it)")
     trials: list[int] = Field(default_factory=list, max_length=100,
                               description="the history's trials measured at the chosen schedule")
+    claimBasis: ClaimBasis | None = Field(default=None, description="what proves sloMet: the chosen schedule's own "
+                                          "windows, a larger batch's windows (monotone: latency never falls as the "
+                                          "batch grows), or the calibrated model while it passes its adequacy test")
+    proofTrials: list[int] = Field(default_factory=list, max_length=100,
+                                   description="the history's trials whose windows prove sloMet")
     pooled: TrialMetrics | None = Field(default=None, description="those trials' windows pooled (by requests)")
     noise: float | None = Field(default=None, ge=0, description="relative noise of one window, as estimated")
     message: str = ""

@@ -35,12 +35,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from npuserve.planning.api import BatchLimit, FailureReasonName, StopReason, TrialMetrics
+from npuserve.planning.api import BatchLimit, ClaimBasis, FailureReasonName, StopReason, TrialMetrics
 
 from . import fits
 from .problem import (
@@ -106,9 +106,12 @@ class Verdict(_Model):
     reason: StopReason
     best: int | None = Field(description="index of the best trial (the closest when no batch met the SLO)")
     schedule: TunedSchedule | None = Field(description="the best trial's schedule; for `pinned`, the pinned one")
-    slo_met: bool | None = Field(description="the best schedule's own windows meet every bound (the judge's claim); "
-                                             "None when none was measured")
+    slo_met: bool | None = Field(description="the best schedule is proven to meet every bound (`basis`); None when "
+                                             "none was measured")
     evidence: tuple[int, ...] = Field(default=(), description="the trials measured at the best schedule")
+    basis: ClaimBasis | None = Field(default=None, description="what proves slo_met=True: the best schedule's own "
+                                                               "windows, or a larger batch's (`proof`)")
+    proof: tuple[int, ...] = Field(default=(), description="the trials whose windows prove it")
     pooled: TrialMetrics | None = Field(default=None, description="their windows pooled")
     limit: BatchLimit = "none"
     noise: float | None = Field(default=None, description="the binding figure's relative noise, as estimated")
@@ -130,13 +133,25 @@ def failure_of(problem: TuningProblem, trial: Trial) -> str | None:
 
 
 @dataclass(frozen=True)
+class Proof:
+    """What makes a batch certain to meet every bound: its own windows (`windows`), or a larger batch's that are
+    (`monotone`: latency never falls as the batch grows, so a batch proven to meet the bounds proves every smaller
+    one; never the other way)."""
+
+    basis: ClaimBasis
+    batch: int  # the batch whose windows prove it: itself for `windows`
+
+
+@dataclass(frozen=True)
 class Point:
-    """The usable windows at one batch (oldest first) and the judge's claim on them."""
+    """The usable windows at one batch (oldest first), the judge's claim on them, and what proves the batch certain
+    to meet every bound (None: nothing does yet)."""
 
     batch: int
     trials: tuple[int, ...]
     windows: tuple[TrialMetrics, ...]
     claim: Claim
+    proof: Proof | None = None
 
     @property
     def samples(self) -> int:
@@ -203,7 +218,24 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
     noise = _noise(problem, {b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()})
     points = tuple(Point(b, tuple(ix), tuple(_metrics(trials[i]) for i in ix),
                          problem.claim([_metrics(trials[i]) for i in ix], noise)) for b, ix in kept.items())
-    return History(trials, relevant, points, failed, thin, counts, cap, noise)
+    return History(trials, relevant, _proven(points), failed, thin, counts, cap, noise)
+
+
+def _proven(points: Sequence[Point]) -> tuple[Point, ...]:
+    """Each point with its proof. Below the lowest batch whose windows miss a bound (a miss below a meet breaks the
+    monotone shape, and the miss wins), a batch whose own windows are certain proves itself and every smaller batch
+    measured; above that miss, nothing is proven."""
+    ceiling = min((p.batch for p in points if not p.claim.meets), default=math.inf)
+    own = sorted(p.batch for p in points if p.claim.certain and p.batch < ceiling)
+    proven: list[Point] = []
+    for p in points:
+        if p.batch in own:
+            proof: Proof | None = Proof("windows", p.batch)
+        else:
+            above = next((b for b in own if b > p.batch), None)
+            proof = Proof("monotone", above) if above is not None else None
+        proven.append(replace(p, proof=proof))
+    return tuple(proven)
 
 
 def _metrics(trial: Trial) -> TrialMetrics:
@@ -338,8 +370,8 @@ def _lead_doubt(h: History, a: Point, b: Point) -> float:
 
 
 def _certain_up_to(h: History, top: int) -> list[Point]:
-    """The points at or below `top` certain to meet every bound: the verdict's candidates."""
-    return [p for p in h.points if p.batch <= top and p.claim.certain]
+    """The points at or below `top` proven to meet every bound: the verdict's candidates."""
+    return [p for p in h.points if p.batch <= top and p.proof is not None]
 
 
 def _undecided_peak(problem: TuningProblem, h: History, top: int | None = None) -> NextTrial | None:
@@ -622,14 +654,14 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
         missing = [p.batch for p in pts if not p.claim.meets]
         if missing and min(missing) <= top:
             top = min(missing) - 1
-        meeting = [p for p in pts if p.batch <= top and (p.claim.certain if problem.bounds() else p.claim.meets)]
+        meeting = [p for p in pts if p.batch <= top and (p.proof is not None if problem.bounds() else p.claim.meets)]
         best = max(meeting, key=lambda p: p.throughput, default=None)
         limit = "none"
         if best is not None:
             # What lies next above the best batch: a failure, a miss of a bound, or a batch with less throughput.
             above = min([p.batch for p in pts if p.batch > best.batch] + [b for b in h.failed if b > best.batch],
                         default=None)
-            uncertain = [p.batch for p in pts if problem.bounds() and not p.claim.certain]
+            uncertain = [p.batch for p in pts if problem.bounds() and p.proof is None]
             limit = ("memory" if best.batch == problem.batch_max else
                      "none" if above is None else  # nothing measured above it (the trials ran out)
                      "failure" if above in h.failed else
@@ -662,9 +694,23 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
              "slo": f"; a larger batch {slo}", "failure": f"; maxBatchSize {h.cap + 1} failed",
              "throughputPeak": peak, "pinned": "", "none": ""}[limit]
     i = h.last_trial_at(best.batch)
+    basis, proof, proven = _proof_of(h, best)
     return Verdict(reason=reason, best=i, schedule=h.trials[i].schedule, slo_met=True, evidence=best.trials,
-                   pooled=pooled(best.windows), limit=limit, noise=noise,
-                   message=f"{why}; best: maxBatchSize {best.batch}, {', '.join(said)}{bound}")
+                   pooled=pooled(best.windows), limit=limit, noise=noise, basis=basis, proof=proof,
+                   message=f"{why}; best: maxBatchSize {best.batch}, {', '.join(said)}{bound}{proven}")
+
+
+def _proof_of(h: History, best: Point) -> tuple[ClaimBasis | None, tuple[int, ...], str]:
+    """The verdict's proof: its basis, the trials behind it and, when they are not the best batch's own, what to
+    say of them. A throughput verdict without bounds claims nothing beyond its windows' figures."""
+    if best.proof is None:
+        return None, (), ""
+    if best.proof.basis == "windows":
+        return "windows", best.trials, ""
+    by = h.point(best.proof.batch)
+    assert by is not None
+    return best.proof.basis, by.trials, (f"; certain to meet the SLO because maxBatchSize {by.batch} is (its "
+                                         f"{len(by.windows)} window(s)) and latency never falls as the batch grows")
 
 
 def best_so_far(problem: TuningProblem, trials: Sequence[Trial]) -> TunedSchedule | None:

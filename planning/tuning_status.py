@@ -73,4 +73,5 @@ def verdict_status(verdict: Verdict, history: Sequence[TuningTrial]) -> TuningVe
     return TuningVerdict(reason=verdict.reason, sloMet=verdict.slo_met,
                          maxBatchSize=verdict.schedule.maxBatchSize if verdict.schedule else None,
                          limit=verdict.limit, trials=[entries[i].trial for i in verdict.evidence],
+                         claimBasis=verdict.basis, proofTrials=[entries[i].trial for i in verdict.proof],
                          pooled=verdict.pooled, noise=verdict.noise, message=verdict.message)

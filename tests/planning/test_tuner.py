@@ -499,6 +499,7 @@ def test_the_verdicts_evidence_names_the_history_trials_past_an_inconclusive_win
     assert isinstance(verdict, Verdict) and verdict.evidence == (0, 1, 2)  # the three windows at 100
     status = verdict_status(verdict, history)
     assert status.trials == [0, 2, 3] and status.maxBatchSize == 100
+    assert status.claimBasis == "windows" and status.proofTrials == [0, 2, 3]
 
 
 def test_trials_of_another_problem_are_left_out() -> None:
@@ -586,6 +587,54 @@ def test_a_throughput_verdict_under_a_bound_takes_only_a_batch_certain_to_meet_i
     assert verdict.slo_met is True and verdict.evidence == (0, 1, 2)
     # What stops it is the bound's doubt at 130, not a fall of throughput.
     assert verdict.limit == "slo" and verdict.message.endswith("a larger batch is not certain to meet the SLO")
+
+
+# --- monotone pooling: a batch proven to meet the bounds proves every smaller one, never a larger one ----------------
+
+
+def _shaped(p: TuningProblem, *rows: tuple[int, float, float]) -> list[Trial]:
+    """Windows written out: (maxBatchSize, mean TPOT ms, output tok/s), 500 requests each."""
+    return [Trial(schedule=p.schedule_for(b), metrics=TrialMetrics(
+        outputTokensPerSecond=tps, ttftMs=LatencyStats(mean=500, p90=600, p99=700),
+        tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=500)) for b, tpot, tps in rows]
+
+
+def test_a_larger_batch_certain_to_meet_the_bound_proves_a_smaller_one() -> None:
+    # TPOT bound 50 ms, +-5% noise. 100 meets by 10% in three windows that agree: certain. 60 measured 49.5 ms once,
+    # 1% under the bound: alone, the noise leaves it uncertain. But latency never falls as the batch grows, so 100
+    # proves 60; and 60 served half as much again (a KV-starved cache), so it is the verdict, proven by 100's windows.
+    p = problem("decodeLatency", (20, 272, 100), noise=0.05, max_trials=4)
+    trials = _shaped(p, (100, 45.0, 2000.0), (100, 45.5, 2010.0), (100, 44.5, 1990.0), (60, 49.5, 3000.0))
+    verdict = decide(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.reason == "maxTrials" and verdict.slo_met is True
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 60
+    assert (verdict.evidence, verdict.basis, verdict.proof) == ((3,), "monotone", (0, 1, 2))
+    assert "certain to meet the SLO because maxBatchSize 100 is (its 3 window(s))" in verdict.message
+    history = [trial_status(p, i, t) for i, t in enumerate(trials)]
+    status = verdict_status(verdict, history)
+    assert (status.claimBasis, status.proofTrials, status.trials) == ("monotone", [0, 1, 2], [3])
+
+
+@pytest.mark.parametrize("objective", ["decodeLatency", "throughput"])
+def test_a_smaller_batch_certain_to_meet_the_bound_proves_nothing_of_a_larger_one(objective: str) -> None:
+    # The same windows the other way round: 60 is certain, 100 measured 49.5 ms once with more tok/s. A smaller batch
+    # says nothing of a larger one's latency: the verdict stays at 60, on its own windows (for throughput under a
+    # TPOT bound too).
+    p = problem(objective, (20, 272, 100), noise=0.05, max_trials=4, tpot_ms=50)
+    trials = _shaped(p, (60, 45.0, 2000.0), (60, 45.5, 2010.0), (60, 44.5, 1990.0), (100, 49.5, 3000.0))
+    verdict = decide(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.slo_met is True
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 60
+    assert (verdict.evidence, verdict.basis, verdict.proof) == ((0, 1, 2), "windows", (0, 1, 2))
+
+
+def test_a_miss_between_them_stops_the_proof() -> None:
+    # 100 certain, but 80 below it missed: the shape is broken there and the miss wins; 60 is proven by nothing.
+    p = problem("decodeLatency", (20, 272, 100), noise=0.05, max_trials=7)
+    trials = _shaped(p, (100, 45.0, 2000.0), (100, 45.5, 2010.0), (100, 44.5, 1990.0), (60, 49.5, 3000.0),
+                     (80, 52.0, 2500.0), (80, 52.5, 2500.0), (80, 51.5, 2500.0))
+    verdict = decide(p, trials)
+    assert isinstance(verdict, Verdict) and verdict.slo_met is False
 
 
 # --- latency objectives maximise throughput under their bounds -------------------------------------------------------
