@@ -51,7 +51,8 @@ def error_rows(pool: ProcessPoolExecutor, fit: Fit, subset: list[Case]) -> list[
 
 
 def print_params(fit: Fit) -> None:
-    print("Free parameters (bounds: sim/fitting.py BOUNDS; launch, host and all-reduce bounds: sim/cost_model.py)")
+    print("Free parameters (bounds: sim/fitting.py BOUNDS; launch, host and all-reduce bounds: "
+          "npuserve/catalog/engines.py)")
     for p in free_params():
         low, high = BOUNDS[p.name]
         source = BOUND_SOURCES.get(p.name, "achieved / datasheet")

@@ -5,7 +5,7 @@ A step reads every weight of the card's shard once, reads (and writes) the KV of
 to, computes the FLOPs of the tokens it runs, waits for the host's kernel launches, and does host-side work per
 sequence; with tensor parallel it all-reduces each layer's activations. Per card, with tensor parallel over
 `world_size` cards, `eff` the card family's fitted achieved fractions of its datasheet figures (catalog
-`Efficiency`), the host terms the engine's (`CostParams`, `ENGINE_PROFILES`):
+`Efficiency`), the host terms the engine's (`CostParams`, `ENGINE_PROFILES`, in npuserve/catalog/engines.py):
 
     weights_s  = weight bytes read / world_size / (datasheet bandwidth x eff.bandwidth)   dense: same for any batch
     kv_s       = context tokens x KV bytes per token per card / (same bandwidth)          linear in context
@@ -24,8 +24,9 @@ sequence; with tensor parallel it all-reduces each layer's activations. Per card
 Memory traffic and compute overlap on the device (the roofline's max): a decode step is bandwidth-bound, a prefill
 step of a few thousand tokens compute-bound. The host prepares and post-processes a step while the device runs
 (MindIE's and vLLM's asynchronous scheduling), so the step takes the longer of the two: small batches are paced by
-the device, large ones by the host. Each free parameter has a bound from a measurement (the constants below, and
-`npuserve.sim.fitting.BOUNDS` for the efficiencies), so no fit can explain a run with a figure no card or engine has.
+the device, large ones by the host. Each free parameter has a bound from a measurement (the host terms' in
+npuserve/catalog/engines.py, the efficiencies' `EFFICIENCY_BOUNDS` in npuserve/catalog/accelerators.py), so no fit can
+explain a run with a figure no card or engine has.
 
 Mixture of experts and latent attention (docs/simulator.md, "MoE and MLA"): the FLOPs of a token are its active
 parameters' (top-k and shared experts, not all of them: `ModelSpec.active_layer_parameters`); the weights a step
@@ -39,72 +40,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
-
+# The engines' host terms are catalog data (npuserve/catalog/engines.py), importable from here as they always were.
 from npuserve.catalog.accelerators import EFFICIENCIES, Accelerator, Efficiency, LinkKind, efficiency_of
+from npuserve.catalog.engines import ALLREDUCE_LATENCY_US_BOUND as ALLREDUCE_LATENCY_US_BOUND
+from npuserve.catalog.engines import DEFAULT_ENGINE as DEFAULT_ENGINE
+from npuserve.catalog.engines import ENGINE_PROFILES as ENGINE_PROFILES
+from npuserve.catalog.engines import FITTED_COST_PARAMS as FITTED_COST_PARAMS
+from npuserve.catalog.engines import LAUNCH_US_PER_LAYER_BOUND as LAUNCH_US_PER_LAYER_BOUND
+from npuserve.catalog.engines import PER_SEQ_HOST_MS_BOUND as PER_SEQ_HOST_MS_BOUND
+from npuserve.catalog.engines import CostParams as CostParams
+from npuserve.catalog.engines import EngineProfile as EngineProfile
 from npuserve.modelspec import ModelSpec
 
 GB = 1e9
 TERA = 1e12
-
-
-# Bounds of the engine's host terms, each from a measurement (docs/simulator.md#the-terms-and-their-bounds):
-# - launch: vllm-ascend issue #9404 (2 x 910B3, vLLM-Ascend 0.18.0rc1, eager decode) profiled 832 us per transformer
-#   block of which 591 us was the device idle waiting for the host's launches; an engine with decode graphs launches
-#   less. No engine here is allowed more than that measured eager figure per layer.
-# - per-sequence host work (scheduling, input building, sampling, output): 1 ms per sequence per step bounds it
-#   (this project's CPU engine measures well under it: benchmarks/scheduler_overhead.py).
-# - all-reduce latency: NCCL's and HCCL's small-message all-reduce latencies are tens of microseconds over NVLink
-#   and HCCS; 200 us bounds it over PCIe.
-LAUNCH_US_PER_LAYER_BOUND = 591.0
-PER_SEQ_HOST_MS_BOUND = 1.0
-ALLREDUCE_LATENCY_US_BOUND = 200.0
-
-
-class CostParams(BaseModel):
-    """An engine's host-side terms (fitted per engine: `ENGINE_PROFILES`), each bounded by a measurement. The card's
-    achieved fractions of its datasheet figures are the catalog's (`Efficiency`), not these."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    launch_us_per_layer: float = Field(default=0.0, ge=0, le=LAUNCH_US_PER_LAYER_BOUND,
-                                       description="per decoder layer per step: launches the device waits for "
-                                                   "(overlapping nothing)")
-    per_seq_host_ms: float = Field(default=0.0, ge=0, le=PER_SEQ_HOST_MS_BOUND,
-                                   description="host work per sequence in a step (inputs, sampling, outputs), "
-                                               "overlapped with the device")
-    allreduce_latency_us: float = Field(default=0.0, ge=0, le=ALLREDUCE_LATENCY_US_BOUND,
-                                        description="fixed cost of one all-reduce (worldSize > 1)")
-    host_link_gbps: float = Field(default=25.0, gt=0, description="device <-> host copies (swap), GB/s; PCIe 4.0 "
-                                                                  "x16 as an assumption, not a measurement")
-
-
-class EngineProfile(BaseModel):
-    """One engine's fitted host terms and what they were fitted on."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    params: CostParams
-    source: str
-
-
-# Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), within the bounds above.
-ENGINE_PROFILES: dict[str, EngineProfile] = {
-    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=300.5, per_seq_host_ms=0.246,
-                                              allreduce_latency_us=200.0),
-                            source="fitted: MindIE tuning guide (2 x 910B4), GPUStack MindIE 2.1RC1 (910B)"),
-    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.3158,
-                                                   allreduce_latency_us=200.0),
-                                 source="fitted: GPUStack vLLM-Ascend 0.9.1 (910B), vllm-ascend #1605 (4 x 910B)"),
-    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=315.9, per_seq_host_ms=0.1,
-                                                         allreduce_latency_us=42.57),
-                                       source="fitted: vLLM-Ascend with ACL graphs (nightly CI, #4448, #4656)"),
-    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=11.82, per_seq_host_ms=0.1419,
-                                            allreduce_latency_us=5.0),
-                          source="fitted: GPUStack vLLM 0.11 and AIConfigurator vLLM 0.12 runs on H100"),
-}
-DEFAULT_ENGINE = "mindie"  # what npuserve simulates by default: MindIE's scheduling on Ascend cards
-FITTED_COST_PARAMS = ENGINE_PROFILES[DEFAULT_ENGINE].params
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,19 +17,21 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
-from npuserve.catalog.accelerators import EFFICIENCIES, Efficiency, Family, get_accelerator
+from npuserve.catalog.accelerators import EFFICIENCIES, EFFICIENCY_BOUNDS, Efficiency, Family, get_accelerator
+from npuserve.catalog.engines import ALLREDUCE_LATENCY_US_BOUND, LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
 
 from . import calibration as guide
 from .cost_model import ENGINE_PROFILES, CostParams, Hardware
 from .published import PUBLISHED_POINTS, PublishedPoint, kv_blocks, point_requests, run_published
 from .runner import SimRequest
 
-# (low, high) of each free parameter: efficiencies by what published kernels reach (memory-bound decode kernels
-# 40-95% of datasheet bandwidth, prefill GEMMs 25-85% of peak, all-reduce bus bandwidth 30-90% of the link), the host
-# terms by the bounds of cost_model.py (the launch bound is a measurement: LAUNCH_US_PER_LAYER_BOUND).
+# (low, high) of each free parameter: the efficiencies' catalog bounds (EFFICIENCY_BOUNDS: what published kernels
+# reach), the host terms by the bounds of npuserve/catalog/engines.py (the launch bound is a measurement), the
+# all-reduce latency from 5 us (NVLink's small-message latency) up.
 BOUNDS: dict[str, tuple[float, float]] = {
-    "bandwidth": (0.4, 0.95), "compute": (0.25, 0.85), "link": (0.3, 0.9),
-    "launch_us_per_layer": (0.0, 591.0), "per_seq_host_ms": (0.0, 1.0), "allreduce_latency_us": (5.0, 200.0),
+    **EFFICIENCY_BOUNDS,
+    "launch_us_per_layer": (0.0, LAUNCH_US_PER_LAYER_BOUND), "per_seq_host_ms": (0.0, PER_SEQ_HOST_MS_BOUND),
+    "allreduce_latency_us": (5.0, ALLREDUCE_LATENCY_US_BOUND),
 }
 # Where a fit starts, and what a parameter keeps when no case in the fit touches it (a left-out source's engine):
 # the middle of each range in log terms, not a fitted value.

@@ -83,8 +83,14 @@ class Efficiency(BaseModel):
     source: str = Field(description="what it was fitted on")
 
 
+# (low, high) of each achieved fraction, by what published kernels reach: memory-bound decode kernels 40-95% of
+# datasheet bandwidth, prefill GEMMs 25-85% of peak, all-reduce bus bandwidth 30-90% of the link. The simulator's fit
+# (npuserve.sim.fitting.BOUNDS) and the tuner's online model (npuserve.planning.engine_model) both keep to them.
+EFFICIENCY_BOUNDS: dict[str, tuple[float, float]] = {"bandwidth": (0.4, 0.95), "compute": (0.25, 0.85),
+                                                     "link": (0.3, 0.9)}
+
 # Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), each within its bound
-# (npuserve.sim.fitting.BOUNDS).
+# (EFFICIENCY_BOUNDS).
 EFFICIENCIES: dict[Family, Efficiency] = {
     "ascend-910b": Efficiency(bandwidth=0.95, compute=0.389, link=0.3,
                               source="fitted: MindIE guide, GPUStack and vLLM-Ascend runs (910B3, 910B4)"),
