@@ -47,7 +47,14 @@ from npuserve.planning.api import (
 )
 from npuserve.planning.problem import TunedSchedule
 from npuserve.planning.tuner import NextTrial, Trial, Verdict, decide
-from npuserve.planning.tuning_status import conclusive, phase_of, trial_status, trials_of, verdict_status
+from npuserve.planning.tuning_status import (
+    conclusive,
+    model_status,
+    phase_of,
+    trial_status,
+    trials_of,
+    verdict_status,
+)
 
 from . import capacity as capacity_part
 from .autotune_types import (
@@ -138,6 +145,7 @@ class _Look:
             drop = next((i for i, e in enumerate(self.tuning.history) if e.outcome == "inconclusive"), 0)
             del self.tuning.history[drop]
         self.tuning.trial = len(conclusive(self.tuning.history))
+        self.tuning.model = model_status(self.problem, trials_of(self.tuning.history))
         self.status["tuning"] = self.tuning.model_dump(mode="json", exclude_none=True)
         if self.tuning.applied is not None:
             self.status["schedule"] = {**(self.status.get("schedule") or {}),
@@ -415,7 +423,9 @@ class _Look:
         self.tuning.message = said
         self.condition("Tuning", False, verdict.reason[0].upper() + verdict.reason[1:], said)
         if verdict.slo_met:
-            self.condition("SLOMet", True, "SLOMet", f"the tuned schedule's own windows meet the SLO: "
+            proof = {"windows": "its own windows", "monotone": "a larger batch's windows",
+                     "model": "the engine model"}.get(verdict.basis or "windows", "its own windows")
+            self.condition("SLOMet", True, "SLOMet", f"the tuned schedule is proven to meet the SLO by {proof}: "
                                                      f"{verdict.message}")
         else:
             self.condition("SLOMet", False, "SLOUnreachable" if verdict.reason == "sloUnreachable" else "SLOMissed",

@@ -23,6 +23,7 @@ from npuserve.planning.api import (
     TuningStatus,
     TuningTrial,
 )
+from npuserve.planning.engine_model import EngineShape
 from npuserve.planning.problem import TuningProblem
 from npuserve.planning.tuner import best_so_far
 from npuserve.planning.tuning_status import trials_of
@@ -36,7 +37,8 @@ JOB_SLACK_S = 5.0  # a benchmark Job runs this much past the window's end
 def problem_for(isvc: InferenceService, plan: Plan, start: int | None = None) -> TuningProblem:
     """The tuner's problem for this InferenceService; `start` (a new round's) replaces the plan's first batch."""
     a = isvc.spec.autotune
-    problem = TuningProblem.from_plan(plan, isvc.spec.slo, max_trials=a.maxTrials, min_samples=a.minSamples)
+    problem = TuningProblem.from_plan(plan, isvc.spec.slo, max_trials=a.maxTrials, min_samples=a.minSamples,
+                                      engine=EngineShape.of_service(isvc.spec, plan))
     if start is not None:
         problem = problem.model_copy(update={"batch_start": min(max(start, problem.floor), problem.batch_max)})
     return problem

@@ -914,6 +914,29 @@ class TuningVerdict(_Model):
     message: str = ""
 
 
+class ModelParameter(_Model):
+    """One fitted parameter of the engine model: its value and standard deviation (None where not finite)."""
+
+    name: str
+    value: float | None = None
+    sd: float | None = None
+
+
+class OnlineModelStatus(_Model):
+    """status.tuning.model: the engine model calibrated on this round's windows (docs/operator.md, "The online
+    model"): what it says of the engine, how sure it is, and whether it passes its adequacy test (only then does it
+    propose trials or prove claims)."""
+
+    windows: int = Field(ge=0, description="windows it is fitted to")
+    parameters: list[ModelParameter] = Field(default_factory=list, max_length=8)
+    noise: float = Field(ge=0, description="one window's relative TPOT noise, from its residuals")
+    adequate: bool
+    adequacy: str = Field(description="the adequacy test, for people")
+    lastErrors: list[float] = Field(default_factory=list, max_length=8,
+                                    description="the last windows' one-step-ahead relative TPOT prediction errors "
+                                                "((predicted - measured) / measured), oldest first")
+
+
 class TuningStatus(_Model):
     phase: Literal["Idle", "Running", "Converged", "Stopped", "Failed"] = "Idle"
     trial: int = 0
@@ -930,6 +953,8 @@ class TuningStatus(_Model):
     roundStartedAt: str | None = None
     lastCheckAt: str | None = Field(default=None, description="after tuning: the last window checked against the SLO")
     missedWindows: int = Field(default=0, ge=0, description="after tuning: consecutive windows that missed the SLO")
+    model: OnlineModelStatus | None = Field(default=None, description="the engine model calibrated on this round's "
+                                            "windows")
 
 
 class CapacityProbe(_Model):

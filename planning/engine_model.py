@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from npuserve.catalog.accelerators import EFFICIENCY_BOUNDS, Accelerator, efficiency_of
+from npuserve.catalog.accelerators import EFFICIENCY_BOUNDS, Accelerator, efficiency_of, get_accelerator
 from npuserve.catalog.engines import (
     DEFAULT_ENGINE,
     ENGINE_PROFILES,
@@ -52,6 +52,8 @@ from npuserve.catalog.engines import (
     PER_SEQ_HOST_MS_BOUND,
 )
 from npuserve.modelspec import ModelSpec
+from npuserve.planning.api import InferenceServiceSpec, Plan
+from npuserve.planning.planner import model_spec
 
 # A window `age` windows old weighs FORGETTING ** age of the newest: 0.9 halves a window's weight in ~6.6 windows,
 # so the first windows of a 16-trial round still count, while after the engine changes (a restart, a neighbour on
@@ -150,6 +152,14 @@ class EngineShape(_Frozen):
             comm_ms_per_step=comm_step, comm_ms_per_token=comm_token, bandwidth=bandwidth, flops=flops,
             mean_input_tokens=mean_input_tokens, mean_output_tokens=mean_output_tokens,
             prior=Prior(mean=(bw_mean, c_mean, launch, per_seq), sd=(bw_sd, c_sd, launch_sd, per_seq_sd)))
+
+    @classmethod
+    def of_service(cls, spec: InferenceServiceSpec, plan: Plan) -> EngineShape:
+        """The shape of one planned InferenceService: its model and card, the plan's worldSize, the workload's mean
+        lengths, MindIE's host terms (the engine npuserve runs schedules as MindIE does)."""
+        w = spec.workload
+        return cls.of(model_spec(spec), get_accelerator(spec.accelerator.type), plan.worldSize, w.avgInputTokens,
+                      w.avgOutputTokens)
 
     def features(self, batch: float) -> tuple[np.ndarray, float]:
         """(H(b), c(b)) in ms: TPOT(b) = H(b) . x + c(b)."""

@@ -31,6 +31,7 @@ from npuserve.planning.api import (
     TrialMetrics,
     TrialReason,
 )
+from npuserve.planning.engine_model import EngineShape
 from npuserve.planning.planner import MINDIE_MAX_BATCH_SIZE, planned_prefill_tokens
 
 OWNED_KNOBS = ("maxBatchSize", "maxPrefillBatchSize", "maxPrefillTokens", "supportSelectBatch")
@@ -227,6 +228,9 @@ class TuningProblem(_Model):
                          description="the prior relative noise of one window (+-); the tuner estimates the real one "
                                      "from repeats and the fit's residuals. 0: a deterministic engine, nothing "
                                      "estimated")
+    engine: EngineShape | None = Field(default=None, description="the engine's shape for the online model "
+                                       "(planning/engine_model.py): fitted to the windows, it proposes the next batch "
+                                       "and, while it passes its adequacy test, proves TPOT claims; None: no model")
     tolerance: float = Field(default=0.03, gt=0, lt=1,
                              description="how close to the optimum is close enough; and how much doubt the noise may "
                                          "leave that a schedule whose measured windows meet a bound truly meets it")

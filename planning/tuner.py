@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from npuserve.planning.api import BatchLimit, ClaimBasis, FailureReasonName, StopReason, TrialMetrics
 
 from . import fits
+from .engine_model import Adequacy, Calibration, Window, adequate, calibrate, predict
 from .problem import (
     LATENCY_OBJECTIVES,
     OWNED_KNOBS,
@@ -167,6 +168,19 @@ class Point:
 
 
 @dataclass(frozen=True)
+class OnlineModel:
+    """The engine model calibrated on every usable window (docs/operator.md, "The online model"), and its adequacy
+    test: only an adequate model proposes trials or proves claims."""
+
+    calibration: Calibration
+    adequacy: Adequacy
+
+    @property
+    def usable(self) -> bool:
+        return self.adequacy.ok
+
+
+@dataclass(frozen=True)
 class History:
     trials: Sequence[Trial]
     relevant: tuple[int, ...]  # the trials of this problem: the schedule it would set at their batch
@@ -176,6 +190,7 @@ class History:
     counts: dict[int, int]  # batch -> trials measured there
     cap: int  # the highest batch worth trying: below the lowest failure
     noise: Noise
+    model: OnlineModel | None = None  # the calibrated engine model (problem.engine), None without one
 
     def measured(self, batch: int) -> bool:
         return batch in self.counts
@@ -216,26 +231,79 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
             continue
         kept[b] = indices
     noise = _noise(problem, {b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()})
+    model = _model(problem, trials, kept, noise)
+    noise = _with_model_noise(problem, noise, model)
     points = tuple(Point(b, tuple(ix), tuple(_metrics(trials[i]) for i in ix),
                          problem.claim([_metrics(trials[i]) for i in ix], noise)) for b, ix in kept.items())
-    return History(trials, relevant, _proven(points), failed, thin, counts, cap, noise)
+    return History(trials, relevant, _proven(problem, points, model, noise), failed, thin, counts, cap, noise, model)
 
 
-def _proven(points: Sequence[Point]) -> tuple[Point, ...]:
+def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list[int]],
+           noise: Noise) -> OnlineModel | None:
+    """The engine model fitted to every usable window's TPOT at the SLO's statistic, oldest first (the newest weigh
+    most), against the model-free noise estimate (a misfit must not hide in the noise it inflates)."""
+    if problem.engine is None:
+        return None
+    order = sorted(i for ix in kept.values() for i in ix)
+    windows = [Window(trials[i].schedule.maxBatchSize, problem.latency(_metrics(trials[i]), "tpot"),
+                      len(order) - 1 - n) for n, i in enumerate(order)]
+    prior = noise.latency.get("tpot", problem.noise / math.sqrt(3))
+    calibration = calibrate(problem.engine, windows, prior)
+    return OnlineModel(calibration, adequate(calibration))
+
+
+def _with_model_noise(problem: TuningProblem, noise: Noise, model: OnlineModel | None) -> Noise:
+    """The TPOT noise the claims use: the model-free estimate, or, while the model passes its adequacy test, its
+    residuals' when they scatter more (a few windows at one batch that happen to agree must not make a claim certain
+    that the windows at the batches around it contradict). A model that fails the test says nothing of the noise:
+    its residuals are its misfit."""
+    if model is None or not model.usable or noise.exact or "tpot" not in noise.latency:
+        return noise
+    cal = model.calibration
+    if cal.noise <= noise.latency["tpot"]:
+        return noise
+    return Noise(latency={**noise.latency, "tpot": cal.noise}, throughput=noise.throughput,
+                 df=min(noise.df, cal.noise_df))
+
+
+def _proven(problem: TuningProblem, points: Sequence[Point], model: OnlineModel | None,
+            noise: Noise) -> tuple[Point, ...]:
     """Each point with its proof. Below the lowest batch whose windows miss a bound (a miss below a meet breaks the
-    monotone shape, and the miss wins), a batch whose own windows are certain proves itself and every smaller batch
-    measured; above that miss, nothing is proven."""
+    monotone shape, and the miss wins): a batch whose own windows are certain proves itself; so does one that meets
+    as measured whose TPOT the adequate model puts certainly under the bound (any TTFT bound still by its windows);
+    and a proven batch proves every smaller batch measured. Above that miss, nothing is proven."""
     ceiling = min((p.batch for p in points if not p.claim.meets), default=math.inf)
-    own = sorted(p.batch for p in points if p.claim.certain and p.batch < ceiling)
-    proven: list[Point] = []
+    proofs: dict[int, Proof] = {p.batch: Proof("windows", p.batch) for p in points
+                                if p.claim.certain and p.batch < ceiling}
     for p in points:
-        if p.batch in own:
-            proof: Proof | None = Proof("windows", p.batch)
-        else:
-            above = next((b for b in own if b > p.batch), None)
-            proof = Proof("monotone", above) if above is not None else None
-        proven.append(replace(p, proof=proof))
-    return tuple(proven)
+        if p.batch not in proofs and p.batch < ceiling and _model_proves(problem, p, model, noise):
+            proofs[p.batch] = Proof("model", p.batch)
+    proven = sorted(proofs)
+    out: list[Point] = []
+    for p in points:
+        above = next((b for b in proven if b > p.batch), None)
+        proof = proofs.get(p.batch) or (Proof("monotone", above) if above is not None else None)
+        out.append(replace(p, proof=proof))
+    return tuple(out)
+
+
+def _model_proves(problem: TuningProblem, p: Point, model: OnlineModel | None, noise: Noise) -> bool:
+    """Whether the calibrated model proves that `p`'s true TPOT meets its bound within `tolerance`: the model passes
+    its adequacy test, `p`'s own windows meet every bound as measured, the upper end of the model's one-sided interval
+    on TPOT at `p` (the parameters' uncertainty, Student-t at the model's degrees of freedom) is within `tolerance`
+    of the bound, and any TTFT bound is certain on the windows."""
+    bound = problem.tpot_ms
+    if model is None or not model.usable or noise.exact or bound is None or not p.claim.meets:
+        return False
+    if any(u > 1 + problem.tolerance for k, u in p.claim.upper.items() if k != "tpot"):
+        return False
+    return _model_upper(model, p.batch) <= bound * (1 + problem.tolerance)
+
+
+def _model_upper(model: OnlineModel, batch: float) -> float:
+    """The upper end of the model's one-sided CLAIM_CONFIDENCE interval on the true TPOT at `batch` (ms)."""
+    tpot, sd = predict(model.calibration, batch)
+    return tpot + t_quantile(model.calibration.noise_df) * sd
 
 
 def _metrics(trial: Trial) -> TrialMetrics:
@@ -436,15 +504,15 @@ def _bracket(problem: TuningProblem, h: History, top: int) -> _Bracket:
     misses = [p for p in pts if not p.claim.meets]
     # A miss below a certain batch contradicts the monotone shape; the miss wins (a verdict must never be too high).
     ceiling = min((p.batch for p in misses), default=top + 1)
-    certain = max((p for p in pts if p.claim.certain and p.batch < ceiling), key=lambda p: p.batch, default=None)
+    certain = max((p for p in pts if p.proof is not None and p.batch < ceiling), key=lambda p: p.batch, default=None)
     floor = certain.batch if certain is not None else 0
     stops = [(p.batch, "slo") for p in misses if p.batch > floor]
-    stops += [(p.batch, "slo") for p in pts if p.batch > floor and p.claim.meets and not p.claim.certain
+    stops += [(p.batch, "slo") for p in pts if p.batch > floor and p.claim.meets and p.proof is None
               and len(p.windows) >= MAX_REPEATS]
     if top < problem.batch_max:
         stops.append((top + 1, "failure" if top == h.cap else "slo"))
     upper, why = min(stops, default=(None, "none"))
-    opened = tuple(p for p in pts if floor < p.batch < (upper or top + 1) and p.claim.meets and not p.claim.certain)
+    opened = tuple(p for p in pts if floor < p.batch < (upper or top + 1) and p.claim.meets and p.proof is None)
     return _Bracket(certain, upper, why if upper is not None else "memory", opened)  # type: ignore[arg-type]
 
 
@@ -457,9 +525,24 @@ def _aim(problem: TuningProblem, h: History) -> dict[LatencyName, float]:
 
 
 def _target(problem: TuningProblem, h: History, pts: Sequence[Point]) -> float:
-    """The batch the smoothed latencies put at the aimed level: the lowest over the bounds."""
+    """The batch the smoothed latencies put at the aimed level: the lowest over the bounds. For TPOT, while the
+    engine model is adequate, the largest batch the model would prove (the model proposes; the windows confirm)."""
     aim = _aim(problem, h)
-    return min(fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds())
+    crossings = {k: fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds()}
+    if "tpot" in crossings and h.model is not None and h.model.usable and not h.noise.exact:
+        crossings["tpot"] = _model_crossing(problem, h.model)
+    return min(crossings.values())
+
+
+def _model_crossing(problem: TuningProblem, model: OnlineModel) -> float:
+    """The largest batch in [1, batch_max] whose TPOT the model proves within the bound (0 when none is)."""
+    assert problem.tpot_ms is not None
+    limit = problem.tpot_ms * (1 + problem.tolerance)
+    lo, hi = 0, problem.batch_max
+    while lo < hi:  # the model's TPOT and its doubt grow with the batch
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _model_upper(model, mid) <= limit else (lo, mid - 1)
+    return float(lo)
 
 
 def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
@@ -707,10 +790,19 @@ def _proof_of(h: History, best: Point) -> tuple[ClaimBasis | None, tuple[int, ..
         return None, (), ""
     if best.proof.basis == "windows":
         return "windows", best.trials, ""
+    if best.proof.basis == "model" and h.model is not None:
+        params = h.model.calibration.params
+        return "model", best.trials, (f"; its TPOT proven by the engine model fitted to every window (bandwidth "
+                                      f"{params.bandwidth_efficiency:.0%} of the datasheet; {h.model.adequacy.why})")
     by = h.point(best.proof.batch)
     assert by is not None
     return best.proof.basis, by.trials, (f"; certain to meet the SLO because maxBatchSize {by.batch} is (its "
                                          f"{len(by.windows)} window(s)) and latency never falls as the batch grows")
+
+
+def online_model(problem: TuningProblem, trials: Sequence[Trial]) -> OnlineModel | None:
+    """The engine model as `decide` calibrates it on these trials (None without `problem.engine`)."""
+    return _digest(problem, trials).model
 
 
 def best_so_far(problem: TuningProblem, trials: Sequence[Trial]) -> TunedSchedule | None:

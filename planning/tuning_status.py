@@ -7,13 +7,14 @@ trial it was, so an operator that restarts resumes the search where it was.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
-from npuserve.planning.api import FAILURE_REASONS, TuningTrial, TuningVerdict
+from npuserve.planning.api import FAILURE_REASONS, ModelParameter, OnlineModelStatus, TuningTrial, TuningVerdict
 
 from .problem import TunedSchedule, TuningProblem
-from .tuner import Trial, Verdict
+from .tuner import Trial, Verdict, online_model
 
 
 def trial_status(problem: TuningProblem, index: int, trial: Trial) -> TuningTrial:
@@ -75,3 +76,20 @@ def verdict_status(verdict: Verdict, history: Sequence[TuningTrial]) -> TuningVe
                          limit=verdict.limit, trials=[entries[i].trial for i in verdict.evidence],
                          claimBasis=verdict.basis, proofTrials=[entries[i].trial for i in verdict.proof],
                          pooled=verdict.pooled, noise=verdict.noise, message=verdict.message)
+
+
+def model_status(problem: TuningProblem, trials: Sequence[Trial]) -> OnlineModelStatus | None:
+    """status.tuning.model: the engine model as the tuner calibrates it on these trials, in physical units."""
+    model = online_model(problem, trials)
+    if model is None:
+        return None
+    cal = model.calibration
+    value, sd = cal.params.model_dump(), cal.params_sd.model_dump()
+
+    def finite(x: float) -> float | None:
+        return x if math.isfinite(x) else None
+
+    return OnlineModelStatus(
+        windows=len(cal.errors), noise=cal.noise, adequate=model.adequacy.ok, adequacy=model.adequacy.why,
+        parameters=[ModelParameter(name=name, value=finite(value[name]), sd=finite(sd[name])) for name in value],
+        lastErrors=[e.relative for e in cal.errors[-8:]])

@@ -19,11 +19,13 @@ import random
 import sys
 from collections.abc import Callable
 
+from npuserve.catalog.accelerators import get_accelerator
 from npuserve.loadgen import cli_args
 from npuserve.loadgen.datasets import DatasetError
 from npuserve.loadgen.metrics import BenchMetrics, Distribution, compute_metrics
 from npuserve.mindie_config import MindIEConfigError
 from npuserve.planning.api import LatencyStats, SLOSpec, TrialMetrics
+from npuserve.planning.engine_model import EngineShape
 from npuserve.planning.problem import TunedSchedule, TuningProblem
 from npuserve.planning.tuner import Trial, Verdict, decide
 from npuserve.planning.tuning_status import trial_status
@@ -90,6 +92,14 @@ def simulator_trial(base: SimulationConfig, requests: list[SimRequest], benchmar
     return trial_metrics(compute_metrics(result.bench.measured, result.bench.duration_s), result)
 
 
+def engine_shape(base: SimulationConfig, requests: list[SimRequest]) -> EngineShape:
+    """The online model's shape of the simulated engine: its model and card, its worldSize, the load's mean lengths."""
+    mean_in = sum(r.prompt_tokens for r in requests) / len(requests)
+    mean_out = sum(r.output_tokens for r in requests) / len(requests)
+    return EngineShape.of(base.model, get_accelerator(base.accelerator), base.engine.model.worldSize, mean_in,
+                          mean_out)
+
+
 def simulator_measure(base: SimulationConfig, requests: list[SimRequest], *, benchmark_load: bool) -> Measure:
     """`simulator_trial` of this base and load (picklable: a process pool can run it)."""
     return functools.partial(simulator_trial, base, requests, benchmark_load)
@@ -144,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
         base, requests, _, planned = simulate_cli.build_with_plan(args)
         slo = SLOSpec.model_validate({"objective": args.objective, "ttftMs": args.ttft_ms, "tpotMs": args.tpot_ms,
                                       "statistic": args.statistic})
-        problem = TuningProblem.from_plan(planned, slo, max_trials=args.max_trials, noise=args.noise)
+        problem = TuningProblem.from_plan(planned, slo, max_trials=args.max_trials, noise=args.noise,
+                                          engine=engine_shape(base, requests))
         pinned = simulate_cli.parse_schedule(args.schedule)
         if pinned:  # --schedule sets knobs as spec.engine.schedule does: pinned, the tuner leaves them alone
             problem = TuningProblem.model_validate({**problem.model_dump(), "pinned": pinned})
