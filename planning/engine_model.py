@@ -245,6 +245,9 @@ def calibrate(shape: EngineShape, windows: Sequence[Window | tuple[int, float, f
     (largest age), ties in the given order."""
     sigma0 = max(noise, NOISE_FLOOR)
     ordered = sorted((Window(*w) for w in windows), key=lambda w: -w.age)
+    for w in ordered:
+        if not (w.batch >= 1 and math.isfinite(w.tpot_ms) and w.tpot_ms > 0 and w.age >= 0):
+            raise ValueError(f"a window needs maxBatchSize >= 1, a positive TPOT and an age >= 0: got {w}")
     # The state in units of sigma0^2 (the conjugate form): x ~ N(mean, sigma^2 P), a window's relative noise sigma^2.
     x = np.array(shape.prior.mean, dtype=float)
     p = np.diag(np.square(shape.prior.sd) / sigma0**2)
