@@ -185,10 +185,11 @@ def _inverse_prior(value: float, bounds: tuple[float, float]) -> tuple[float, fl
 
 
 class Window(NamedTuple):
-    """One measured window: the maxBatchSize it ran at, its mean TPOT, and how many windows were measured after it
-    (0: the newest)."""
+    """One measured window: the batch it ran at, its mean TPOT, and how many windows were measured after it (0: the
+    newest). The batch is maxBatchSize under a load that fills it; where the load does not (fewer requests in flight
+    than maxBatchSize), the measured mean running batch is the one the model means."""
 
-    batch: int
+    batch: float
     tpot_ms: float
     age: float = 0.0
 
@@ -205,7 +206,7 @@ class EngineParams(_Frozen):
 class PredictionError(_Frozen):
     """A window against the model fitted to the windows before it (one step ahead)."""
 
-    batch: int
+    batch: float
     predicted_ms: float
     measured_ms: float
     sd_ms: float = Field(description="the prediction's standard deviation: parameters and one window's noise")
@@ -248,13 +249,16 @@ def _inverse(x: float) -> float:
     return 1 / x if x > 0 else math.inf
 
 
-def calibrate(shape: EngineShape, windows: Sequence[Window | tuple[int, float, float]], noise: float) -> Calibration:
+def calibrate(shape: EngineShape, windows: Sequence[Window | tuple[float, float, float]], noise: float) -> Calibration:
     """The parameters fitted to `windows` from the shape's prior. `noise`: the prior relative standard deviation of
     one window's TPOT (the tuner's: its +-noise / sqrt(3), or its estimate from repeats); best a model-free one, as
     the adequacy test holds the model's residuals against it. Deterministic: the windows are taken oldest first
     (largest age), ties in the given order."""
     sigma0 = max(noise, NOISE_FLOOR)
     ordered = sorted((Window(*w) for w in windows), key=lambda w: -w.age)
+    for w in ordered:
+        if not (w.batch >= 1 and math.isfinite(w.tpot_ms) and w.tpot_ms > 0 and w.age >= 0):
+            raise ValueError(f"a window needs maxBatchSize >= 1, a positive TPOT and an age >= 0: got {w}")
     # The state in units of sigma0^2 (the conjugate form): x ~ N(mean, sigma^2 P), a window's relative noise sigma^2.
     x = np.array(shape.prior.mean, dtype=float)
     p = np.diag(np.square(shape.prior.sd) / sigma0**2)
@@ -333,7 +337,7 @@ def adequate(cal: Calibration) -> Adequacy:
     error = cal.errors[n - k + worst]
     why = (f"the last {k} windows' one-step-ahead residuals {'stay within' if ok else 'exceed'} the noise "
            f"({cal.prior_noise:.1%}): chi-square {statistic:.1f} {'<=' if ok else '>'} {threshold:.1f}; worst at "
-           f"maxBatchSize {error.batch}: predicted {error.predicted_ms:.1f} ms, measured {error.measured_ms:.1f} ms")
+           f"batch {error.batch:g}: predicted {error.predicted_ms:.1f} ms, measured {error.measured_ms:.1f} ms")
     return Adequacy(ok=ok, statistic=statistic, threshold=threshold, why=why)
 
 

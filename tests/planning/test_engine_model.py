@@ -149,6 +149,13 @@ def test_adequacy_needs_three_windows(count: int) -> None:
     assert not verdict.ok and "not enough windows" in verdict.why
 
 
+@pytest.mark.parametrize("window", [Window(0, 40.0, 0), Window(8, 0.0, 0), Window(8, math.nan, 0),
+                                    Window(8, 40.0, -1)])
+def test_a_window_with_no_tpot_is_refused(window: Window) -> None:
+    with pytest.raises(ValueError, match="a window needs"):
+        calibrate(_llama_shape(), [Window(4, 30.0, 1), window], SD)
+
+
 def test_forgetting_follows_an_engine_that_changed() -> None:
     """Eight windows of one engine, then six of the same engine with twice the host work per sequence (another
     tenant on the host), noise-free: the newest windows outweigh the old, so the model comes closer to the new
