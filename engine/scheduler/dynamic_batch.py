@@ -15,10 +15,12 @@ TPOT of a few ms within a few percent): a token-weighted integral controller on 
     cap += gain * batch * (target - tpot) / target      (the relative error clipped to +-MAX_RELATIVE_ERROR)
 
 so it settles where the token-weighted mean of the step gaps, which is the requests' mean TPOT, equals the target;
-when the target lies between the TPOT of batch b and b + 1, the cap time-shares between them. It is stable: each
-move is a small fraction of the cap (gain x error), and two anti-windup rules keep it next to what runs: it does
-not grow while the batch runs below it (too little load: a faster TPOT says nothing of a larger batch), and it does
-not fall more than one below the running batch (lowering it further changes nothing until requests end). The cap
+when the target lies between the TPOT of batch b and b + 1, the cap time-shares between them. The error is not
+clipped: a slow step (a prefill in between, a neighbour's burst) is part of the TPOT the clients see, and clipping
+it would bias the mean above the target. It is stable: each move is a small fraction of the cap (gain x error),
+and two anti-windup rules keep it next to what runs: it does not grow while the batch runs below it (too little
+load: a faster TPOT says nothing of a larger batch), and it does not fall further than FLOOR_SLACK under the running
+batch (lowering it further changes nothing until requests end; this also bounds what one stall can do). The cap
 stays within [min(LOWER_BOUND, maxBatchSize), maxBatchSize] and starts at maxBatchSize, as MindIE's does.
 
 The scheduler admits no new request while the running batch is at the cap; it never preempts to shrink the batch
@@ -31,8 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOWER_BOUND = 3  # MindIE's batchSizeLowerBound_ (dynamic_batch_size.cpp): the cap never goes below 3 requests
-DEFAULT_GAIN = 0.05  # cap change per token of relative TPOT error: about 5% of the cap a step at 100% error
-MAX_RELATIVE_ERROR = 0.5  # one slow step (a neighbour's burst, a long prefill) moves the cap by 2.5% at most
+DEFAULT_GAIN = 0.02  # cap change per token of relative TPOT error: 2% of the cap a step at 100% error
+FLOOR_SLACK = 0.05  # the cap falls at most 1 + 5% of the running batch under it (anti-windup)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,12 +85,11 @@ class DynamicBatchController:
             return self.cap
         self.last_tpot_s = tpot_s
         error = (self._target - tpot_s) / self._target
-        error = max(-MAX_RELATIVE_ERROR, min(MAX_RELATIVE_ERROR, error))
         if error > 0 and batch < self.cap:
             return self.cap  # the cap does not bind: too little load to learn anything about a larger batch
         cap = self._cap + self.gain * batch * error
         if error < 0:
-            cap = max(cap, min(self._cap, float(batch - 1)))
+            cap = max(cap, min(self._cap, batch - 1 - FLOOR_SLACK * batch))
         self._cap = min(max(cap, float(self.lower_bound)), float(self._max))
         return self.cap
 

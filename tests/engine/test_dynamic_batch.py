@@ -79,7 +79,7 @@ def test_one_slow_step_moves_the_cap_a_little() -> None:
     run(controller, linear(2.0, 0.5), 1000)
     before = controller.cap
     controller.observe(500 * MS, before)  # a 100x stall (a neighbour's burst)
-    assert controller.cap >= before - 1
+    assert controller.cap >= before - 2  # 1 + 5% of 7 or 8 requests under the batch, rounded down
 
 
 def test_bounds_are_three_and_max_batch_size() -> None:
