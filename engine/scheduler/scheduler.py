@@ -122,7 +122,7 @@ class Scheduler:
         self._pending_copies: list[tuple[int, int]] = []  # the last step's forks: the next step copies them first
         self._stage = StageSelector()
         self.dynamic_batch = _dynamic_batch(schedule, None)
-        self._last_decode_end: float | None = None  # when the last decode step's tokens came out
+        self._last_decode_end: float | None = None  # when the last decode step's tokens came out (controller on)
 
     # --- counters ----------------------------------------------------------------------------------------------
 
@@ -217,7 +217,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._pending_schedule is not None:
             self.schedule_config, self._pending_schedule = self._pending_schedule, None
-            self.dynamic_batch = _dynamic_batch(self.schedule_config, self.dynamic_batch)
+            was = self.dynamic_batch
+            self.dynamic_batch = _dynamic_batch(self.schedule_config, was)
+            if self.dynamic_batch is not was:
+                self._last_decode_end = None  # a new controller: the gaps count from its first decode step
         self.kv.begin_step()
         now = self.clock()
         out = StepDraft(kind=StepKind.IDLE, finished=self._pending_finished, block_copies=self._pending_copies)
@@ -476,8 +479,8 @@ class Scheduler:
         if len(token_ids) != rows:
             raise ValueError(f"{len(token_ids)} tokens for {rows} sampled rows of {len(seqs)} scheduled sequences")
         now = self.clock()
-        if output.kind is StepKind.DECODE:
-            self._observe_decode(seqs, now)
+        if self.dynamic_batch is not None and output.kind is StepKind.DECODE:
+            self._observe_decode(self.dynamic_batch, seqs, now)
         kv = self.kv
         cache = kv.cache_computed if kv.enable_prefix_caching else None
         block_size = kv.block_size
@@ -554,19 +557,18 @@ class Scheduler:
         self._pending_copies.extend(copies)
         return StepOutcome([*seqs, *(child for _, child in forked)], finished, forked, copies, owners)
 
-    def _observe_decode(self, seqs: list[Sequence], now: float) -> None:
+    def _observe_decode(self, controller: DynamicBatchController, seqs: list[Sequence], now: float) -> None:
         """The live TPOT of a decode step, for the controller: its requests' mean gap since their previous token
-        (the last decode step's end, or their first token when that came later: a prefill since)."""
+        (the last decode step's end, or their first token when that came later: a prefill since). The first decode
+        step after the controller started only marks the time."""
         last, self._last_decode_end = self._last_decode_end, now
-        if self.dynamic_batch is None:
+        if last is None:
             return
         total = 0.0
         for seq in seqs:
             previous = seq.first_token_time
-            if previous is None or (last is not None and last > previous):
-                previous = last if last is not None else now
-            total += now - previous
-        self.dynamic_batch.observe(total / len(seqs), len(seqs))
+            total += now - (last if previous is None or last > previous else previous)
+        controller.observe(total / len(seqs), len(seqs))
 
     def _fork(self, parent: Sequence, forked: list[tuple[Sequence, Sequence]],
               copies: list[tuple[int, int]]) -> list[Sequence]:
