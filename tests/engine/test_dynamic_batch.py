@@ -202,6 +202,20 @@ def test_turned_on_and_off_live() -> None:
     assert sched.dynamic_batch is None and sched.batch_cap == 16
 
 
+def test_a_group_larger_than_the_cap_still_starts_alone() -> None:
+    sched, _ = make(maxBatchSize=16, dynamicBatchSizeEnable=True, decodeExpectedTime=7)
+    assert sched.dynamic_batch is not None
+    for _ in range(5):
+        sched.dynamic_batch.observe(1.0, 3)  # 1 s a token at 3 requests: the cap falls to its bound
+    assert sched.batch_cap == 3
+    group = Sequence(prompt_token_ids=[5, 6, 7, 8], arrival_time=sched.clock(),
+                     sampling=SamplingParams(max_tokens=4, n=5, ignore_eos=True))
+    sched.add(group)
+    add(sched)
+    out = sched.schedule()
+    assert out.kind is StepKind.PREFILL and out.seqs == [group]  # n = 5 > 3: alone, and nothing joins it
+
+
 # --- the config fields ------------------------------------------------------------------------------------------
 
 
