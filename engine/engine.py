@@ -85,6 +85,7 @@ class EngineSnapshot:
     kv_usage: float
     kv_blocks_total: int
     schedule: ScheduleSection
+    batch_cap: int  # the running batch cap in force (maxBatchSize, or the TPOT controller's: dynamicBatchSizeEnable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,7 +428,7 @@ class LLMEngine:
         scheduler, kv = self.scheduler, self.kv
         return EngineSnapshot(running=scheduler.num_running, waiting=scheduler.num_waiting,
                               swapped=scheduler.num_swapped, kv_usage=kv.usage, kv_blocks_total=kv.num_device_blocks,
-                              schedule=scheduler.schedule_config)
+                              schedule=scheduler.schedule_config, batch_cap=scheduler.batch_cap)
 
     # --- offline ---------------------------------------------------------------------------------------------------
 
@@ -476,6 +477,6 @@ class LLMEngine:
             kv_bytes_per_block=self.kv_plan.bytes_per_block, kv_sizing=self.kv_plan.source,
             schedule=self.snapshot.schedule.model_dump(mode="json"),
             graph_batch_sizes=graphs.captured_sizes if graphs is not None else [],
-            scheduleGeneration=self.config.extensions.scheduleGeneration,
+            scheduleGeneration=self.config.extensions.scheduleGeneration, batch_size_cap=self.snapshot.batch_cap,
             quantization=self.spec.quantization.name if self.spec.quantization is not None else None, **server,
         )

@@ -186,6 +186,16 @@ SCHEDULE_FIELDS: tuple[ScheduleField, ...] = (
                   "MindIE's throughput policy: weigh prefill cost against idle decode slots"),
     ScheduleField("maxQueueDelayMicroseconds", int, 5000, True,
                   "how long the oldest waiting request may wait before a prefill starts", 500, 1_000_000),
+    # MindIE 2.3's SLO scheduling (docs/mindie-config.md, "SLO scheduling"). Not tuner knobs: the controller is the
+    # engine's own loop, and the tuner's maxBatchSize is its upper bound.
+    ScheduleField("stageSelectPolicy", int, 0, True,
+                  "MindIE's prefill-or-decode choice; only 0 (prefill first, MindIE's default) runs here",
+                  0, 0, knob=False),
+    ScheduleField("dynamicBatchSizeEnable", bool, False, True,
+                  "hold the mean TPOT at decodeExpectedTime by capping the running batch below maxBatchSize",
+                  knob=False),
+    ScheduleField("decodeExpectedTime", int, 50, True,
+                  "dynamicBatchSizeEnable: the TPOT the running batch cap holds, ms", 1, 10000, knob=False),
 )
 SCHEDULE_FIELD_BY_NAME: dict[str, ScheduleField] = {f.name: f for f in SCHEDULE_FIELDS}
 HOT_SCHEDULE_FIELDS: frozenset[str] = frozenset(f.name for f in SCHEDULE_FIELDS if f.hot)
@@ -285,12 +295,14 @@ METRIC_REQUEST_SUCCESS = EngineMetric("npuserve:request_success", "counter")  # 
 # The schedule generation the engine runs (-1: none); the operator checks min and max over a trial's window.
 METRIC_SCHEDULE_GENERATION = EngineMetric("npuserve:schedule_generation", "gauge")
 SCHEDULE_GENERATION_NONE = -1
+# The running batch cap in force: maxBatchSize, or the TPOT controller's cap under it (dynamicBatchSizeEnable).
+METRIC_BATCH_SIZE_CAP = EngineMetric("npuserve:batch_size_cap", "gauge")
 ENGINE_METRICS: tuple[EngineMetric, ...] = (
     METRIC_TIME_TO_FIRST_TOKEN, METRIC_TIME_PER_OUTPUT_TOKEN, METRIC_INTER_TOKEN_LATENCY, METRIC_E2E_REQUEST_LATENCY,
     METRIC_REQUEST_QUEUE_TIME, METRIC_REQUEST_PREFILL_TIME, METRIC_REQUEST_DECODE_TIME, METRIC_PREFILL_BATCH_SIZE,
     METRIC_DECODE_BATCH_SIZE, METRIC_NUM_REQUESTS_RUNNING, METRIC_NUM_REQUESTS_WAITING, METRIC_NUM_REQUESTS_SWAPPED,
     METRIC_KV_CACHE_USAGE_PERC, METRIC_KV_CACHE_BLOCKS_TOTAL, METRIC_PROMPT_TOKENS, METRIC_GENERATION_TOKENS,
-    METRIC_NUM_PREEMPTIONS, METRIC_REQUEST_SUCCESS, METRIC_SCHEDULE_GENERATION,
+    METRIC_NUM_PREEMPTIONS, METRIC_REQUEST_SUCCESS, METRIC_SCHEDULE_GENERATION, METRIC_BATCH_SIZE_CAP,
 )
 
 # The labels the engine puts on every series, and on request_success.
@@ -341,6 +353,9 @@ class EngineInfo(BaseModel):
         default_factory=list, description="decode batch sizes captured as graphs (a decode batch replays the "
         "smallest that holds it, up to the largest; past it decode runs eagerly); empty on a backend without graphs")
     scheduleGeneration: int | None = schedule_generation_field()  # of that schedule
+    batch_size_cap: int | None = Field(
+        default=None, description="the running batch cap in force: schedule.maxBatchSize, or below it the cap the "
+        "TPOT controller set (dynamicBatchSizeEnable); no new request is admitted while this many run")
     quantization: str | None = Field(default=None, description="the quantized scheme served (QuantScheme.name, "
                                      "e.g. 'msmodelslim W8A8_DYNAMIC'); None: the weights in `dtype`")
     # The HTTP server's side (absent offline, from `npuserve generate`).

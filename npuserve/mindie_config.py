@@ -40,6 +40,8 @@ DEFAULT_MAX_PREFILL_BATCH_SIZE = int(SCHEDULE_FIELD_BY_NAME["maxPrefillBatchSize
 DEFAULT_MAX_PREFILL_TOKENS = int(SCHEDULE_FIELD_BY_NAME["maxPrefillTokens"].default)
 DEFAULT_MAX_SEQ_LEN = 2560
 DEFAULT_MAX_INPUT_TOKEN_LEN = 2048
+# MindIE 2.3's TTFT target of its stageSelectPolicy 2; refused by name (the engine has no prefill-side controller).
+PREFILL_EXPECTED_TIME = "prefillExpectedTime"
 
 
 class _MindIEModel(BaseModel):
@@ -98,6 +100,31 @@ class ScheduleSection(_MindIEModel):
     maxPreemptCount: int = schedule_field("maxPreemptCount")
     supportSelectBatch: bool = schedule_field("supportSelectBatch")
     maxQueueDelayMicroseconds: int = schedule_field("maxQueueDelayMicroseconds")
+    # MindIE 2.3's SLO scheduling: the TPOT controller (engine/scheduler/dynamic_batch.py).
+    stageSelectPolicy: int = schedule_field("stageSelectPolicy")
+    dynamicBatchSizeEnable: bool = schedule_field("dynamicBatchSizeEnable")
+    decodeExpectedTime: int = schedule_field("decodeExpectedTime")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_prefill_slo(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and PREFILL_EXPECTED_TIME in data:
+            raise ValueError(
+                f"{PREFILL_EXPECTED_TIME} is not supported: it is the TTFT target of MindIE's stageSelectPolicy 2 "
+                "(least-laxity-first prefill or decode choice from fitted TTFT/TPOT), which this engine does not "
+                "run; remove it (the decode side, dynamicBatchSizeEnable with decodeExpectedTime, does run)")
+        return data
+
+    @field_validator("stageSelectPolicy", mode="before")
+    @classmethod
+    def _prefill_first(cls, value: Any) -> Any:
+        # Before the range check, so the message says what is missing rather than "less than or equal to 0".
+        if value != 0 and not isinstance(value, bool):
+            raise ValueError(
+                f"stageSelectPolicy {value!r} is not supported: only 0 (MindIE's default, prefill first) runs "
+                "here; 1 (MindIE's throughput first) and 2 (the least-laxity-first choice from fitted TTFT/TPOT) "
+                "are not built (this engine's throughput rule is supportSelectBatch)")
+        return value
 
     @field_validator("templateType")
     @classmethod
@@ -200,6 +227,14 @@ class MindIEConfig(_MindIEModel):
                 f"ModelDeployConfig.maxInputTokenLen ({deploy.maxInputTokenLen}), or no long prompt could prefill "
                 "(unless npuserve.chunkedPrefill splits prompts into chunks)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_batch_without_splitfuse(self) -> MindIEConfig:
+        # MindIE states the same limit ("PD-mixed only, not with SplitFuse"): a mixed step has no decode-only time.
+        if self.schedule.dynamicBatchSizeEnable and self.extensions.chunkedPrefill:
+            raise ValueError("ScheduleConfig.dynamicBatchSizeEnable does not run with npuserve.chunkedPrefill "
+                             "(MindIE's SplitFuse), as in MindIE: turn one of them off")
         return self
 
     @model_validator(mode="after")

@@ -25,6 +25,10 @@ MINDIE_DEFAULTS = {"cacheBlockSize": 128, "maxPrefillBatchSize": 50, "maxPrefill
                    "maxPreemptCount": 0, "supportSelectBatch": False, "maxQueueDelayMicroseconds": 5000}
 
 
+# MindIE 2.3's SLO scheduling fields (MindIE-LLM docs, user_guide/feature/slo_aware_scheduling_optimization.md).
+MINDIE_SLO_DEFAULTS = {"stageSelectPolicy": 0, "dynamicBatchSizeEnable": False, "decodeExpectedTime": 50}
+
+
 def _schemas() -> dict[str, type[BaseModel]]:
     from npuserve.engine.server.protocol import ScheduleUpdate
     from npuserve.planning.api import PlanSchedule, ScheduleKnobs
@@ -42,9 +46,10 @@ def _bounds(prop: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def test_mindie_defaults_and_ranges() -> None:
-    assert {f.name: f.default for f in contract.SCHEDULE_FIELDS} == MINDIE_DEFAULTS | {
+    assert {f.name: f.default for f in contract.SCHEDULE_FIELDS} == MINDIE_DEFAULTS | MINDIE_SLO_DEFAULTS | {
         "prefillPolicyType": 0, "decodePolicyType": 0}
     by_name = contract.SCHEDULE_FIELD_BY_NAME
+    assert (by_name["decodeExpectedTime"].ge, by_name["decodeExpectedTime"].le) == (1, 10000)  # MindIE: 0 .. 10000
     assert (by_name["maxQueueDelayMicroseconds"].ge, by_name["maxQueueDelayMicroseconds"].le) == (500, 1_000_000)
     assert (by_name["maxBatchSize"].ge, by_name["maxBatchSize"].le) == (1, 5000)
     assert {"cacheBlockSize"} == contract.RESTART_SCHEDULE_FIELDS

@@ -56,6 +56,10 @@ Rules:
 - `update_schedule(section)` hot-applies ScheduleConfig fields at the next `schedule()`; cacheBlockSize is fixed
   by the KV manager and not changed live. A maxBatchSize lowered below the running count admits nothing new until
   enough requests end; those already running keep decoding.
+- dynamicBatchSizeEnable (MindIE 2.3's SLO scheduling, `dynamic_batch.py`): each decode step reports its requests'
+  mean gap since their previous token to the controller, whose cap (3 .. maxBatchSize) replaces maxBatchSize in
+  every admission rule (prefill, swap-in, the stage choice); `batch_cap` is the cap in force. A cap below the
+  running count never preempts: it admits nothing new until enough requests end. Off: no controller exists.
 - The runner copies `block_copies`, then `swap_out`, then `swap_in` whenever they are non-empty, with or
   without scheduled sequences (`SchedulerOutput.has_device_work`): the copies must not be skipped.
 - After the run, `update_from_output` alone does the step's bookkeeping: the cached-token counts (and the prompt's
@@ -75,6 +79,7 @@ from npuserve.mindie_config import ScheduleSection
 from .. import guided
 from ..kvcache import KVCacheManager
 from ..sequence import FinishReason, PromptLogprob, Sequence, SequenceStatus, TopLogprobs
+from .dynamic_batch import DynamicBatchController
 from .output import SchedulerOutput, StepDraft, StepKind, StepOutcome
 from .queues import Policy, WaitingQueue
 from .stage import StageSelector
@@ -116,6 +121,8 @@ class Scheduler:
         self._pending_schedule: ScheduleSection | None = None
         self._pending_copies: list[tuple[int, int]] = []  # the last step's forks: the next step copies them first
         self._stage = StageSelector()
+        self.dynamic_batch = _dynamic_batch(schedule, None)
+        self._last_decode_end: float | None = None  # when the last decode step's tokens came out (controller on)
 
     # --- counters ----------------------------------------------------------------------------------------------
 
@@ -130,6 +137,13 @@ class Scheduler:
     @property
     def num_swapped(self) -> int:
         return len(self.swapped)
+
+    @property
+    def batch_cap(self) -> int:
+        """The running batch cap in force: maxBatchSize, or the TPOT controller's cap (dynamicBatchSizeEnable)."""
+        if self.dynamic_batch is None:
+            return self.schedule_config.maxBatchSize
+        return self.dynamic_batch.cap
 
     def has_unfinished(self) -> bool:
         """True while a request is unfinished or an ended one has not been reported by `schedule()` yet."""
@@ -203,6 +217,10 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         if self._pending_schedule is not None:
             self.schedule_config, self._pending_schedule = self._pending_schedule, None
+            was = self.dynamic_batch
+            self.dynamic_batch = _dynamic_batch(self.schedule_config, was)
+            if self.dynamic_batch is not was:
+                self._last_decode_end = None  # a new controller: the gaps count from its first decode step
         self.kv.begin_step()
         now = self.clock()
         out = StepDraft(kind=StepKind.IDLE, finished=self._pending_finished, block_copies=self._pending_copies)
@@ -211,8 +229,12 @@ class Scheduler:
             self._schedule_mixed(out, now)
             return out.freeze()
         oldest = self.waiting.oldest_arrival()
+        cap = self.batch_cap
+        stage_config = self.schedule_config
+        if cap != stage_config.maxBatchSize:  # the stage rules weigh the batch against the cap in force
+            stage_config = stage_config.model_copy(update={"maxBatchSize": cap})
         kind = self._stage.choose(
-            self.schedule_config,
+            stage_config,
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             num_swapped=len(self.swapped),
@@ -235,7 +257,8 @@ class Scheduler:
     def _schedule_prefill(self, out: StepDraft, now: float) -> None:
         cfg = self.schedule_config
         kv = self.kv
-        max_reqs = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
+        cap = self.batch_cap
+        max_reqs = min(cfg.effective_max_prefill_batch_size, cap - len(self.running))
         batch: list[Sequence] = []
         tokens = 0
         forks = 0  # running slots the batch's forks will take after the step
@@ -243,7 +266,9 @@ class Scheduler:
             seq = self._servable_head(out, now)
             if seq is None:
                 break
-            if len(self.running) + forks + seq.num_samples > cfg.maxBatchSize or not kv.can_allocate(seq):
+            # A group of n larger than the TPOT controller's cap (never than maxBatchSize) still starts alone.
+            limit = max(cap, seq.num_samples) if not self.running and not batch else cap
+            if len(self.running) + forks + seq.num_samples > limit or not kv.can_allocate(seq):
                 break
             new_tokens = seq.num_tokens - kv.prefix_hit_tokens(seq)
             if batch and tokens + new_tokens > cfg.maxPrefillTokens:
@@ -288,7 +313,7 @@ class Scheduler:
             if seq.status is _RUNNING and budget > 0:
                 take(seq)
         admitted = 0
-        max_new = min(cfg.effective_max_prefill_batch_size, cfg.maxBatchSize - len(self.running))
+        max_new = min(cfg.effective_max_prefill_batch_size, self.batch_cap - len(self.running))
         while budget > 0 and admitted < max_new and not out.swap_out and not self.swapped:
             new = self._admit(out, now)
             if new is None:
@@ -326,7 +351,7 @@ class Scheduler:
         kv = self.kv
         seq = self._servable_head(out, now)
         forks = sum(s.num_forks_pending for s in self.running)  # children of prompts still being chunked
-        if seq is None or len(self.running) + forks + seq.num_samples > self.schedule_config.maxBatchSize:
+        if seq is None or len(self.running) + forks + seq.num_samples > self.batch_cap:
             return None
         if not kv.can_allocate(seq):
             return None
@@ -415,7 +440,7 @@ class Scheduler:
 
     def _swap_in(self, out: StepDraft, batch: list[Sequence], now: float) -> None:
         kv = self.kv
-        max_batch = self.schedule_config.maxBatchSize
+        max_batch = self.batch_cap
         while self.swapped and len(self.running) < max_batch:
             seq = self.swapped[0]
             if not kv.can_ever_fit(seq.num_tokens):
@@ -454,6 +479,8 @@ class Scheduler:
         if len(token_ids) != rows:
             raise ValueError(f"{len(token_ids)} tokens for {rows} sampled rows of {len(seqs)} scheduled sequences")
         now = self.clock()
+        if self.dynamic_batch is not None and output.kind is StepKind.DECODE:
+            self._observe_decode(self.dynamic_batch, seqs, now)
         kv = self.kv
         cache = kv.cache_computed if kv.enable_prefix_caching else None
         block_size = kv.block_size
@@ -530,6 +557,19 @@ class Scheduler:
         self._pending_copies.extend(copies)
         return StepOutcome([*seqs, *(child for _, child in forked)], finished, forked, copies, owners)
 
+    def _observe_decode(self, controller: DynamicBatchController, seqs: list[Sequence], now: float) -> None:
+        """The live TPOT of a decode step, for the controller: its requests' mean gap since their previous token
+        (the last decode step's end, or their first token when that came later: a prefill since). The first decode
+        step after the controller started only marks the time."""
+        last, self._last_decode_end = self._last_decode_end, now
+        if last is None:
+            return
+        total = 0.0
+        for seq in seqs:
+            previous = seq.first_token_time
+            total += now - (last if previous is None or last > previous else previous)
+        controller.observe(total / len(seqs), len(seqs))
+
     def _fork(self, parent: Sequence, forked: list[tuple[Sequence, Sequence]],
               copies: list[tuple[int, int]]) -> list[Sequence]:
         """The parent's n - 1 children, sharing its prompt's blocks; they run from the next step on."""
@@ -544,3 +584,15 @@ class Scheduler:
             children.append(child)
         parent.num_forks_pending = 0
         return children
+
+
+def _dynamic_batch(schedule: ScheduleSection, running: DynamicBatchController | None) -> DynamicBatchController | None:
+    """The controller a schedule asks for: None when dynamicBatchSizeEnable is off; the running one, with the new
+    bounds and target, when it stays on (its cap carries over); a new one (cap at maxBatchSize) when it turns on."""
+    if not schedule.dynamicBatchSizeEnable:
+        return None
+    target_s = schedule.decodeExpectedTime / 1000.0
+    if running is None:
+        return DynamicBatchController(schedule.maxBatchSize, target_s)
+    running.reconfigure(schedule.maxBatchSize, target_s)
+    return running

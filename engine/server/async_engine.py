@@ -367,7 +367,8 @@ class AsyncEngine:
 
     def _publish_state(self, snapshot: EngineSnapshot) -> None:
         self.metrics.set_state(running=snapshot.running, waiting=snapshot.waiting, swapped=snapshot.swapped,
-                               kv_usage=snapshot.kv_usage, kv_blocks_total=snapshot.kv_blocks_total)
+                               kv_usage=snapshot.kv_usage, kv_blocks_total=snapshot.kv_blocks_total,
+                               batch_cap=snapshot.batch_cap)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         with self._lock:

@@ -88,6 +88,9 @@ class EngineMetrics:
         self.kv_cache_blocks_total = gauge(contract.METRIC_KV_CACHE_BLOCKS_TOTAL, "Device KV blocks allocated.")
         self.schedule_generation = gauge(contract.METRIC_SCHEDULE_GENERATION,
                                          "Generation of the schedule the scheduler runs (-1: none).")
+        self.batch_size_cap = gauge(contract.METRIC_BATCH_SIZE_CAP,
+                                    "Running batch cap in force: maxBatchSize, or the TPOT controller's cap "
+                                    "(dynamicBatchSizeEnable).")
 
         self.prompt_tokens = counter(contract.METRIC_PROMPT_TOKENS, "Prompt tokens processed.")
         self.generation_tokens = counter(contract.METRIC_GENERATION_TOKENS, "Tokens generated.")
@@ -100,7 +103,7 @@ class EngineMetrics:
                        self.request_decode_time, self.prefill_batch_size, self.decode_batch_size,
                        self.num_requests_running, self.num_requests_waiting, self.num_requests_swapped,
                        self.kv_cache_usage_perc, self.kv_cache_blocks_total, self.prompt_tokens,
-                       self.generation_tokens, self.num_preemptions):
+                       self.generation_tokens, self.num_preemptions, self.batch_size_cap):
             metric.labels(model_name)
         for reason in contract.FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
@@ -132,8 +135,11 @@ class EngineMetrics:
         if tpot is not None:
             self.time_per_output_token.labels(m).observe(tpot)
 
-    def set_state(self, *, running: int, waiting: int, swapped: int, kv_usage: float, kv_blocks_total: int) -> None:
+    def set_state(self, *, running: int, waiting: int, swapped: int, kv_usage: float, kv_blocks_total: int,
+                  batch_cap: int | None = None) -> None:
         m = self.model_name
+        if batch_cap is not None:
+            self.batch_size_cap.labels(m).set(batch_cap)
         self.num_requests_running.labels(m).set(running)
         self.num_requests_waiting.labels(m).set(waiting)
         self.num_requests_swapped.labels(m).set(swapped)

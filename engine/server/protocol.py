@@ -597,4 +597,7 @@ class ScheduleUpdate(BaseModel):
     maxQueueDelayMicroseconds: int | None = schedule_field("maxQueueDelayMicroseconds", optional=True)
     prefillPolicyType: int | None = schedule_field("prefillPolicyType", optional=True)
     decodePolicyType: int | None = schedule_field("decodePolicyType", optional=True)
+    stageSelectPolicy: int | None = schedule_field("stageSelectPolicy", optional=True)
+    dynamicBatchSizeEnable: bool | None = schedule_field("dynamicBatchSizeEnable", optional=True)
+    decodeExpectedTime: int | None = schedule_field("decodeExpectedTime", optional=True)
     scheduleGeneration: int | None = schedule_generation_field()

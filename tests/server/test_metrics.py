@@ -59,8 +59,9 @@ def test_steps_and_state() -> None:
     metrics = EngineMetrics("m")
     metrics.observe_step("prefill", 4)
     metrics.observe_step("decode", 32, preemptions=2)
-    metrics.set_state(running=32, waiting=5, swapped=1, kv_usage=0.5, kv_blocks_total=100)
+    metrics.set_state(running=32, waiting=5, swapped=1, kv_usage=0.5, kv_blocks_total=100, batch_cap=40)
     s = _samples(metrics)
+    assert s["npuserve:batch_size_cap"] == 40
     assert s["npuserve:prefill_batch_size_sum"] == 4 and s["npuserve:decode_batch_size_sum"] == 32
     assert s["npuserve:num_preemptions_total"] == 2
     assert (s["npuserve:num_requests_running"], s["npuserve:num_requests_waiting"]) == (32, 5)

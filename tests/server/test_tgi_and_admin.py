@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,30 @@ def test_without_a_limit_a_live_raise_past_the_start_up_max_batch_size_is_refuse
         watcher = s.server.config.app.state.config_watcher  # type: ignore[attr-defined]
         wait_until(lambda: watcher.rejected == 1)
         assert s.get("/info").json()["schedule"]["maxBatchSize"] == 3
+
+
+def test_admin_turns_the_tpot_controller_on_and_info_and_metrics_show_its_cap(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dynamicBatchSizeEnable and decodeExpectedTime apply live; /info and npuserve:batch_size_cap show the cap."""
+    auth = {"Authorization": "Bearer t"}
+    with running_server(tiny_model_dir, admin_token="t", maxBatchSize=16) as s:
+        info = s.get("/info").json()
+        assert info["batch_size_cap"] == 16 and info["schedule"]["dynamicBatchSizeEnable"] is False
+        r = httpx.put(s.url + "/admin/schedule", json={"dynamicBatchSizeEnable": True, "decodeExpectedTime": 1},
+                      headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json()["schedule"]["decodeExpectedTime"] == 1
+        execute = s.engine.engine.runner.execute
+
+        def slow_execute(*args: Any, **kwargs: Any) -> Any:  # every step >= 3 ms: a 1 ms TPOT is out of reach
+            time.sleep(0.003)
+            return execute(*args, **kwargs)
+
+        monkeypatch.setattr(s.engine.engine.runner, "execute", slow_execute)
+        asyncio.run(_concurrent_completions(s.url, 12, 24))
+        cap = s.get("/info").json()["batch_size_cap"]
+        assert 3 <= cap < 12
+        assert s.metric("npuserve:batch_size_cap") == cap
+        r = httpx.put(s.url + "/admin/schedule", json={"stageSelectPolicy": 2}, headers=auth, timeout=30)
+        assert r.status_code == 422 and "stageSelectPolicy" in r.json()["error"]["message"]
+        r = httpx.put(s.url + "/admin/schedule", json={"dynamicBatchSizeEnable": False}, headers=auth, timeout=30)
+        assert r.status_code == 200 and s.get("/info").json()["batch_size_cap"] == 16
