@@ -135,6 +135,7 @@ class Claim:
     windows: int
     upper: Mapping[LatencyName, float]  # each ratio's upper confidence bound, given the noise
     tolerance: float
+    lower: Mapping[LatencyName, float] = field(default_factory=dict)  # each ratio's lower confidence bound
 
     @property
     def meets(self) -> bool:
@@ -145,6 +146,11 @@ class Claim:
     def certain(self) -> bool:
         """They meet it, and the noise leaves at most `tolerance` of doubt about any bound: what SLOMet=True says."""
         return self.meets and all(u <= 1 + self.tolerance for u in self.upper.values())
+
+    @property
+    def certain_miss(self) -> bool:
+        """They miss a bound beyond the noise (or failed a check): a repeat would not turn them into a meet."""
+        return self.judgement.failure is not None or any(v > 1 for v in self.lower.values())
 
 
 def kv_exhausted(metrics: TrialMetrics) -> bool:
@@ -190,12 +196,12 @@ def pooled(windows: Sequence[TrialMetrics]) -> TrialMetrics:
 CLAIM_CONFIDENCE = 0.975
 
 
-def t_quantile(df: float) -> float:
-    """The one-sided CLAIM_CONFIDENCE quantile of Student's t with `df` degrees of freedom (the normal's when
-    df is infinite)."""
+def t_quantile(df: float, confidence: float = CLAIM_CONFIDENCE) -> float:
+    """The one-sided `confidence` quantile of Student's t with `df` degrees of freedom (the normal's when df is
+    infinite)."""
     from scipy.stats import norm, t  # scipy imports slowly: only when a noisy claim is judged
 
-    return float(norm.ppf(CLAIM_CONFIDENCE) if math.isinf(df) else t.ppf(CLAIM_CONFIDENCE, max(df, 1.0)))
+    return float(norm.ppf(confidence) if math.isinf(df) else t.ppf(confidence, max(df, 1.0)))
 
 
 # --- the problem ---------------------------------------------------------------------------------------------------
@@ -316,7 +322,8 @@ class TuningProblem(_Model):
         n = len(windows)
         spread = 0.0 if noise.exact else t_quantile(noise.df) / math.sqrt(n)
         upper = {k: r * math.exp(spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
-        return Claim(judgement, n, upper, self.tolerance)
+        lower = {k: r * math.exp(-spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
+        return Claim(judgement, n, upper, self.tolerance, lower)
 
     # -- schedules --
 

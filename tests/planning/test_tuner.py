@@ -716,3 +716,108 @@ def test_a_noisy_latency_search_never_claims_a_miss_and_finds_the_throughput_pea
         assert truth(verdict.schedule).tpotMs.mean <= 1.05 * 200
         chosen.append(truth(verdict.schedule).outputTokensPerSecond / best)
     assert sum(c >= 0.90 for c in chosen) >= 9, chosen
+
+
+# --- the online engine model: it proposes and, only while adequate, proves ---------------------------------------
+# The guide's engine shape (LLaMA3-8B on 2 x 910B4, GSM8K lengths). Windows are drawn from the model's own prior
+# prediction (so the model is right), times a fixed +-4% pattern per window: the model passes its adequacy test.
+# The same windows with a knee (TPOT x1.4 from 150 up) break it.
+
+GUIDE_SHAPE_ARGS = ("llama3-8b", "ascend-910b4", 2, 186, 346)
+PATTERN = (1.04, 0.97, 1.01, 0.96, 1.03, 0.99, 1.02, 0.98)
+
+
+def _guide_shape() -> Any:
+    from npuserve.catalog.accelerators import get_accelerator
+    from npuserve.catalog.models import get_model_preset
+    from npuserve.planning.engine_model import EngineShape
+
+    model, card, n, mean_in, mean_out = GUIDE_SHAPE_ARGS
+    return EngineShape.of(get_model_preset(model), get_accelerator(card), n, mean_in, mean_out)
+
+
+def _prior_tpot(shape: Any, batch: int) -> float:
+    from npuserve.planning.engine_model import calibrate, predict
+
+    return predict(calibrate(shape, [], 0.05), batch)[0]
+
+
+def _model_windows(p: TuningProblem, shape: Any, batches: list[int], knee: int | None = None) -> list[Trial]:
+    rows = []
+    for i, b in enumerate(batches):
+        tpot = _prior_tpot(shape, b) * PATTERN[i % len(PATTERN)] * (1.4 if knee is not None and b >= knee else 1.0)
+        rows.append((b, tpot, 20.0 * b))
+    return _shaped(p, *rows)
+
+
+def _model_problem(batch: int, over: float) -> tuple[TuningProblem, Any]:
+    """decodeLatency with the TPOT bound `over` above the model's TPOT at `batch`, +-5% prior noise."""
+    shape = _guide_shape()
+    p = problem("decodeLatency", (20, 400, 100), noise=0.05, max_trials=9, engine=shape,
+                tpot_ms=_prior_tpot(shape, batch) * over)
+    return p, shape
+
+
+def test_an_adequate_model_proves_a_batch_its_one_window_leaves_uncertain() -> None:
+    # 130's one window meets the bound by 5%: alone, +-4% scatter leaves it uncertain. The model, fitted to every
+    # window and passing its adequacy test, puts 130's true TPOT 9% under the bound, beyond its doubt: proven.
+    p, shape = _model_problem(130, 1.10)
+    trials = _model_windows(p, shape, [60, 80, 100, 60, 80, 100])
+    trials += _shaped(p, (130, p.tpot_ms * 0.95, 20.0 * 130))  # type: ignore[operator]
+    from npuserve.planning.tuner import online_model
+
+    model = online_model(p, trials)
+    assert model is not None and model.adequacy.ok, model
+    verdict = decide(p.model_copy(update={"max_trials": len(trials)}), trials)
+    assert isinstance(verdict, Verdict) and verdict.slo_met is True
+    assert verdict.schedule is not None and verdict.schedule.maxBatchSize == 130
+    assert (verdict.basis, verdict.proof) == ("model", (6,))
+    # Without the model, the same windows leave 130 uncertain: 100 is the answer, on its own windows.
+    bare = decide(p.model_copy(update={"engine": None, "max_trials": len(trials)}), trials)
+    assert isinstance(bare, Verdict) and bare.schedule is not None and bare.schedule.maxBatchSize == 100
+    assert "proven by the engine model" in verdict.message
+
+
+def test_a_model_that_fails_its_adequacy_test_proves_nothing_even_where_it_would() -> None:
+    # An engine faster than the model can be below 120 (TPOT x0.6 there, a knee the other way): fitted to those
+    # windows the model puts 130 well under the bound, but it fails its adequacy test, so 130 stays uncertain.
+    p, shape = _model_problem(130, 1.10)
+    rows = [(b, _prior_tpot(shape, b) * f * (0.6 if b < 120 else 1.0), 20.0 * b)
+            for b, f in zip([60, 80, 100, 60, 80, 100, 140, 140], PATTERN, strict=True)]
+    trials = _shaped(p, *rows, (130, p.tpot_ms * 0.95, 20.0 * 130))  # type: ignore[operator]
+    from npuserve.planning.tuner import online_model
+
+    model = online_model(p, trials)
+    assert model is not None and not model.adequacy.ok, model
+    verdict = decide(p.model_copy(update={"max_trials": len(trials)}), trials)
+    assert isinstance(verdict, Verdict) and verdict.basis != "model"
+    assert not (verdict.schedule is not None and verdict.schedule.maxBatchSize == 130 and verdict.slo_met)
+
+
+def test_a_model_that_fails_its_adequacy_test_proves_nothing() -> None:
+    # The same, but the engine has a knee the model cannot follow (x1.4 from 150 up): the windows at 160 to 240
+    # break the adequacy test, and 130 is left to its own window, which the noise leaves uncertain.
+    p, shape = _model_problem(130, 1.10)
+    trials = _model_windows(p, shape, [60, 100, 160, 200, 240, 160, 200, 240], knee=150)
+    trials += _shaped(p, (130, p.tpot_ms * 0.95, 20.0 * 130))  # type: ignore[operator]
+    from npuserve.planning.tuner import online_model
+
+    model = online_model(p, trials)
+    assert model is not None and not model.adequacy.ok, model
+    verdict = decide(p.model_copy(update={"max_trials": len(trials)}), trials)
+    assert isinstance(verdict, Verdict)
+    assert verdict.schedule is None or verdict.schedule.maxBatchSize != 130 or verdict.basis != "model"
+    assert verdict.basis != "model"
+
+
+def test_the_model_is_recorded_in_the_status() -> None:
+    from npuserve.planning.tuning_status import model_status
+
+    p, shape = _model_problem(130, 1.10)
+    trials = _model_windows(p, shape, [60, 80, 100, 60, 80, 100])
+    status = model_status(p, trials)
+    assert status is not None and status.windows == 6 and status.adequate
+    assert [q.name for q in status.parameters] == ["bandwidth_efficiency", "compute_efficiency",
+                                                   "launch_us_per_layer", "per_seq_host_ms"]
+    assert len(status.lastErrors) == 6 and all(abs(e) < 0.1 for e in status.lastErrors[1:])
+    assert model_status(problem("decodeLatency"), trials) is None  # no engine shape: no model
