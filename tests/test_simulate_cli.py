@@ -146,3 +146,22 @@ def test_runs_where_only_the_operator_extra_is_installed() -> None:
     result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Serving Benchmark Result" in result.stdout
+
+
+def test_mindie_23s_tpot_controller_runs_in_the_simulator(capsys: pytest.CaptureFixture[str]) -> None:
+    """The simulator drives the engine's own scheduler, so dynamicBatchSizeEnable caps the simulated running batch as
+    it caps the engine's: the guide's closed loop at maxBatchSize 200 decodes at about 64 ms a token; with
+    decodeExpectedTime 45 the controller holds the mean TPOT within 5% of 45 ms, and throughput falls with the
+    batch."""
+    load = ["--preset", "llama3-8b", "--accelerator", "ascend-910b4", "--cards", "2", "--num-prompts", "800",
+            "--random-input-len", "186", "--random-output-len", "346", "--max-concurrency", "199", "--format", "json"]
+    runs = []
+    for schedule in (["maxBatchSize=200"], ["maxBatchSize=200", "dynamicBatchSizeEnable=true",
+                                            "decodeExpectedTime=45"]):
+        assert main(["simulate", *load, "--schedule", *schedule]) == 0
+        metrics = json.loads(capsys.readouterr().out)["metrics"]
+        runs.append((metrics["tpot_ms"]["mean"], metrics["output_throughput"]))
+    (free_tpot, free_tps), (held_tpot, held_tps) = runs
+    assert free_tpot > 55
+    assert abs(held_tpot / 45 - 1) <= 0.05, held_tpot
+    assert held_tps < free_tps
