@@ -57,6 +57,7 @@ from npuserve.planning.tuning_status import (
 )
 
 from . import capacity as capacity_part
+from . import inner_loop
 from .autotune_types import (
     Actions,
     Measurement,
@@ -155,14 +156,19 @@ class _Look:
         if ready and self.status.get("phase") in ("Ready", "Tuning"):
             self.status["phase"] = serving_phase(self.status["tuning"])
 
-    def apply(self, knobs: ScheduleKnobs) -> None:
-        """`knobs` on the engines: a new schedule generation when they differ from the applied ones (or the
-        applied ones are of another problem, which the ConfigMap no longer holds)."""
+    def apply(self, knobs: ScheduleKnobs, inner: dict[str, int | bool] | None = None) -> None:
+        """`knobs` on the engines, with the TPOT controller's fields `inner` (None: the controller off, as every
+        trial and probe measures one fixed schedule): a new schedule generation when they differ from the applied
+        ones (or the applied ones are of another problem, which the ConfigMap no longer holds)."""
         applied = self.tuning.applied
-        if applied is not None and applied.knobs() == knobs and not (self.new_problem or self.reapply):
+        if inner is None:
+            inner = inner_loop.off(self.isvc, applied)
+        if applied is not None and applied.knobs() == knobs and applied.inner_loop() == inner \
+                and not (self.new_problem or self.reapply):
             return
         generation = next_generation(applied, self.generation)
-        self.tuning.applied = AppliedSchedule(**knobs.model_dump(exclude_none=True), scheduleGeneration=generation)
+        self.tuning.applied = AppliedSchedule(**knobs.model_dump(exclude_none=True), **inner,
+                                              scheduleGeneration=generation)
         self.actions.apply = self.tuning.applied
 
     # -- the loop --
@@ -418,8 +424,10 @@ class _Look:
         self.tuning.phase = phase_of(verdict)
         self.tuning.lastCheckAt = self.now
         self.tuning.missedWindows = 0
-        self.apply(best.schedule if best is not None else best_known(self.problem, self.tuning.history))
+        self.apply(best.schedule if best is not None else best_known(self.problem, self.tuning.history),
+                   inner_loop.wanted(self.isvc, self.tuning.verdict, self.tuning.applied))
         said = f"{verdict.reason} after {len(history)} trials: {verdict.message}"
+        said += self.inner_loop_said()
         self.tuning.message = said
         self.condition("Tuning", False, verdict.reason[0].upper() + verdict.reason[1:], said)
         if verdict.slo_met:
@@ -435,9 +443,34 @@ class _Look:
         self.event("Normal" if verdict.slo_met else "Warning", "TuningFinished", said)
         capacity_part.advance(self)
 
+    def inner_loop_said(self) -> str:
+        """What the verdict's message adds of the inner loop: its target when it runs, why not when it is asked for
+        and does not."""
+        applied = self.tuning.applied
+        if applied is not None and applied.dynamicBatchSizeEnable:
+            return (f"; the engines' TPOT controller holds the mean TPOT at {applied.decodeExpectedTime} ms "
+                    f"(decodeExpectedTime) under maxBatchSize {applied.maxBatchSize}")
+        why = inner_loop.why_not(self.isvc, self.tuning.verdict)
+        return f"; {why}" if why else ""
+
+    def hold_inner_loop(self) -> None:
+        """After the round (and its capacity probes, which measure the fixed schedule): the controller as the spec
+        and the verdict want it; a spec change that turns spec.autotune.innerLoop on or off takes effect here."""
+        applied = self.tuning.applied
+        if applied is None:
+            return
+        inner = inner_loop.wanted(self.isvc, self.tuning.verdict, applied)
+        if applied.inner_loop() != inner:
+            self.apply(applied.knobs(), inner)
+            state = (f"on at decodeExpectedTime {inner[inner_loop.TARGET]} ms" if inner.get(inner_loop.ENABLE)
+                     else "off")
+            self.event("Normal", "InnerLoop", f"the engines' TPOT controller is {state} under maxBatchSize "
+                                              f"{applied.maxBatchSize}")
+
     def after_tuning(self) -> None:
         if capacity_part.advance(self):
             return
+        self.hold_inner_loop()
         m = self.obs.measurement
         if m is None:
             return

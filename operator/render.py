@@ -195,7 +195,8 @@ def mindie_config(isvc: InferenceService, plan: Plan, schedule: PlanSchedule | N
                     }
                 ],
             },
-            "ScheduleConfig": (schedule or plan.schedule).model_dump(),
+            # exclude_none: a tuned schedule's unset inner-loop fields (tuning_schedule.ConfigSchedule) stay out.
+            "ScheduleConfig": (schedule or plan.schedule).model_dump(exclude_none=True),
         },
         "npuserve": NpuserveExtensions(
             device=acc.npu_device_type,

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from npuserve.engine_contract import HOT_SCHEDULE_FIELDS
+from npuserve.engine_contract import HOT_SCHEDULE_FIELDS, schedule_field
 from npuserve.planning.api import (
     AppliedSchedule,
     InferenceService,
@@ -69,7 +69,18 @@ def applied_schedule(isvc: InferenceService, plan: Plan, status: Mapping[str, An
         return None
     if tuning.problem != problem_key(problem_for(isvc, plan)):
         return None
-    return with_knobs(plan.schedule, tuning.applied.knobs())
+    schedule = with_knobs(plan.schedule, tuning.applied.knobs())
+    inner = tuning.applied.inner_loop()
+    return ConfigSchedule(**schedule.model_dump(), **inner) if inner else schedule
+
+
+class ConfigSchedule(PlanSchedule):
+    """The ScheduleConfig the ConfigMap holds while the tuner's schedule runs: the plan's with the tuner's knobs,
+    and the engine's TPOT controller as the inner loop left it (unset: config.json leaves it out, the engine's
+    default, off), so a restarted pod runs what the others run."""
+
+    dynamicBatchSizeEnable: bool | None = schedule_field("dynamicBatchSizeEnable", optional=True)
+    decodeExpectedTime: int | None = schedule_field("decodeExpectedTime", optional=True)
 
 
 def plan_generation(applied: AppliedSchedule | None, spec_generation: int | None) -> int:

@@ -508,6 +508,28 @@ class AutotuneSpec(_Model):
                         "of it that is discarded")
     minSamples: int = Field(default=50, ge=1, le=1_000_000,
                             description="finished requests a window must hold to count; fewer: measured again")
+    innerLoop: bool = Field(
+        default=False,
+        description="after a verdict that meets a TPOT bound, run the engine's TPOT controller (MindIE 2.3's "
+        "dynamicBatchSizeEnable) under the tuned maxBatchSize with decodeExpectedTime just under spec.slo.tpotMs; "
+        "off while trials run (needs spec.slo.tpotMs and statistic mean)",
+    )
+
+
+# The engine's controller holds the mean TPOT: a spec asking for it needs a TPOT bound on the mean. Checked on the
+# spec (they read spec.slo); the engine also refuses it with chunked prefill, which is no spec field.
+INNER_LOOP_RULES = (
+    cel(
+        "!self.autotune.innerLoop || has(self.slo.tpotMs)",
+        "spec.autotune.innerLoop needs spec.slo.tpotMs: the engine's controller holds a TPOT target",
+        field_path=".autotune.innerLoop",
+    ),
+    cel(
+        "!self.autotune.innerLoop || self.slo.statistic == 'mean'",
+        "spec.autotune.innerLoop needs spec.slo.statistic mean: the engine's controller holds the mean TPOT",
+        field_path=".autotune.innerLoop",
+    ),
+)
 
 
 # --- spec.engine, host, monitoring -------------------------------------------------------------------------------
@@ -551,6 +573,10 @@ class ScheduleKnobs(_Model):
         return {k: v for k, v in self.model_dump(exclude_none=True).items()}
 
 
+# The ScheduleConfig fields of the engine's TPOT controller (engine_contract.SCHEDULE_FIELDS: hot, not tuner knobs).
+INNER_LOOP_FIELDS: Final = ("dynamicBatchSizeEnable", "decodeExpectedTime")
+
+
 class AppliedSchedule(ScheduleKnobs):
     """The knobs the operator has put on the engines, and their schedule generation: the one source of the tuned
     schedule. The generation rises with every schedule the tuner applies (and past the plan's own, which the
@@ -558,9 +584,17 @@ class AppliedSchedule(ScheduleKnobs):
     generation is newer than the one they run, and the ConfigMap and every PUT /admin/schedule carry it."""
 
     scheduleGeneration: int = schedule_generation_field(required=True)
+    # The engine's TPOT controller (spec.autotune.innerLoop): on only after a verdict that met a TPOT bound; set false
+    # explicitly while trials run, so an engine that ran it turns it off (unset: the engine's config.json's value).
+    dynamicBatchSizeEnable: bool | None = schedule_field("dynamicBatchSizeEnable", optional=True)
+    decodeExpectedTime: int | None = schedule_field("decodeExpectedTime", optional=True)
 
     def knobs(self) -> ScheduleKnobs:
-        return ScheduleKnobs.model_validate(self.model_dump(exclude={"scheduleGeneration"}))
+        return ScheduleKnobs.model_validate(self.model_dump(exclude={"scheduleGeneration", *INNER_LOOP_FIELDS}))
+
+    def inner_loop(self) -> dict[str, int | bool]:
+        """The controller's fields that are set (none: the engines keep their own)."""
+        return self.model_dump(include=set(INNER_LOOP_FIELDS), exclude_none=True)
 
 
 class Toleration(_Model):
@@ -652,7 +686,7 @@ PRESET_HEADS_RULE = _preset_heads_rule()
 
 
 class InferenceServiceSpec(_Model):
-    model_config = ConfigDict(json_schema_extra=_rules(*SPEC_RULES, PRESET_HEADS_RULE))
+    model_config = ConfigDict(json_schema_extra=_rules(*SPEC_RULES, PRESET_HEADS_RULE, *INNER_LOOP_RULES))
 
     model: ModelSource
     accelerator: AcceleratorSpec
@@ -689,6 +723,10 @@ class InferenceServiceSpec(_Model):
                     f"spec.accelerator.cards ({cards}) must divide the {heads} attention heads of "
                     f"spec.model.preset {self.model.preset}"
                 )
+        if self.autotune.innerLoop and self.slo.tpotMs is None:
+            _fail(INNER_LOOP_RULES[0]["message"])
+        if self.autotune.innerLoop and self.slo.statistic != "mean":
+            _fail(INNER_LOOP_RULES[1]["message"])
         return self
 
 

@@ -153,3 +153,23 @@ def test_the_operator_deploys_nothing_for_a_spec_it_refuses_and_does_not_retry(
             assert not repeated, f"{name} handled again and again: {repeated}"
         deployed = apps.list_namespaced_deployment(ns, label_selector=INSTANCE_LABEL).items
         assert not deployed, [d.metadata.name for d in deployed]
+
+
+def test_the_api_server_refuses_the_inner_loop_without_a_mean_tpot_bound_naming_the_field(
+        custom_objects: kubernetes.client.CustomObjectsApi) -> None:
+    """spec.autotune.innerLoop: the engine's controller holds a mean TPOT target, so the API server refuses the
+    inner loop without spec.slo.tpotMs and with a p90/p99 bound, and stores it with a mean TPOT bound."""
+    import yaml
+    from operator_harness import REPO
+
+    spec = yaml.safe_load((REPO / "examples" / "demo.yaml").read_text())["spec"]
+    spec["autotune"] = {"enabled": True, "innerLoop": True}
+    for slo, words in (({"objective": "throughput"}, "spec.autotune.innerLoop needs spec.slo.tpotMs"),
+                       ({"objective": "decodeLatency", "tpotMs": 50, "statistic": "p99"},
+                        "spec.autotune.innerLoop needs spec.slo.statistic mean")):
+        refused = _dry_run(custom_objects, {**spec, "slo": slo})
+        assert isinstance(refused, ApiException) and refused.status == 422, refused
+        assert words in json.loads(refused.body)["message"] and "spec.autotune.innerLoop" in _named_fields(refused)
+    stored = _dry_run(custom_objects, {**spec, "slo": {"objective": "decodeLatency", "tpotMs": 50}})
+    assert not isinstance(stored, ApiException), stored.body
+    assert stored["spec"]["autotune"]["innerLoop"] is True and stored["spec"]["slo"]["statistic"] == "mean"

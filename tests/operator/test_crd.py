@@ -269,7 +269,7 @@ def test_an_object_without_optional_sections_gets_the_documented_defaults(root_s
     spec = apply_defaults(root_schema, obj)["spec"]
     # Autotuning is off unless asked for.
     assert spec["autotune"] == {"enabled": False, "mode": "online", "maxTrials": 8, "window": "2m",
-                                "minSamples": 50}
+                                "minSamples": 50, "innerLoop": False}
     assert spec["slo"] == {"objective": "throughput", "statistic": "mean"}
     assert spec["host"] == {"cpuPinning": "numa", "transparentHugePages": False, "jemalloc": True,
                             "cpuPerformanceGovernor": False}
@@ -325,6 +325,12 @@ ARCH = {"numLayers": 32, "hiddenSize": 4096, "numAttentionHeads": 32, "numKeyVal
         "vocabSize": 128256, "intermediateSize": 14336}
 
 CEL_CASES = {
+    # The engine's TPOT controller holds a mean TPOT target: the inner loop needs a TPOT bound on the mean.
+    "inner loop without a TPOT bound": (_mutated("autotune.innerLoop", True),
+                                        "spec.autotune.innerLoop needs spec.slo.tpotMs"),
+    "inner loop on a p90 bound": (_both("autotune.innerLoop", True, "slo",
+                                        {"objective": "decodeLatency", "tpotMs": 50, "statistic": "p90"}),
+                                  "spec.autotune.innerLoop needs spec.slo.statistic mean"),
     "preset and architecture": (_mutated("model.architecture", ARCH),
                                 "spec.model: set exactly one of preset or architecture"),
     "neither preset nor architecture": (_mutated("model.preset", _DELETE),
