@@ -549,18 +549,20 @@ def _target(problem: TuningProblem, h: History, pts: Sequence[Point]) -> float:
     aim = _aim(problem, h)
     crossings = {k: fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds()}
     if "tpot" in crossings and h.model is not None and h.model.usable and not h.noise.exact:
-        crossings["tpot"] = _model_crossing(problem, h.model)
+        crossings["tpot"] = _model_crossing(problem, h.model, aim["tpot"])
     return min(crossings.values())
 
 
-def _model_crossing(problem: TuningProblem, model: OnlineModel) -> float:
-    """The largest batch in [1, batch_max] whose TPOT the model proves under the bound (0 when none is)."""
+def _model_crossing(problem: TuningProblem, model: OnlineModel, aim: float) -> float:
+    """The largest batch in [1, batch_max] whose TPOT the model puts at the aimed level (a log ratio to the bound:
+    where a batch would be certain after PLANNED_WINDOWS windows), 0 when none is. The model's mean, not its
+    proof: while its doubt is wide, the batch it could prove now lies far below the answer."""
     assert problem.tpot_ms is not None
-    limit = problem.tpot_ms
+    limit = problem.tpot_ms * math.exp(aim)
     lo, hi = 0, problem.batch_max
-    while lo < hi:  # the model's TPOT and its doubt grow with the batch
+    while lo < hi:  # the model's TPOT grows with the batch
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if _model_upper(model, mid) <= limit else (lo, mid - 1)
+        lo, hi = (mid, hi) if predict(model.calibration, mid)[0] <= limit else (lo, mid - 1)
     return float(lo)
 
 
