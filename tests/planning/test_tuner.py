@@ -778,20 +778,24 @@ def test_an_adequate_model_proves_a_batch_its_one_window_leaves_uncertain() -> N
     assert "proven by the engine model" in verdict.message
 
 
-def test_a_model_that_fails_its_adequacy_test_proves_nothing_even_where_it_would() -> None:
-    # An engine faster than the model can be below 120 (TPOT x0.6 there, a knee the other way): fitted to those
-    # windows the model puts 130 well under the bound, but it fails its adequacy test, so 130 stays uncertain.
-    p, shape = _model_problem(130, 1.10)
-    rows = [(b, _prior_tpot(shape, b) * f * (0.6 if b < 120 else 1.0), 20.0 * b)
-            for b, f in zip([60, 80, 100, 60, 80, 100, 140, 140], PATTERN, strict=True)]
-    trials = _shaped(p, *rows, (130, p.tpot_ms * 0.95, 20.0 * 130))  # type: ignore[operator]
-    from npuserve.planning.tuner import online_model
+def test_the_same_model_proves_nothing_once_its_adequacy_test_fails() -> None:
+    # The windows of the test above, where the adequate model proves 130: the same calibration, its adequacy test's
+    # word turned to a failure, proves nothing (the gate alone decides: nothing else differs).
+    from dataclasses import replace
 
-    model = online_model(p, trials)
-    assert model is not None and not model.adequacy.ok, model
-    verdict = decide(p.model_copy(update={"max_trials": len(trials)}), trials)
-    assert isinstance(verdict, Verdict) and verdict.basis != "model"
-    assert not (verdict.schedule is not None and verdict.schedule.maxBatchSize == 130 and verdict.slo_met)
+    from npuserve.planning.engine_model import Adequacy
+    from npuserve.planning.tuner import _digest, _proven
+
+    p, shape = _model_problem(130, 1.10)
+    trials = _model_windows(p, shape, [60, 80, 100, 60, 80, 100])
+    trials += _shaped(p, (130, p.tpot_ms * 0.95, 20.0 * 130))  # type: ignore[operator]
+    h = _digest(p, trials)
+    assert h.model is not None and h.model.usable
+    proofs = {q.batch: q.proof for q in h.points}
+    assert proofs[130] is not None and proofs[130].basis == "model"
+    failed = replace(h.model, adequacy=Adequacy(ok=False, statistic=99.0, threshold=17.5, why="a knee"))
+    again = {q.batch: q.proof for q in _proven(p, h.points, failed, h.noise)}
+    assert again[130] is None and all(q is None or q.basis != "model" for q in again.values())
 
 
 def test_a_model_that_fails_its_adequacy_test_proves_nothing() -> None:
