@@ -246,9 +246,9 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
 def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list[int]],
            noise: Noise) -> OnlineModel | None:
     """The engine model fitted to every usable window's TPOT at the SLO's statistic, oldest first (the newest weigh
-    most). Its adequacy test holds its residuals against the noise the repeats at one batch show (pooled with the
-    prior), not against the scatter around a smooth curve: a knee the model cannot follow would inflate that figure
-    and hide itself in it."""
+    most). Its adequacy test holds its residuals against the noise the repeats at one batch show (TPOT's or, when
+    larger, tok/s's: the machine's noise; pooled with the prior), not against the scatter around a smooth curve: a
+    knee the model cannot follow would inflate that figure and hide itself in it."""
     if problem.engine is None:
         return None
     order = sorted(i for ix in kept.values() for i in ix)
@@ -261,6 +261,7 @@ def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list
         series = fits.Series(batches, tuple(tuple(math.log(max(problem.latency(_metrics(trials[i]), "tpot"), 1e-9))
                                                   for i in kept[b]) for b in batches))
         reference, _ = fits.noise_estimate(problem.noise / math.sqrt(3), [fits.scatter(series, rising=False)])
+        reference = max(reference, noise.throughput)  # the machine's noise, as the tok/s repeats measure it
     calibration = calibrate(problem.engine, windows, reference)
     return OnlineModel(calibration, adequate(calibration))
 
