@@ -65,10 +65,11 @@ MAX_DROP = 2.0
 BACKOFF = 0.5
 MAX_REPEATS = 4  # windows at one batch at most, when the noise leaves its verdict open
 PLANNED_WINDOWS = 3  # a noisy search aims where a batch would be certain after this many windows
-# A claim from the engine model: its one-sided CLAIM_CONFIDENCE interval on the true TPOT within `tolerance` of the
-# bound, as a claim on windows; and, as the model's interval leaves out its own bias (the sum for the cost model's
-# max, a knee too small for the adequacy test), corroborated by the batch's own windows: their interval within
-# CORROBORATION x `tolerance` of the bound. (The model alone, at 97.5% or 99%, claimed one false SLOMet in 120 runs.)
+# A claim from the engine model: its one-sided CLAIM_CONFIDENCE interval on the true TPOT under the bound itself (no
+# `tolerance`, which a claim on windows has); and, as the model's interval leaves out its own bias (the sum for the
+# cost model's max, a knee too small for the adequacy test), corroborated by the batch's own windows: their interval
+# within CORROBORATION x `tolerance` of the bound. (Within `tolerance`, the model claimed a false SLOMet on the 32B
+# setup and on the misspecified engine at 20% noise, 5.3% and 5.8% over the bound.)
 CORROBORATION = 2.0
 
 
@@ -302,11 +303,10 @@ def _proven(problem: TuningProblem, points: Sequence[Point], model: OnlineModel 
 
 
 def _model_proves(problem: TuningProblem, p: Point, model: OnlineModel | None, noise: Noise) -> bool:
-    """Whether the calibrated model proves that `p`'s true TPOT meets its bound within `tolerance`: the model passes
-    its adequacy test, `p`'s own windows meet every bound as measured and their TPOT interval lies within
-    CORROBORATION x `tolerance` of the bound, the upper end of the model's one-sided interval on TPOT at `p` (the
-    parameters' uncertainty, Student-t at the model's degrees of freedom) is within `tolerance` of the bound, and any
-    TTFT bound is certain on the windows."""
+    """Whether the calibrated model proves that `p`'s true TPOT meets its bound: the model passes its adequacy test,
+    `p`'s own windows meet every bound as measured and their TPOT interval lies within CORROBORATION x `tolerance`
+    of the bound, the upper end of the model's one-sided interval on TPOT at `p` (the parameters' uncertainty,
+    Student-t at the model's degrees of freedom) is under the bound, and any TTFT bound is certain on the windows."""
     bound = problem.tpot_ms
     if model is None or not model.usable or noise.exact or bound is None or not p.claim.meets:
         return False
@@ -314,7 +314,7 @@ def _model_proves(problem: TuningProblem, p: Point, model: OnlineModel | None, n
         return False
     if p.claim.upper.get("tpot", 0.0) > 1 + CORROBORATION * problem.tolerance:
         return False
-    return _model_upper(model, p.batch) <= bound * (1 + problem.tolerance)
+    return _model_upper(model, p.batch) <= bound
 
 
 def _model_upper(model: OnlineModel, batch: float) -> float:
