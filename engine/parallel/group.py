@@ -335,6 +335,7 @@ class WorkerLink:
     link: _Link | None = None
     init_method: str = ""
     stopping: bool = False
+    watcher: threading.Thread | None = None
 
     @property
     def leader(self) -> str:
@@ -375,8 +376,16 @@ class WorkerLink:
         if "error" in answer:
             raise GroupError(str(answer["error"]))
         self.init_method = str(answer["init_method"])
-        threading.Thread(target=self._watch, name="npuserve-leader-watch", daemon=True).start()
+        self.watcher = threading.Thread(target=self._watch, name="npuserve-leader-watch", daemon=True)
+        self.watcher.start()
         return self.init_method
+
+    def wait_gone(self, timeout_s: float) -> None:
+        """Gives the link up to `timeout_s` to find the leader gone. A rank whose collective fails because the leader
+        died must exit naming the leader (the watch does, and ends the pod), not the collective's error, which
+        can come first."""
+        if self.watcher is not None:
+            self.watcher.join(timeout_s)
 
     def _watch(self) -> None:
         assert self.link is not None

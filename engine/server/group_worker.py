@@ -24,6 +24,8 @@ from npuserve.engine.server.fatal import EXIT_CODE, hard_exit, write_termination
 from npuserve.engine_contract import HEALTH_PATH, READY_PATH
 
 log = logging.getLogger(__name__)
+# How long a failed rank waits for the leader's link to say the leader is gone before reporting its own error.
+LEADER_GONE_GRACE_S = 2.0
 
 
 class ProbeServer:
@@ -147,6 +149,7 @@ def serve_worker_pod(args: argparse.Namespace, config: Any, environment: Any, la
         _follow(make_args(first), doing, on_built=built)
     except Exception as e:
         log.exception("tensor-parallel rank %d failed %s", first, doing[0])
+        link.wait_gone(LEADER_GONE_GRACE_S)  # the leader's death, if it is the cause, is the message
         die(f"tensor-parallel rank {first} failed {doing[0]}: {type(e).__name__}: {e}; it exits, and the group "
             "with it")
         return EXIT_CODE
