@@ -22,7 +22,7 @@ from npuserve.planning.api import AppliedSchedule, InferenceService, TuningVerdi
 # judges stay under the bound; the floor to whole ms (MindIE's unit) only adds to it.
 MARGIN = 0.10
 _TARGET = SCHEDULE_FIELD_BY_NAME["decodeExpectedTime"]
-ENABLE, TARGET = "dynamicBatchSizeEnable", _TARGET.name
+ENABLE, TARGET = SCHEDULE_FIELD_BY_NAME["dynamicBatchSizeEnable"].name, _TARGET.name
 
 
 def expected_time_ms(tpot_bound_ms: float) -> int | None:

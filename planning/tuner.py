@@ -33,8 +33,9 @@ estimated from the data (repeats, the isotonic fit's residuals). A batch never m
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -258,9 +259,8 @@ def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list
     if noise.exact:
         reference = 0.0
     else:
-        batches = tuple(sorted(kept))
-        series = fits.Series(batches, tuple(tuple(math.log(max(problem.latency(_metrics(trials[i]), "tpot"), 1e-9))
-                                                  for i in kept[b]) for b in batches))
+        series = _log_series({b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()},
+                             lambda m: problem.latency(m, "tpot"))
         reference, _ = fits.noise_estimate(problem.noise / math.sqrt(3), [fits.scatter(series, rising=False)])
         reference = max(reference, noise.throughput)  # the machine's noise, as the tok/s repeats measure it
     calibration = calibrate(problem.engine, windows, reference)
@@ -337,21 +337,24 @@ def _noise(problem: TuningProblem, windows: dict[int, list[TrialMetrics]]) -> No
     if problem.noise == 0:
         return Noise(latency={k: 0.0 for k in problem.bounds()}, throughput=0.0)
     prior = problem.noise / math.sqrt(3)  # the standard deviation of a uniform +-noise
-    batches = tuple(sorted(windows))
-    tps = fits.Series(batches, tuple(tuple(math.log(max(m.outputTokensPerSecond, 1e-9)) for m in windows[b])
-                                     for b in batches))
+    tps = _log_series(windows, lambda m: m.outputTokensPerSecond)
     tps_scatter = fits.scatter(tps, rising=False)
     throughput, tps_df = fits.noise_estimate(prior, [tps_scatter])
     floor = throughput if tps_scatter[1] > 0 else 0.0  # only once repeats have measured the machine's noise
     latency: dict[LatencyName, float] = {}
     dfs: list[float] = []
     for key in problem.bounds():
-        series = fits.Series(batches, tuple(tuple(math.log(max(problem.latency(m, key), 1e-9)) for m in windows[b])
-                                            for b in batches))
+        series = _log_series(windows, functools.partial(problem.latency, key=key))
         estimate, df = fits.noise_estimate(prior, [fits.scatter(series, rising=True)])
         latency[key] = max(estimate, floor)
         dfs.append(df)
     return Noise(latency=latency, throughput=throughput, df=min(dfs, default=tps_df))
+
+
+def _log_series(windows: dict[int, list[TrialMetrics]], figure: Callable[[TrialMetrics], float]) -> fits.Series:
+    """One figure of the windows, in logs (the noise is multiplicative), by batch."""
+    batches = tuple(sorted(windows))
+    return fits.Series(batches, tuple(tuple(math.log(max(figure(m), 1e-9)) for m in windows[b]) for b in batches))
 
 
 def _latency_series(problem: TuningProblem, points: Sequence[Point], key: LatencyName) -> fits.Series:
