@@ -278,7 +278,9 @@ class SyntheticEngines:
                 n = int(pod.owed)
                 pod.owed -= n
                 for _ in range(n):
-                    pod.metrics.observe_finished(m.sample(batch, self.rng))
+                    sample = m.sample(batch, self.rng)
+                    pod.metrics.observe_generated(sample.generation_tokens)  # a synthetic request's tokens at once
+                    pod.metrics.observe_finished(sample)
                 running = m.running(batch)
                 pod.metrics.set_state(running=running, waiting=m.waiting(batch), swapped=0,
                                       kv_usage=min(1.0, running * m.blocks_per_request / pod.kv_blocks),

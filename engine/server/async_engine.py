@@ -343,6 +343,7 @@ class AsyncEngine:
                     self.engine.abort(rid)
                     made = [*made, _error_output(rid, error)]
             now = time.monotonic()
+            self.metrics.observe_generated(sum(len(output.new_token_ids) for output in processed))
             for output in processed:
                 self._deliver(output, now)
             for output in made:

@@ -117,13 +117,19 @@ class EngineMetrics:
         if preemptions:
             self.num_preemptions.labels(self.model_name).inc(preemptions)
 
+    def observe_generated(self, tokens: int) -> None:
+        """Tokens one step generated, counted as they come (as vLLM counts them), not when their request ends: a
+        window's increase is then the tokens generated in it, not those of the requests that happened to finish in it
+        (with requests about as long as the window, a figure that rises and falls with their number)."""
+        if tokens:
+            self.generation_tokens.labels(self.model_name).inc(tokens)
+
     def observe_inter_token_latency(self, seconds: float) -> None:
         self.inter_token_latency.labels(self.model_name).observe(seconds)
 
     def observe_finished(self, sample: FinishedRequestSample) -> None:
         m = self.model_name
         self.prompt_tokens.labels(m).inc(sample.prompt_tokens)
-        self.generation_tokens.labels(m).inc(sample.generation_tokens)
         self.request_success.labels(m, sample.finish_reason).inc()
         self.e2e_request_latency.labels(m).observe(sample.e2e_latency)
         self.request_queue_time.labels(m).observe(sample.queue_time)

@@ -37,7 +37,10 @@ def test_finished_request_moves_counters_and_histograms() -> None:
         finish_reason="length", prompt_tokens=10, generation_tokens=5, queue_time=0.1, prefill_time=0.2,
         decode_time=0.4, e2e_latency=0.7, time_to_first_token=0.3))
     s = _samples(metrics)
-    assert s["npuserve:prompt_tokens_total"] == 10 and s["npuserve:generation_tokens_total"] == 5
+    # generated tokens count per step (observe_generated), as they come: the request's end adds none
+    assert s["npuserve:prompt_tokens_total"] == 10 and s["npuserve:generation_tokens_total"] == 0
+    metrics.observe_generated(5)
+    assert _samples(metrics)["npuserve:generation_tokens_total"] == 5
     assert s["npuserve:request_success_total{finished_reason=length}"] == 1
     assert s["npuserve:request_success_total{finished_reason=stop}"] == 0
     assert s["npuserve:time_per_output_token_seconds_sum"] == 0.1  # 0.4 s over 4 gaps

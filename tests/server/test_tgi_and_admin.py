@@ -86,6 +86,32 @@ def test_metrics_move_as_requests_run(server: RunningServer) -> None:
     assert server.metric("npuserve:kv_cache_blocks_total") == server.engine.engine.kv_plan.num_blocks
 
 
+def test_generated_tokens_count_as_they_stream_not_when_the_request_ends(
+        server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window's tok/s is the counter's increase over it: tokens must count as generated (as vLLM's do), so a
+    request longer than the window is not counted whole in the window it happens to finish in."""
+    runner = server.engine.engine.runner
+    execute = runner.execute
+
+    def slow_execute(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.05)  # 100 tokens take 5 s: the request is still running when the counter is read
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    before = server.metric("npuserve:generation_tokens_total")
+    body = {"prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        r.raise_for_status()
+        chunks = 0
+        for line in r.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks >= 5:
+                break
+        mid = server.metric("npuserve:generation_tokens_total")
+        assert before + 5 <= mid < before + 100, (before, mid)
+    wait_until(lambda: server.metric("npuserve:num_requests_running") == 0)
+
+
 def test_admin_requires_a_token(server: RunningServer) -> None:
     r = httpx.put(server.url + "/admin/schedule", json={"maxBatchSize": 8}, timeout=30)
     assert r.status_code == 401
