@@ -237,16 +237,16 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
             thin[b] = samples
             continue
         kept[b] = indices
-    noise = _noise(problem, {b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()})
-    model = _model(problem, trials, kept, noise)
+    windows = {b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()}
+    noise = _noise(problem, windows)
+    model = _model(problem, trials, kept, windows, noise)
     noise = _with_model_noise(problem, noise, model)
-    points = tuple(Point(b, tuple(ix), tuple(_metrics(trials[i]) for i in ix),
-                         problem.claim([_metrics(trials[i]) for i in ix], noise)) for b, ix in kept.items())
+    points = tuple(Point(b, tuple(ix), tuple(windows[b]), problem.claim(windows[b], noise)) for b, ix in kept.items())
     return History(trials, relevant, _proven(problem, points, model, noise), failed, thin, counts, cap, noise, model)
 
 
 def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list[int]],
-           noise: Noise) -> OnlineModel | None:
+           by_batch: dict[int, list[TrialMetrics]], noise: Noise) -> OnlineModel | None:
     """The engine model fitted to every usable window's TPOT at the SLO's statistic, oldest first (the newest weigh
     most). Its adequacy test holds its residuals against the noise the repeats at one batch show (TPOT's or, when
     larger, tok/s's: the machine's noise; pooled with the prior), not against the scatter around a smooth curve: a
@@ -259,7 +259,7 @@ def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list
     if noise.exact:
         reference = 0.0
     else:
-        series = _log_series({b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()},
+        series = _log_series(by_batch,
                              lambda m: problem.latency(m, "tpot"))
         reference, _ = fits.noise_estimate(problem.noise / math.sqrt(3), [fits.scatter(series, rising=False)])
         reference = max(reference, noise.throughput)  # the machine's noise, as the tok/s repeats measure it

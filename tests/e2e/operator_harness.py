@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -110,3 +111,8 @@ def scratch_namespace(cluster: localk8s.Cluster, prefix: str) -> Iterator[str]:
         cluster.kubectl("delete", "deployments", "--all", "-n", ns, "--wait=true", check=False, timeout=90)
         cluster.kubectl("wait", "--for=delete", "pod", "--all", "-n", ns, "--timeout=90s", check=False, timeout=100)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def say(*args: object) -> None:
+    """print() to the real stdout: kopf's runner (click's CliRunner) swaps sys.stdout while the operator runs."""
+    print(*args, sep="\n", file=sys.__stdout__, flush=True)

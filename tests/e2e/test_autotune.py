@@ -16,7 +16,6 @@ import json
 import math
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +25,7 @@ import httpx
 import localk8s
 import pytest
 import yaml
-from operator_harness import REPO, Operator, events, scratch_namespace, wait_for
+from operator_harness import REPO, Operator, events, say, scratch_namespace, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -222,7 +221,7 @@ def test_tuning_converges_with_history_best_and_slo_met_without_restarting_pods(
                       _watch_current_trial(k8s_cluster, namespace) or status(k8s_cluster, namespace)),
                   timeout=900, interval=1)
     tuning = st["tuning"]
-    print(trail(st), file=sys.__stdout__, flush=True)  # kopf's runner swaps sys.stdout while the operator runs
+    say(trail(st))
     measured = [e for e in conclusive(st) if e.get("metrics")]
     assert len(conclusive(st)) >= 3 and len(measured) >= 2, trail(st)
     assert len([t for t in Seen.info_batches if t is not None]) >= 3, Seen.info_batches

@@ -27,7 +27,7 @@ import httpx
 import localk8s
 import pytest
 import yaml
-from operator_harness import REPO, Operator, scratch_namespace, wait_for
+from operator_harness import REPO, Operator, say, scratch_namespace, wait_for
 
 from npuserve.engine_contract import ADMIN_SCHEDULE_PATH, INFO_PATH, SCHEDULE_GENERATION_KEY
 
@@ -43,11 +43,6 @@ OUTPUT_TOKENS = 32
 LIGHT, HEAVY = 2, 24  # users per pod
 SMALL_BATCH = 4
 NPUSERVE = str(Path(sys.executable).parent / "npuserve")
-
-
-def say(*args: object) -> None:
-    """print() to the real stdout: kopf's runner (click's CliRunner) swaps sys.stdout while the operator runs."""
-    print(*args, sep="\n", file=sys.__stdout__, flush=True)
 
 
 def manifest(namespace: str, name: str, model: Path, **autotune: Any) -> dict[str, Any]:
