@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,15 +14,37 @@ _QUANT_TOOLS_TESTS = "test_quant_tools.py"
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """A run that includes the W8A8 checkpoint tests starts building the quantizers' virtualenvs and checkpoints in the
-    background at once (tests/quant_checkpoints.py `prewarm`): minutes of downloads on a fresh machine, overlapped
-    with the tests that come first. NPUSERVE_PREWARM=0 turns it off."""
+    """What a run needs from the network or a compiler starts at once, in the background at the lowest priority, so
+    it overlaps the tests that come first (each waits on its file locks and finds the work done):
+    - the W8A8 checkpoint tests: the quantizers' virtualenvs and checkpoints (tests/quant_checkpoints.py `prewarm`),
+      minutes of downloads on a fresh machine;
+    - the cluster's tests (run last, tests/e2e/conftest.py): the Kubernetes, Prometheus and LWS binaries, about 17
+      minutes of Go builds on 2 cores the first time (`e2e/cluster/cluster.py build`; a no-op once cached).
+    NPUSERVE_PREWARM=0 turns both off."""
     if os.environ.get("NPUSERVE_PREWARM", "1") == "0" or session.config.option.collectonly:
         return
     if any(item.path.name == _QUANT_TOOLS_TESTS for item in session.items):
         from tests.quant_checkpoints import prewarm
 
         prewarm()
+    if any("e2e" in item.keywords and not item.get_closest_marker("skip") for item in session.items):
+        _prewarm_cluster_binaries()  # (NPUSERVE_SKIP_E2E marks them skipped: tests/e2e/conftest.py)
+
+
+_CLUSTER_CLI = Path(__file__).resolve().parents[1] / "e2e" / "cluster" / "cluster.py"
+
+
+def _prewarm_cluster_binaries() -> subprocess.Popen[bytes]:
+    """`cluster.py build` in a process of its own (its Go builds run under nice already: e2e/cluster/binaries.py);
+    its output goes to `cluster-prewarm.log` in the cache. A failed build is the cluster fixture's to report: it
+    builds again, in the foreground."""
+    from tests.thirdparty.tools_venv import cache_dir
+
+    logfile = cache_dir() / "cluster-prewarm.log"
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    with logfile.open("wb") as out:
+        return subprocess.Popen([sys.executable, "-P", str(_CLUSTER_CLI), "build"], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 @pytest.fixture(scope="session")
