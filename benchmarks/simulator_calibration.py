@@ -23,12 +23,8 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from npuserve.sim.cost_model import (
-    ALLREDUCE_LATENCY_US_BOUND,
-    ENGINE_PROFILES,
-    LAUNCH_US_PER_LAYER_BOUND,
-    PER_SEQ_HOST_MS_BOUND,
-)
+from npuserve.catalog.accelerators import LINK_LATENCIES
+from npuserve.sim.cost_model import ENGINE_PROFILES, LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
 from npuserve.sim.fitting import BOUNDS, Case, Fit, Fitter, cases, free_params, predict
 
 IN_SAMPLE_TARGET, OUT_MEDIAN_TARGET, OUT_MAX_TARGET = 0.10, 0.15, 0.25
@@ -36,7 +32,7 @@ BOUND_SOURCES = {
     "launch_us_per_layer": f"<= {LAUNCH_US_PER_LAYER_BOUND:g} us: vllm-ascend #9404, eager decode on 910B3, host gap "
                            "per transformer block",
     "per_seq_host_ms": f"<= {PER_SEQ_HOST_MS_BOUND:g} ms per sequence per step",
-    "allreduce_latency_us": f"<= {ALLREDUCE_LATENCY_US_BOUND:g} us (small-message all-reduce, PCIe the slowest)",
+    "allreduce_us": ">= 3.5 us: NCCL over NVLink without graphs (NVIDIA/nccl #1984); <= 200 us: PCIe",
 }
 
 
@@ -51,14 +47,16 @@ def error_rows(pool: ProcessPoolExecutor, fit: Fit, subset: list[Case]) -> list[
 
 
 def print_params(fit: Fit) -> None:
-    print("Free parameters (bounds: sim/fitting.py BOUNDS; launch, host and all-reduce bounds: "
-          "npuserve/catalog/engines.py)")
+    print("Free parameters (bounds: sim/fitting.py BOUNDS; launch and host bounds: npuserve/catalog/engines.py; "
+          "all-reduce latency: npuserve/catalog/accelerators.py)")
     for p in free_params():
         low, high = BOUNDS[p.name]
         source = BOUND_SOURCES.get(p.name, "achieved / datasheet")
         print(f"  {p.label:42} {fit.get(p):9.4g}   in [{low:g}, {high:g}]   {source}")
     for name, profile in ENGINE_PROFILES.items():
         print(f"  engine {name}: {profile.source}")
+    for link, latency in LINK_LATENCIES.items():
+        print(f"  link {link}: {latency.source}")
 
 
 def print_errors(title: str, rows: list[tuple[Case, str, float, float]]) -> list[float]:
@@ -106,7 +104,8 @@ def main() -> int:
         if args.fit:
             start = Fit.committed() if args.from_committed else Fit.prior()
             fit = Fitter(all_cases, pool).run(start, rounds=args.rounds, step=args.step)
-            print(f"\nfitted:\n  efficiencies {fit.efficiencies}\n  profiles {fit.profiles}\n")
+            print(f"\nfitted:\n  efficiencies {fit.efficiencies}\n  profiles {fit.profiles}\n"
+                  f"  all-reduce latency {fit.allreduce_us}\n")
         print_params(fit)
         in_sample = print_errors("In sample (the fit above, every source in it)",
                                  error_rows(pool, fit, all_cases))

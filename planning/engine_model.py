@@ -44,7 +44,13 @@ from typing import NamedTuple
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from npuserve.catalog.accelerators import EFFICIENCY_BOUNDS, Accelerator, efficiency_of, get_accelerator
+from npuserve.catalog.accelerators import (
+    EFFICIENCY_BOUNDS,
+    Accelerator,
+    allreduce_latency_us,
+    efficiency_of,
+    get_accelerator,
+)
 from npuserve.catalog.engines import (
     DEFAULT_ENGINE,
     ENGINE_PROFILES,
@@ -133,7 +139,7 @@ class EngineShape(_Frozen):
             c_mean, c_sd = _inverse_prior(eff.compute, EFFICIENCY_BOUNDS["compute"])
             if n > 1:  # as the cost model: after attention and the MLP of each layer, and the LM head
                 all_reduces = 2 * model.num_layers + 1
-                comm_step = all_reduces * host.allreduce_latency_us / 1e3
+                comm_step = all_reduces * allreduce_latency_us(figures.link) / 1e3
                 link = figures.interconnect_gbps * 1e9 * eff.link
                 comm_token = all_reduces * 2.0 * (n - 1) / n * model.hidden_size * model.dtype_bytes / link * 1e3
         launch, per_seq = host.launch_us_per_layer / 1e3, host.per_seq_host_ms

@@ -5,14 +5,15 @@ A step reads every weight of the card's shard once, reads (and writes) the KV of
 to, computes the FLOPs of the tokens it runs, waits for the host's kernel launches, and does host-side work per
 sequence; with tensor parallel it all-reduces each layer's activations. Per card, with tensor parallel over
 `world_size` cards, `eff` the card family's fitted achieved fractions of its datasheet figures (catalog
-`Efficiency`), the host terms the engine's (`CostParams`, `ENGINE_PROFILES`, in npuserve/catalog/engines.py):
+`Efficiency`), the all-reduce latency the link kind's (`LINK_LATENCIES`), the host terms the engine's (`CostParams`,
+`ENGINE_PROFILES`, in npuserve/catalog/engines.py):
 
     weights_s  = weight bytes read / world_size / (datasheet bandwidth x eff.bandwidth)   dense: same for any batch
     kv_s       = context tokens x KV bytes per token per card / (same bandwidth)          linear in context
     compute_s  = (2 x active layer params x tokens + 2 x LM-head params x sampled rows
                   + 2 x layers x heads x (qk + v head dims) x attended pairs) / world_size
                   / (datasheet 16-bit FLOP/s x eff.compute)
-    comm_s     = (2 x layers + 1) all-reduces x (allreduce_latency
+    comm_s     = (2 x layers + 1) all-reduces x (the link's all-reduce latency
                   + 2 (n-1)/n x tokens x hidden bytes / (link bandwidth x eff.link))
     host_s     = per_seq_host x sequences         the host's per-request work: inputs, sampling, outputs
     launch_s   = layers x launch_per_layer        launches the device waits for (eager engines), overlapping nothing
@@ -25,8 +26,9 @@ Memory traffic and compute overlap on the device (the roofline's max): a decode 
 step of a few thousand tokens compute-bound. The host prepares and post-processes a step while the device runs
 (MindIE's and vLLM's asynchronous scheduling), so the step takes the longer of the two: small batches are paced by
 the device, large ones by the host. Each free parameter has a bound from a measurement (the host terms' in
-npuserve/catalog/engines.py, the efficiencies' `EFFICIENCY_BOUNDS` in npuserve/catalog/accelerators.py), so no fit can
-explain a run with a figure no card or engine has.
+npuserve/catalog/engines.py, the efficiencies' `EFFICIENCY_BOUNDS` and the all-reduce latency's
+`ALLREDUCE_LATENCY_US_BOUNDS` in npuserve/catalog/accelerators.py), so no fit can explain a run with a figure no
+card or engine has.
 
 Mixture of experts and latent attention (docs/simulator.md, "MoE and MLA"): the FLOPs of a token are its active
 parameters' (top-k and shared experts, not all of them: `ModelSpec.active_layer_parameters`); the weights a step
@@ -41,8 +43,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The engines' host terms are catalog data (npuserve/catalog/engines.py), importable from here as they always were.
-from npuserve.catalog.accelerators import EFFICIENCIES, Accelerator, Efficiency, LinkKind, efficiency_of
-from npuserve.catalog.engines import ALLREDUCE_LATENCY_US_BOUND as ALLREDUCE_LATENCY_US_BOUND
+from npuserve.catalog.accelerators import (
+    EFFICIENCIES,
+    Accelerator,
+    Efficiency,
+    LinkKind,
+    allreduce_latency_us,
+    efficiency_of,
+)
 from npuserve.catalog.engines import DEFAULT_ENGINE as DEFAULT_ENGINE
 from npuserve.catalog.engines import ENGINE_PROFILES as ENGINE_PROFILES
 from npuserve.catalog.engines import FITTED_COST_PARAMS as FITTED_COST_PARAMS
@@ -59,7 +67,7 @@ TERA = 1e12
 @dataclass(frozen=True, slots=True)
 class Hardware:
     """What the cost model needs of one card: its datasheet figures (or, for the host CPU, fitted ones), the link
-    kind, and the achieved fractions the cost model applies to them."""
+    kind and its all-reduce latency, and the achieved fractions the cost model applies to them."""
 
     name: str
     bandwidth_gbps: float
@@ -68,15 +76,18 @@ class Hardware:
     source: str  # "datasheet" or "fitted"
     link: LinkKind = "pcie"
     efficiency: Efficiency = field(default_factory=lambda: EFFICIENCIES["cpu"])
+    allreduce_us: float = 0.0  # one all-reduce's fixed latency over the link (catalog LINK_LATENCIES)
 
     @classmethod
-    def of(cls, accelerator: Accelerator, efficiency: Efficiency | None = None) -> Hardware:
+    def of(cls, accelerator: Accelerator, efficiency: Efficiency | None = None,
+           allreduce_us: float | None = None) -> Hardware:
         figures = accelerator.simulation_figures()
         if figures is None:
             raise ValueError(f"accelerator {accelerator.name!r} has no datasheet bandwidth/compute figures to "
                              "simulate it with (the host CPU's come from a fit: npuserve.sim.cpu_profile)")
         return cls(accelerator.name, figures.memory_bandwidth_gbps, figures.tflops_16bit, figures.interconnect_gbps,
-                   figures.source, figures.link, efficiency or efficiency_of(accelerator))
+                   figures.source, figures.link, efficiency or efficiency_of(accelerator),
+                   allreduce_latency_us(figures.link) if allreduce_us is None else allreduce_us)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +175,7 @@ class CostModel:
         if n > 1:
             all_reduces = 2 * model.num_layers + 1  # after attention and after the MLP of each layer; the LM head
             link = hardware.interconnect_gbps * GB * eff.link
-            self._comm_fixed_s = all_reduces * p.allreduce_latency_us / 1e6
+            self._comm_fixed_s = all_reduces * hardware.allreduce_us / 1e6
             self._comm_s_per_token = all_reduces * 2.0 * (n - 1) / n * model.hidden_size * dtype / link
         else:
             self._comm_fixed_s = self._comm_s_per_token = 0.0

@@ -2,11 +2,11 @@
 #calibration). Used by `benchmarks/simulator_calibration.py`; no torch.
 
 The free parameters are physical and bounded: each card family's achieved fractions of its datasheet bandwidth,
-compute and link (`Efficiency`), and each engine's host terms (`CostParams`: launches per layer, host work per
-sequence, all-reduce latency), each within `BOUNDS`. A case is one measured run (a point of the MindIE guide's table
-or of the published measurements) with the engine and card it ran on; its figures are predicted by running the real
-scheduler on the simulator. The fit is a coordinate descent in log space minimising the Huber loss of the log errors
-(`score`); each step re-runs only the cases the moved parameter touches.
+compute and link (`Efficiency`), each link kind's all-reduce latency (`LINK_LATENCIES`), and each engine's host terms
+(`CostParams`: launches per layer, host work per sequence), each within `BOUNDS`. A case is one measured run (a
+point of the MindIE guide's table or of the published measurements) with the engine and card it ran on; its figures
+are predicted by running the real scheduler on the simulator. The fit is a coordinate descent in log space
+minimising the Huber loss of the log errors (`score`); each step re-runs only the cases the moved parameter touches.
 """
 
 from __future__ import annotations
@@ -17,8 +17,17 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import cache, lru_cache
 
-from npuserve.catalog.accelerators import EFFICIENCIES, EFFICIENCY_BOUNDS, Efficiency, Family, get_accelerator
-from npuserve.catalog.engines import ALLREDUCE_LATENCY_US_BOUND, LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
+from npuserve.catalog.accelerators import (
+    ALLREDUCE_LATENCY_US_BOUNDS,
+    EFFICIENCIES,
+    EFFICIENCY_BOUNDS,
+    LINK_LATENCIES,
+    Efficiency,
+    Family,
+    LinkKind,
+    get_accelerator,
+)
+from npuserve.catalog.engines import LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
 
 from . import calibration as guide
 from .cost_model import ENGINE_PROFILES, CostParams, Hardware
@@ -26,53 +35,62 @@ from .published import PUBLISHED_POINTS, PublishedPoint, kv_blocks, point_reques
 from .runner import SimRequest
 
 # (low, high) of each free parameter: the efficiencies' catalog bounds (EFFICIENCY_BOUNDS: what published kernels
-# reach), the host terms by the bounds of npuserve/catalog/engines.py (the launch bound is a measurement), the
-# all-reduce latency from 5 us (NVLink's small-message latency) up.
+# reach), the all-reduce latency's (ALLREDUCE_LATENCY_US_BOUNDS), the host terms by the bounds of
+# npuserve/catalog/engines.py (the launch bound is a measurement).
 BOUNDS: dict[str, tuple[float, float]] = {
-    **EFFICIENCY_BOUNDS,
+    **EFFICIENCY_BOUNDS, "allreduce_us": ALLREDUCE_LATENCY_US_BOUNDS,
     "launch_us_per_layer": (0.0, LAUNCH_US_PER_LAYER_BOUND), "per_seq_host_ms": (0.0, PER_SEQ_HOST_MS_BOUND),
-    "allreduce_latency_us": (5.0, ALLREDUCE_LATENCY_US_BOUND),
 }
 # Where a fit starts, and what a parameter keeps when no case in the fit touches it (a left-out source's engine):
 # the middle of each range in log terms, not a fitted value.
 PRIOR_EFFICIENCY = Efficiency(bandwidth=0.7, compute=0.5, link=0.6, source="prior: no measurements in the fit")
-PRIOR_PARAMS = CostParams(launch_us_per_layer=100.0, per_seq_host_ms=0.1, allreduce_latency_us=30.0)
+PRIOR_PARAMS = CostParams(launch_us_per_layer=100.0, per_seq_host_ms=0.1)
+PRIOR_ALLREDUCE_US = 30.0
 FITTED_FAMILIES: tuple[Family, ...] = ("ascend-910b", "nvidia")
+FITTED_LINKS: tuple[LinkKind, ...] = ("hccs", "nvlink", "pcie")
 HUBER_DELTA = 0.2  # log error (about 22%) past which a figure's pull on the fit stops growing
 MIN_GAIN = 1e-3  # a move must cut the subset's score by this share, or the search stops moving that parameter
 
 
 @dataclass(frozen=True)
 class Fit:
-    """One value of every free parameter: the efficiencies by card family, the host terms by engine."""
+    """One value of every free parameter: the efficiencies by card family, the all-reduce latency by link kind, the
+    host terms by engine."""
 
     efficiencies: dict[str, Efficiency]
     profiles: dict[str, CostParams]
+    allreduce_us: dict[str, float]
 
     @classmethod
     def committed(cls) -> Fit:
         return cls({f: EFFICIENCIES[f] for f in FITTED_FAMILIES},
-                   {name: profile.params for name, profile in ENGINE_PROFILES.items()})
+                   {name: profile.params for name, profile in ENGINE_PROFILES.items()},
+                   {link: LINK_LATENCIES[link].allreduce_us for link in FITTED_LINKS})
 
     @classmethod
     def prior(cls) -> Fit:
-        return cls(dict.fromkeys(FITTED_FAMILIES, PRIOR_EFFICIENCY), dict.fromkeys(ENGINE_PROFILES, PRIOR_PARAMS))
+        return cls(dict.fromkeys(FITTED_FAMILIES, PRIOR_EFFICIENCY), dict.fromkeys(ENGINE_PROFILES, PRIOR_PARAMS),
+                   dict.fromkeys(FITTED_LINKS, PRIOR_ALLREDUCE_US))
 
     def get(self, param: Param) -> float:
+        if param.kind == "link":
+            return self.allreduce_us[param.key]
         holder = self.efficiencies[param.key] if param.kind == "eff" else self.profiles[param.key]
         return float(getattr(holder, param.name))
 
     def with_value(self, param: Param, value: float) -> Fit:
+        if param.kind == "link":
+            return Fit(self.efficiencies, self.profiles, {**self.allreduce_us, param.key: value})
         if param.kind == "eff":
             eff = self.efficiencies[param.key].model_copy(update={param.name: value})
-            return Fit({**self.efficiencies, param.key: eff}, self.profiles)
+            return Fit({**self.efficiencies, param.key: eff}, self.profiles, self.allreduce_us)
         params = self.profiles[param.key].model_copy(update={param.name: value})
-        return Fit(self.efficiencies, {**self.profiles, param.key: params})
+        return Fit(self.efficiencies, {**self.profiles, param.key: params}, self.allreduce_us)
 
 
 @dataclass(frozen=True)
 class Param:
-    kind: str  # "eff" (a family's Efficiency field) or "engine" (an engine's CostParams field)
+    kind: str  # "eff" (a family's Efficiency field), "link" (a link kind's all-reduce latency) or "engine"
     key: str
     name: str
 
@@ -83,8 +101,8 @@ class Param:
 
 def free_params() -> list[Param]:
     params = [Param("eff", f, n) for f in FITTED_FAMILIES for n in ("bandwidth", "compute", "link")]
-    params += [Param("engine", e, n) for e in ENGINE_PROFILES
-               for n in ("launch_us_per_layer", "per_seq_host_ms", "allreduce_latency_us")]
+    params += [Param("link", link, "allreduce_us") for link in FITTED_LINKS]
+    params += [Param("engine", e, n) for e in ENGINE_PROFILES for n in ("launch_us_per_layer", "per_seq_host_ms")]
     return params
 
 
@@ -106,10 +124,16 @@ class Case:
     def family(self) -> str:
         return get_accelerator(self.accelerator).family
 
+    @property
+    def link(self) -> str | None:
+        return get_accelerator(self.accelerator).link
+
     def touched_by(self, param: Param) -> bool:
         if param.kind == "eff":
             return param.key == self.family and (param.name != "link" or self.cards > 1)
-        return param.key == self.engine and (param.name != "allreduce_latency_us" or self.cards > 1)
+        if param.kind == "link":
+            return param.key == self.link and self.cards > 1
+        return param.key == self.engine
 
 
 def cases() -> list[Case]:
@@ -124,7 +148,8 @@ def cases() -> list[Case]:
 
 def hardware_for(case: Case, fit: Fit) -> Hardware:
     acc = get_accelerator(case.accelerator)
-    return Hardware.of(acc, fit.efficiencies.get(acc.family, EFFICIENCIES[acc.family]))
+    return Hardware.of(acc, fit.efficiencies.get(acc.family, EFFICIENCIES[acc.family]),
+                       fit.allreduce_us.get(acc.link) if acc.link else None)
 
 
 def predict(case: Case, fit: Fit) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Built-in accelerator catalog: each card's datasheet figures with their source, and, apart from them, the achieved
-fractions of those figures that the simulator fits (`EFFICIENCIES`).
+fractions of those figures that the simulator fits (`EFFICIENCIES`), and each link kind's fitted all-reduce latency
+(`LINK_LATENCIES`).
 
 Rules: every datasheet number names its source (`Accelerator.source`, and a comment where it needs one); a number
 with no citable source is None, never a guess. A new card is one entry: its datasheet figures and its family, whose
@@ -105,6 +106,35 @@ EFFICIENCIES: dict[Family, Efficiency] = {
 
 def efficiency_of(accelerator: Accelerator) -> Efficiency:
     return EFFICIENCIES[accelerator.family]
+
+
+class LinkLatency(BaseModel):
+    """The fixed cost of one small-message all-reduce over a kind of link (the collective library's, not the
+    engine's: the host's launch of it is in the engine's launches per layer), fitted per link kind
+    (benchmarks/simulator_calibration.py) within `ALLREDUCE_LATENCY_US_BOUNDS`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allreduce_us: float = Field(gt=0, description="microseconds per all-reduce, whatever its size")
+    source: str = Field(description="what it was fitted on")
+
+
+# (low, high) of one all-reduce's latency, the same for every link kind: from NCCL's small-message all-reduce over
+# NVLink without graphs, 3.5 us (NVIDIA/nccl issue #1984: 1 KB on 4 x H800), up to 200 us, a PCIe all-reduce's.
+ALLREDUCE_LATENCY_US_BOUNDS: tuple[float, float] = (3.5, 200.0)
+
+# Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), each within the bounds.
+LINK_LATENCIES: dict[LinkKind, LinkLatency] = {
+    "hccs": LinkLatency(allreduce_us=80.0, source="fitted: vLLM-Ascend on 2 and 4 x 910B3 (#1605, #4448, #4656, "
+                                                  "nightly CI; best of 20-200 us, flat from 80 to 120)"),
+    "nvlink": LinkLatency(allreduce_us=3.5, source="fitted: AIConfigurator's vLLM runs on 2, 4 and 8 x H100 (at the "
+                                                   "bound; 5 us scores within 0.2%)"),
+    "pcie": LinkLatency(allreduce_us=200.0, source="fitted: the MindIE tuning guide (2 x 910B4; at the bound)"),
+}
+
+
+def allreduce_latency_us(link: LinkKind) -> float:
+    return LINK_LATENCIES[link].allreduce_us
 
 
 _MSMODELING = "Ascend/msmodeling tensor_cast/device.py (HEAD 84fec85), tier {tier}"

@@ -1,5 +1,5 @@
-"""Each engine's host-side terms of the cost model (`CostParams`: kernel launches per layer, host work per sequence,
-all-reduce latency), their bounds, and the fitted values per engine (`ENGINE_PROFILES`): catalog data, like the
+"""Each engine's host-side terms of the cost model (`CostParams`: kernel launches per layer, host work per sequence),
+their bounds, and the fitted values per engine (`ENGINE_PROFILES`): catalog data, like the
 cards' achieved fractions (`accelerators.EFFICIENCIES`). The simulator's cost model (`npuserve.sim.cost_model`,
 docs/simulator.md) prices a step with them; the tuner's online model of an engine (`npuserve.planning.engine_model`)
 starts from them as its prior. The fitted values come from `benchmarks/simulator_calibration.py --fit`
@@ -16,11 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 #   less. No engine here is allowed more than that measured eager figure per layer.
 # - per-sequence host work (scheduling, input building, sampling, output): 1 ms per sequence per step bounds it
 #   (this project's CPU engine measures well under it: benchmarks/scheduler_overhead.py).
-# - all-reduce latency: NCCL's and HCCL's small-message all-reduce latencies are tens of microseconds over NVLink
-#   and HCCS; 200 us bounds it over PCIe.
+# The all-reduce's fixed latency is the link's, not the engine's (accelerators.LINK_LATENCIES).
 LAUNCH_US_PER_LAYER_BOUND = 591.0
 PER_SEQ_HOST_MS_BOUND = 1.0
-ALLREDUCE_LATENCY_US_BOUND = 200.0
 
 
 class CostParams(BaseModel):
@@ -35,8 +33,6 @@ class CostParams(BaseModel):
     per_seq_host_ms: float = Field(default=0.0, ge=0, le=PER_SEQ_HOST_MS_BOUND,
                                    description="host work per sequence in a step (inputs, sampling, outputs), "
                                                "overlapped with the device")
-    allreduce_latency_us: float = Field(default=0.0, ge=0, le=ALLREDUCE_LATENCY_US_BOUND,
-                                        description="fixed cost of one all-reduce (worldSize > 1)")
     host_link_gbps: float = Field(default=25.0, gt=0, description="device <-> host copies (swap), GB/s; PCIe 4.0 "
                                                                   "x16 as an assumption, not a measurement")
 
@@ -52,17 +48,13 @@ class EngineProfile(BaseModel):
 
 # Fitted by benchmarks/simulator_calibration.py --fit (docs/simulator.md#calibration), within the bounds above.
 ENGINE_PROFILES: dict[str, EngineProfile] = {
-    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=300.5, per_seq_host_ms=0.246,
-                                              allreduce_latency_us=200.0),
+    "mindie": EngineProfile(params=CostParams(launch_us_per_layer=300.5, per_seq_host_ms=0.246),
                             source="fitted: MindIE tuning guide (2 x 910B4), GPUStack MindIE 2.1RC1 (910B)"),
-    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.3158,
-                                                   allreduce_latency_us=200.0),
+    "vllm-ascend": EngineProfile(params=CostParams(launch_us_per_layer=591.0, per_seq_host_ms=0.3158),
                                  source="fitted: GPUStack vLLM-Ascend 0.9.1 (910B), vllm-ascend #1605 (4 x 910B)"),
-    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=315.9, per_seq_host_ms=0.1,
-                                                         allreduce_latency_us=42.57),
+    "vllm-ascend-graph": EngineProfile(params=CostParams(launch_us_per_layer=315.9, per_seq_host_ms=0.1),
                                        source="fitted: vLLM-Ascend with ACL graphs (nightly CI, #4448, #4656)"),
-    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=11.82, per_seq_host_ms=0.1419,
-                                            allreduce_latency_us=5.0),
+    "vllm": EngineProfile(params=CostParams(launch_us_per_layer=11.82, per_seq_host_ms=0.1419),
                           source="fitted: GPUStack vLLM 0.11 and AIConfigurator vLLM 0.12 runs on H100"),
 }
 DEFAULT_ENGINE = "mindie"  # what npuserve simulates by default: MindIE's scheduling on Ascend cards

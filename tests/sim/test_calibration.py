@@ -14,7 +14,7 @@ from npuserve.catalog.accelerators import EFFICIENCIES, get_accelerator
 from npuserve.catalog.models import get_model_preset
 from npuserve.sim import calibration as guide
 from npuserve.sim.cost_model import ENGINE_PROFILES, LAUNCH_US_PER_LAYER_BOUND
-from npuserve.sim.fitting import BOUNDS, FITTED_FAMILIES, Case, Fit, cases, free_params, predict
+from npuserve.sim.fitting import BOUNDS, FITTED_FAMILIES, Case, Fit, Param, cases, free_params, predict
 from npuserve.sim.published import PUBLISHED_POINTS, kv_blocks, point_requests
 
 POINTS = {p.id: p for p in PUBLISHED_POINTS}
@@ -70,6 +70,19 @@ def _rows(case: Case, fit: Fit) -> list[float]:
 def in_sample() -> dict[str, list[float]]:
     fit = Fit.committed()
     return {c.id: _rows(c, fit) for c in cases()}
+
+
+def test_each_links_all_reduce_latency_is_fitted_on_that_links_multi_card_runs_only() -> None:
+    """Written out from the sources: the guide's 2 x 910B4 are joined by PCIe; vLLM-Ascend's 2- and 4-card runs
+    (A16-A22) by HCCS; AIConfigurator's 2-8 x H100 (N9-N16) by NVLink; every single-card run touches none."""
+    touched = {link: sorted(c.id for c in cases() if c.touched_by(Param("link", link, "allreduce_us")))
+               for link in ("pcie", "hccs", "nvlink")}
+    assert touched["pcie"] == sorted(p.id for p in guide.GUIDE_POINTS)
+    assert touched["hccs"] == ["A16", "A17", "A18", "A21", "A22"]
+    assert touched["nvlink"] == sorted(f"N{i}" for i in range(9, 17))
+    # ... and no engine's host term is touched through the link: the engine's own runs are, on any card count
+    mindie = sorted(c.id for c in cases() if c.touched_by(Param("engine", "mindie", "launch_us_per_layer")))
+    assert mindie == sorted([*(p.id for p in guide.GUIDE_POINTS), "A2", "A3"])
 
 
 def test_every_case_names_its_source_and_runs_on_a_catalog_card() -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from npuserve.catalog.accelerators import ACCELERATORS, EFFICIENCIES, get_accelerator
+from npuserve.catalog.accelerators import ACCELERATORS, EFFICIENCIES, LINK_LATENCIES, get_accelerator
+from npuserve.catalog.engines import ENGINE_PROFILES
 from npuserve.catalog.models import get_model_preset
 from npuserve.loadgen.arrivals import iter_send_offsets
 from npuserve.loadgen.config import BenchConfig, DatasetConfig, DatasetName, LoadConfig
@@ -104,6 +105,22 @@ def test_more_cards_cut_the_weights_term_and_add_communication() -> None:
     assert b.weights_s == pytest.approx(a.weights_s / 2)
     assert b.compute_s == pytest.approx(a.compute_s / 2)
     assert a.comm_s == 0 and b.comm_s > 0
+
+
+def test_the_all_reduce_latency_is_the_links_not_the_engines() -> None:
+    """Each link kind has its own latency (catalog LINK_LATENCIES): a 910B3 (HCCS) and a 910B4 (PCIe) take their
+    link's, whatever the engine; a decode step of 64 tokens on 2 cards pays (2 x 32 + 1) = 65 all-reduces, each that
+    latency plus 2 (n-1)/n x 64 x 4096 x 2 bytes over the link: written out below for 100 us and 64 GB/s x 0.5."""
+    b3, b4 = Hardware.of(get_accelerator("ascend-910b3")), Hardware.of(get_accelerator("ascend-910b4"))
+    assert b3.allreduce_us == LINK_LATENCIES["hccs"].allreduce_us
+    assert b4.allreduce_us == LINK_LATENCIES["pcie"].allreduce_us
+    with pytest.raises(ValueError, match="allreduce_latency_us"):
+        CostParams.model_validate({"allreduce_latency_us": 30.0})  # no engine term of that name any more
+    eff = b4.efficiency.model_copy(update={"link": 0.5})
+    card = Hardware.of(get_accelerator("ascend-910b4"), eff, allreduce_us=100.0)
+    for engine in ("mindie", "vllm"):
+        step = CostModel(LLAMA, card, 2, ENGINE_PROFILES[engine].params).step(decode_shape(64, 800))
+        assert step.comm_s == pytest.approx(65 * (100e-6 + 64 * 4096 * 2 / 32e9))  # 116.4 us each: 7.57 ms
 
 
 def test_host_work_overlaps_the_device_and_paces_large_batches() -> None:
