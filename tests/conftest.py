@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,15 +22,46 @@ def pytest_collection_finish(session: pytest.Session) -> None:
       minutes of downloads on a fresh machine;
     - the cluster's tests (run last, tests/e2e/conftest.py): the Kubernetes, Prometheus and LWS binaries, about 17
       minutes of Go builds on 2 cores the first time (`e2e/cluster/cluster.py build`; a no-op once cached).
+    Both pause while a test marked `wallclock` runs (its figures are timed against a tolerance).
     NPUSERVE_PREWARM=0 turns both off."""
     if os.environ.get("NPUSERVE_PREWARM", "1") == "0" or session.config.option.collectonly:
         return
     if any(item.path.name == _QUANT_TOOLS_TESTS for item in session.items):
         from tests.quant_checkpoints import prewarm
 
-        prewarm()
+        if (proc := prewarm()) is not None:
+            _BACKGROUND.append(proc)
     if any("e2e" in item.keywords and not item.get_closest_marker("skip") for item in session.items):
-        _prewarm_cluster_binaries()  # (NPUSERVE_SKIP_E2E marks them skipped: tests/e2e/conftest.py)
+        _BACKGROUND.append(_prewarm_cluster_binaries())  # (NPUSERVE_SKIP_E2E skips them: tests/e2e/conftest.py)
+
+
+# The background builds of this run (each the leader of its own process group).
+_BACKGROUND: list[subprocess.Popen[bytes]] = []
+
+
+def _signal_background(sig: signal.Signals) -> None:
+    for proc in _BACKGROUND:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A wall-clock test's fixtures and body run with the background builds stopped (SIGSTOP to their groups): a Go
+    compile beside a 5% TPOT tolerance on 2 cores is a neighbour the test cannot tell from a slow engine."""
+    if item.get_closest_marker("wallclock"):
+        _signal_background(signal.SIGSTOP)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    if item.get_closest_marker("wallclock"):
+        _signal_background(signal.SIGCONT)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _signal_background(signal.SIGCONT)  # never leave a build stopped (an interrupted run included)
 
 
 _CLUSTER_CLI = Path(__file__).resolve().parents[1] / "e2e" / "cluster" / "cluster.py"

@@ -26,7 +26,7 @@ from npuserve.engine.engine import LLMEngine  # noqa: E402
 from npuserve.engine.sequence import SamplingParams  # noqa: E402
 from npuserve.mindie_config import MindIEConfig, minimal_config  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.wallclock]
 
 MAX_BATCH = 128
 SMALL_BATCH = 4

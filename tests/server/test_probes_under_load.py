@@ -37,6 +37,8 @@ import pytest
 
 from tests.serve_process import serve_process
 
+pytestmark = pytest.mark.wallclock  # probe latencies on the shared machine
+
 BUDGET_S = 0.100
 KUBELET_DEFAULT_TIMEOUT_S = 1.0  # a probe's timeoutSeconds when a manifest gives none
 PROBE_TIMEOUT_S = 5.0  # operator/render.py's timeoutSeconds for the engine's liveness and readiness probes

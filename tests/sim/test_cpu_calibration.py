@@ -17,7 +17,7 @@ from npuserve.sim.cpu_validation import CpuCalibration, cpu_source_rows, median_
 MEDIAN_TARGET = 0.15
 EACH_TARGET = 0.25
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.wallclock]
 
 
 @pytest.fixture(scope="module")
