@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,10 +21,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     it overlaps the tests that come first (each waits on its file locks and finds the work done):
     - the W8A8 checkpoint tests: the quantizers' virtualenvs and checkpoints (tests/quant_checkpoints.py `prewarm`),
       minutes of downloads on a fresh machine;
+    - the third-party clients' tests: aiperf's, guidellm's and lm-eval's virtualenv (tests/thirdparty/tools_venv.py,
+      about 3 minutes and 7 GB the first time);
     - the cluster's tests (run last, tests/e2e/conftest.py): the Kubernetes, Prometheus and LWS binaries, about 17
       minutes of Go builds on 2 cores the first time (`e2e/cluster/cluster.py build`; a no-op once cached).
-    Both pause while a test marked `wallclock` runs (its figures are timed against a tolerance).
-    NPUSERVE_PREWARM=0 turns both off."""
+    All of them pause while a test marked `wallclock` runs (its figures are timed against a tolerance).
+    NPUSERVE_PREWARM=0 turns them off."""
     if os.environ.get("NPUSERVE_PREWARM", "1") == "0" or session.config.option.collectonly:
         return
     if any(item.path.name == _QUANT_TOOLS_TESTS for item in session.items):
@@ -31,8 +34,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
         if (proc := prewarm()) is not None:
             _BACKGROUND.append(proc)
+    if any(item.path.name == _CLIENTS_TESTS and not item.get_closest_marker("skip") for item in session.items):
+        _BACKGROUND.append(_in_background([sys.executable, "-P", str(_TOOLS_VENV), "clients"], "clients-prewarm.log"))
     if any("e2e" in item.keywords and not item.get_closest_marker("skip") for item in session.items):
-        _BACKGROUND.append(_prewarm_cluster_binaries())  # (NPUSERVE_SKIP_E2E skips them: tests/e2e/conftest.py)
+        # (NPUSERVE_SKIP_E2E marks them skipped: tests/e2e/conftest.py)
+        _BACKGROUND.append(_in_background([sys.executable, "-P", str(_CLUSTER_CLI), "build"], "cluster-prewarm.log"))
 
 
 # The background builds of this run (each the leader of its own process group).
@@ -65,19 +71,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 _CLUSTER_CLI = Path(__file__).resolve().parents[1] / "e2e" / "cluster" / "cluster.py"
+_TOOLS_VENV = Path(__file__).resolve().parent / "thirdparty" / "tools_venv.py"
+_CLIENTS_TESTS = "test_clients.py"  # the module whose tests run the clients' virtualenv
 
 
-def _prewarm_cluster_binaries() -> subprocess.Popen[bytes]:
-    """`cluster.py build` in a process of its own (its Go builds run under nice already: e2e/cluster/binaries.py);
-    its output goes to `cluster-prewarm.log` in the cache. A failed build is the cluster fixture's to report: it
-    builds again, in the foreground."""
+def _in_background(argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    """`argv` at the lowest priority in a process group of its own, its output in `log_name` in the cache. What it
+    builds is a no-op once cached; a failed build is the test's to report, which builds again in the foreground."""
     from tests.thirdparty.tools_venv import cache_dir
 
-    logfile = cache_dir() / "cluster-prewarm.log"
+    logfile = cache_dir() / log_name
     logfile.parent.mkdir(parents=True, exist_ok=True)
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     with logfile.open("wb") as out:
-        return subprocess.Popen([sys.executable, "-P", str(_CLUSTER_CLI), "build"], stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen([*nice, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
 
 
 @pytest.fixture(scope="session")
