@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from npuserve.catalog.accelerators import ACCELERATORS, get_accelerator
+from npuserve.catalog.accelerators import ACCELERATORS, LINK_LATENCIES, get_accelerator
 from npuserve.catalog.models import get_model_preset
 from npuserve.loadgen.config import BenchConfig, LoadConfig
 from npuserve.loadgen.metrics import compute_metrics
@@ -173,9 +173,11 @@ class _Instance:
         return cost.comm_s / cost.total_s if cost.total_s > 0 else 0.0
 
     def source(self, engine_profile: str) -> str:
-        eff = self.hardware.efficiency
+        hw = self.hardware
+        link = (f", all-reduce {hw.allreduce_us:g} us over {hw.link} ({LINK_LATENCIES[hw.link].source})"
+                if self.plan.worldSize > 1 else "")
         return (f"simulated: engine profile {engine_profile} ({ENGINE_PROFILES[engine_profile].source}), card figures "
-                f"{self.hardware.source}, efficiencies {eff.source}")
+                f"{hw.source}, efficiencies {hw.efficiency.source}{link}")
 
 
 def _largest(meets: Callable[[int], bool], high: int) -> tuple[int, list[tuple[float, bool]]]:

@@ -23,6 +23,7 @@ import math
 
 import pytest
 
+from npuserve.catalog.accelerators import LINK_LATENCIES
 from npuserve.planning.api import LatencyStats, TrialMetrics
 from npuserve.sim.capacity import Candidate, nodes_for, preset_spec, search, slo_of
 
@@ -61,6 +62,8 @@ def test_qwen25_72b_on_910b3_needs_four_cards_an_instance() -> None:
     for c in answer.candidates:
         if c.world_size >= 4:
             _consistent(c, 100)
+            # the all-reduce it paid is HCCS's (the card's link), named in its source
+            assert f"all-reduce {LINK_LATENCIES['hccs'].allreduce_us:g} us over hccs" in c.source, c.source
 
 
 def test_a_tpot_below_the_weights_read_is_unreachable() -> None:
