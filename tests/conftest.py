@@ -23,8 +23,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
       minutes of downloads on a fresh machine;
     - the third-party clients' tests: aiperf's, guidellm's and lm-eval's virtualenv (tests/thirdparty/tools_venv.py,
       about 3 minutes and 7 GB the first time);
-    - the cluster's tests (run last, tests/e2e/conftest.py): the Kubernetes, Prometheus and LWS binaries, about 17
-      minutes of Go builds on 2 cores the first time (`e2e/cluster/cluster.py build`; a no-op once cached).
+    - the cluster's tests (run last: `pytest_collection_modifyitems`): Helm, then the Kubernetes, Prometheus and LWS
+      binaries, about 17 minutes of Go builds on 2 cores the first time (`e2e/cluster/cluster.py build`; a no-op
+      once cached).
     All of them pause while a test marked `wallclock` runs (its figures are timed against a tolerance).
     NPUSERVE_PREWARM=0 turns them off."""
     if os.environ.get("NPUSERVE_PREWARM", "1") == "0" or session.config.option.collectonly:
@@ -39,6 +40,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if any("e2e" in item.keywords and not item.get_closest_marker("skip") for item in session.items):
         # (NPUSERVE_SKIP_E2E marks them skipped: tests/e2e/conftest.py)
         _BACKGROUND.append(_in_background([sys.executable, "-P", str(_CLUSTER_CLI), "build"], "cluster-prewarm.log"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """What needs the cluster's binaries runs last, in its own order: the Helm chart's tests (helm), then the e2e
+    tests (the whole cluster). On a fresh machine those binaries build in the background meanwhile
+    (`pytest_collection_finish`), overlapping the rest of the suite."""
+    def stage(item: pytest.Item) -> int:
+        if "e2e" in item.keywords:
+            return 2
+        return 1 if _DEPLOY_TESTS in item.path.parents else 0
+
+    items.sort(key=stage)  # stable: each stage keeps its collection order
+
+
+_DEPLOY_TESTS = Path(__file__).resolve().parent / "deploy"
 
 
 # The background builds of this run (each the leader of its own process group).

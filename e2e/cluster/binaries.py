@@ -353,10 +353,11 @@ def find_etcd(install: bool = True) -> Path:
 
 
 def ensure_binaries(with_helm: bool = True) -> Binaries:
-    """Everything the local cluster needs, built or installed on first use."""
+    """Everything the local cluster needs, built or installed on first use. Helm first: the chart's tests need only
+    it, and a test run builds all of this in the background while its first tests run (tests/conftest.py)."""
+    helm = install_helm() if with_helm else helm_bin_dir() / "helm"
     bin_dir = build_kubernetes()
     kwok = install_kwok()
-    helm = install_helm() if with_helm else helm_bin_dir() / "helm"
     lws_controller, lws_crd = install_lws()
     return Binaries(
         kube_apiserver=bin_dir / "kube-apiserver",

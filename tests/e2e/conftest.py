@@ -25,14 +25,11 @@ from operator_harness import REPO, Operator, helm_install, running_operator
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The cluster's tests run last, in their own order: on a fresh machine the cluster's binaries are built in the
-    background meanwhile (tests/conftest.py, `pytest_collection_finish`), overlapping the rest of the suite."""
-    e2e = [item for item in items if "e2e" in item.keywords]
     if os.environ.get("NPUSERVE_SKIP_E2E", "") not in ("", "0"):
         skip = pytest.mark.skip(reason="NPUSERVE_SKIP_E2E is set")
-        for item in e2e:
-            item.add_marker(skip)
-    items[:] = [item for item in items if "e2e" not in item.keywords] + e2e
+        for item in items:
+            if "e2e" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
