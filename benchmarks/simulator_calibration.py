@@ -7,6 +7,8 @@ fit redone without the run's whole source, from the prior, then the source predi
     .venv/bin/python -P benchmarks/simulator_calibration.py --cpu        # and the CPU engine as a source
     .venv/bin/python -P benchmarks/simulator_calibration.py --fit        # search again from the prior; prints the
                                                                           # constants to commit
+    .venv/bin/python -P benchmarks/simulator_calibration.py --fit-links  # each link's all-reduce latency on a grid,
+                                                                          # the rest held at the committed values
 
 Sources: the MindIE tuning guide's table (sim/calibration.py), the published runs of
 `../shared/datasets/published-serving/points.csv` that the simulator can rebuild (sim/published.py: each with its
@@ -25,7 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 from npuserve.catalog.accelerators import LINK_LATENCIES
 from npuserve.sim.cost_model import ENGINE_PROFILES, LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
-from npuserve.sim.fitting import BOUNDS, Case, Fit, Fitter, cases, free_params, predict
+from npuserve.sim.fitting import BOUNDS, Case, Fit, Fitter, cases, free_params, predict, score
 
 IN_SAMPLE_TARGET, OUT_MEDIAN_TARGET, OUT_MAX_TARGET = 0.10, 0.15, 0.25
 BOUND_SOURCES = {
@@ -44,6 +46,23 @@ def error_rows(pool: ProcessPoolExecutor, fit: Fit, subset: list[Case]) -> list[
     preds = list(pool.map(_job, [(c, fit) for c in subset]))
     return [(c, metric, measured, pred[metric]) for c, pred in zip(subset, preds, strict=True)
             for metric, measured in c.measured.items()]
+
+
+LINK_GRID_US = (3.5, 5.0, 8.0, 12.0, 20.0, 40.0, 60.0, 80.0, 100.0, 120.0, 150.0, 200.0)
+
+
+def fit_links(pool: ProcessPoolExecutor, fit: Fit, all_cases: list[Case]) -> None:
+    """Each link kind's latency over LINK_GRID_US on the cases it touches (its multi-card runs), every other
+    parameter at `fit`'s value: the score of each, and the best (how the committed LINK_LATENCIES were chosen)."""
+    fitter = Fitter(all_cases, pool, log=lambda _: None)
+    for param in free_params():
+        if param.kind != "link":
+            continue
+        subset = [c for c in all_cases if c.touched_by(param)]
+        scores = {us: score(fitter.evaluate(fit.with_value(param, us), subset)) for us in LINK_GRID_US}
+        best = min(scores, key=scores.__getitem__)
+        print(f"{param.label}: best {best:g} us over {', '.join(c.id for c in subset)}; score by latency: "
+              + ", ".join(f"{us:g}: {v:.3f}" for us, v in scores.items()))
 
 
 def print_params(fit: Fit) -> None:
@@ -91,6 +110,8 @@ def main() -> int:
     parser.add_argument("--fit", action="store_true", help="search the parameters again from the prior")
     parser.add_argument("--from-committed", action="store_true", help="with --fit: start from the committed values")
     parser.add_argument("--in-sample", action="store_true", help="skip the leave-one-source-out refits")
+    parser.add_argument("--fit-links", action="store_true",
+                        help="only the links' all-reduce latencies on a grid, the rest at the committed values")
     parser.add_argument("--rounds", type=int, default=2, help="coordinate-descent rounds of a fit")
     parser.add_argument("--step", type=float, default=0.5, help="first log-space step of a fit (halved each round)")
     parser.add_argument("--jobs", type=int, default=None, help="processes (default: one per CPU)")
@@ -101,6 +122,9 @@ def main() -> int:
     started = time.perf_counter()
     with ProcessPoolExecutor(args.jobs) as pool:
         fit = Fit.committed()
+        if args.fit_links:
+            fit_links(pool, fit, all_cases)
+            return 0
         if args.fit:
             start = Fit.committed() if args.from_committed else Fit.prior()
             fit = Fitter(all_cases, pool).run(start, rounds=args.rounds, step=args.step)
