@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -35,11 +34,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
         if (proc := prewarm()) is not None:
             _BACKGROUND.append(proc)
+    from tests.thirdparty.tools_venv import in_background
+
     if any(item.path.name == _CLIENTS_TESTS and not item.get_closest_marker("skip") for item in session.items):
-        _BACKGROUND.append(_in_background([sys.executable, "-P", str(_TOOLS_VENV), "clients"], "clients-prewarm.log"))
+        _BACKGROUND.append(in_background([sys.executable, "-P", str(_TOOLS_VENV), "clients"], "clients-prewarm.log"))
     if any("e2e" in item.keywords and not item.get_closest_marker("skip") for item in session.items):
         # (NPUSERVE_SKIP_E2E marks them skipped: tests/e2e/conftest.py)
-        _BACKGROUND.append(_in_background([sys.executable, "-P", str(_CLUSTER_CLI), "build"], "cluster-prewarm.log"))
+        _BACKGROUND.append(in_background([sys.executable, "-P", str(_CLUSTER_CLI), "build"], "cluster-prewarm.log"))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -89,19 +90,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 _CLUSTER_CLI = Path(__file__).resolve().parents[1] / "e2e" / "cluster" / "cluster.py"
 _TOOLS_VENV = Path(__file__).resolve().parent / "thirdparty" / "tools_venv.py"
 _CLIENTS_TESTS = "test_clients.py"  # the module whose tests run the clients' virtualenv
-
-
-def _in_background(argv: list[str], log_name: str) -> subprocess.Popen[bytes]:
-    """`argv` at the lowest priority in a process group of its own, its output in `log_name` in the cache. What it
-    builds is a no-op once cached; a failed build is the test's to report, which builds again in the foreground."""
-    from tests.thirdparty.tools_venv import cache_dir
-
-    logfile = cache_dir() / log_name
-    logfile.parent.mkdir(parents=True, exist_ok=True)
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    with logfile.open("wb") as out:
-        return subprocess.Popen([*nice, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
 
 
 @pytest.fixture(scope="session")

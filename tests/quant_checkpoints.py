@@ -27,7 +27,7 @@ from typing import Literal
 if __package__ in (None, ""):  # run as a script: make `tests.thirdparty` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.thirdparty.tools_venv import TOOLS, cache_dir, ensure_tools, file_lock, log
+from tests.thirdparty.tools_venv import TOOLS, cache_dir, ensure_tools, file_lock, in_background, log
 
 Tool = Literal["msmodelslim", "llmcompressor"]
 Model = Literal["dense", "moe", "mla"]
@@ -182,13 +182,8 @@ def prewarm() -> subprocess.Popen[bytes] | None:
     `quant-checkpoints/prewarm.log` in the cache."""
     if _all_complete():
         return None
-    logfile = cache_dir() / "quant-checkpoints" / "prewarm.log"
-    logfile.parent.mkdir(parents=True, exist_ok=True)
-    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
-    with logfile.open("wb") as out:
-        return subprocess.Popen([*nice, sys.executable, "-P", str(Path(__file__).resolve()), "suite"],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+    return in_background([sys.executable, "-P", str(Path(__file__).resolve()), "suite"],
+                         "quant-checkpoints/prewarm.log")
 
 
 def _all_complete() -> bool:

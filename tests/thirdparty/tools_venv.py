@@ -65,6 +65,17 @@ def cache_dir() -> Path:
     return Path(xdg).expanduser() / "npuserve"
 
 
+def in_background(argv: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+    """`argv` at the lowest priority in a process group of its own, its output in `log_name` under `cache_dir()`: a
+    test run's prewarm (tests/conftest.py). What it builds holds file locks, so the test that needs it waits."""
+    logfile = cache_dir() / log_name
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    with logfile.open("wb") as out:
+        return subprocess.Popen([*nice, *argv], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
 def venv_key(name: str, python: str = sys.executable) -> str:
     """The set's name and a hash of its pins and the interpreter's version: a change of either is a new venv."""
     version = subprocess.run([python, "-c", "import sys; print(sys.version.split()[0])"], capture_output=True,
