@@ -6,7 +6,7 @@ tests/sim/test_cpu_calibration.py holds the targets.
 
     .venv/bin/python benchmarks/cpu_calibration.py [--workdir DIR] [--users 6] [--prompts 36]
 
-`cpu_report(calibration)` returns the same text, for benchmarks/simulator_calibration.py to import.
+The text is `npuserve.sim.cpu_validation.cpu_report`, which the test and benchmarks/simulator_calibration.py print too.
 """
 
 from __future__ import annotations
@@ -15,27 +15,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from npuserve.sim.cpu_validation import CpuCalibration, LoadPlan, median_abs_error, run_cpu_calibration
-
-
-def cpu_report(calibration: CpuCalibration) -> str:
-    profile = calibration.profile
-    lines = ["CPU profile (fitted; efficiency 1.0: the figures are fitted whole)",
-             f"  {'term':22s} {'value':>10s} {'unit':8s} {'bound':10s} source"]
-    for term in calibration.terms:
-        lines.append(f"  {term.name:22s} {term.value:10.4g} {term.unit:8s} {term.bound:10s} {term.source}")
-    lines += ["", f"In sample (model A's steps; median |error| {profile.median_abs_error:.1%})",
-              f"  {'step':26s} {'measured ms':>12s} {'model ms':>10s} {'error':>8s}"]
-    for r in profile.residuals:
-        lines.append(f"  {r.label:26s} {r.measured_s * 1e3:12.2f} {r.predicted_s * 1e3:10.2f} {r.error:+8.1%}")
-    rows = calibration.rows
-    lines += ["", f"Predicted out of sample: {rows[0].source}; KV blocks {calibration.served.kv_blocks} (the "
-              f"engine's /info); median |error| {median_abs_error(rows):.1%}, worst "
-              f"{max(abs(r.error) for r in rows):.1%} (targets 15% / 25%)",
-              f"  {'figure':16s} {'measured':>10s} {'predicted':>10s} {'error':>8s}"]
-    for row in rows:
-        lines.append(f"  {row.figure:16s} {row.measured:10.2f} {row.predicted:10.2f} {row.error:+8.1%}")
-    return "\n".join(lines)
+from npuserve.sim.cpu_validation import LoadPlan, cpu_report, run_cpu_calibration
 
 
 def main() -> None:

@@ -149,10 +149,7 @@ def main() -> int:
         import tempfile
         from pathlib import Path
 
-        sys.path.insert(0, str(Path(__file__).parent))  # -P leaves the script's folder off the path
-        from cpu_calibration import cpu_report
-
-        from npuserve.sim.cpu_validation import run_cpu_calibration
+        from npuserve.sim.cpu_validation import cpu_report, run_cpu_calibration
 
         with tempfile.TemporaryDirectory() as tmp:
             print("\nThe CPU engine (fitted on one model, another model predicted; its own fit, not the cards')")

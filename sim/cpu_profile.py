@@ -6,9 +6,11 @@ one batch range (`ProfilePlan`: every batch size at a few prompt lengths, each p
 then a run of decode steps) and times each `engine.step()` (the scheduler, the forward, the sampler and the output
 processor: what one token of a served request waits for). Each step's `StepShape` is the one the simulator builds
 (`runner.step_shape` on the engine's own `SchedulerOutput`), so the fit prices exactly what the simulator will price.
-The fit: the Hardware figures (bandwidth_gbps, tflops; the "cpu" family's efficiency is 1.0, the figures are fitted
-whole) and the host terms (launch_us_per_layer, per_seq_host_ms), by least squares on the relative error of the
-cost model's own `step().total_s`, each host term inside its `CostParams` bound.
+The bandwidth is measured, not fitted: the memory curve (`cpu_memory`: the rate the decode kernel reads weights at,
+by working set, so that a cache which holds model A's weights but not another model's is seen) at model A's weight
+bytes. The fit: the compute rate (tflops; the "cpu" family's efficiency is 1.0, the figures are the CPU's whole) and
+the host terms (launch_us_per_layer, per_seq_host_ms), by least squares on the relative error of the cost model's
+own `step().total_s`, each host term inside its `CostParams` bound.
 
 A noisy shared machine: the points run in a shuffled order each round (interleaved, so a neighbour's burst hits all
 points alike, not one), every figure is a median over rounds and steps, and torch runs a fixed number of threads.
@@ -38,12 +40,13 @@ from npuserve.mindie_config import minimal_config
 from npuserve.modelspec import ModelSpec
 
 from .cost_model import LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND, CostModel, CostParams, Hardware, StepShape
+from .cpu_memory import MemoryCurve, MemoryProbe
 from .minimize import nelder_mead
 from .runner import step_shape
 
 # Model A, the one the profile is fitted on: the "tiny" preset widened until a step's work outweighs Python's
-# per-op overhead (4 layers, hidden 512, 8 heads of 64 over 4 KV heads, MLP 1536: 45 MB of float32 weights, beyond
-# the L2 caches and most of a typical L3, so decode reads DRAM like a real model does).
+# per-op overhead (4 layers, hidden 512, 8 heads of 64 over 4 KV heads, MLP 1536: 52 MB of float32 weights with the
+# LM head, beyond the L2 caches; whether the last-level cache holds them is the memory curve's to say).
 PROFILE_MODEL: dict[str, object] = {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
                                     "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1536,
                                     "dtype": "float32"}
@@ -93,18 +96,30 @@ class Residual:
 
 @dataclass(frozen=True)
 class CpuProfile:
-    """The fit: the cpu Hardware (source "fitted"), the host terms, and how well they explain the measured steps."""
+    """The fit: the cpu Hardware at model A (source "fitted": measured on this machine), the host terms, the memory
+    curve (the bandwidth at any model's weight bytes: `hardware_for`), and how well they explain the measured steps."""
 
     hardware: Hardware
     params: CostParams
     residuals: list[Residual]
     model: ModelSpec
     threads: int
+    memory: MemoryCurve
     plan: ProfilePlan = field(default_factory=ProfilePlan)
 
     @property
     def median_abs_error(self) -> float:
         return statistics.median(abs(r.error) for r in self.residuals)
+
+    def hardware_for(self, spec: ModelSpec) -> Hardware:
+        """The Hardware for a model of `spec`'s weight bytes: the memory curve's bandwidth at them, the compute rate
+        as fitted (model A's own is `hardware`)."""
+        return cpu_hardware(self.memory.at(weight_bytes(spec)), self.hardware.tflops)
+
+
+def weight_bytes(spec: ModelSpec) -> float:
+    """The weight bytes a decode step reads (the working set the memory curve is looked up at)."""
+    return spec.step_weight_bytes(1 << 62)
 
 
 @contextmanager
@@ -117,11 +132,12 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def measure_steps(model_dir: Path, plan: ProfilePlan,
-                  between: Callable[[], object] | None = None) -> list[MeasuredStep]:
+def measure_steps(model_dir: Path, plan: ProfilePlan, between: Callable[[], object] | None = None,
+                  each_round: Callable[[], object] | None = None) -> list[MeasuredStep]:
     """Runs the plan on the real engine (the caller fixes torch's threads); one `MeasuredStep` per point and kind.
     `between` runs halfway through the rounds: a measurement to be compared with the fit (the served run) then sees
-    the machine as the fit saw it, before and after, when neighbours come and go."""
+    the machine as the fit saw it, before and after, when neighbours come and go. `each_round` runs before every
+    round (the memory curve's reads, interleaved with the points for the same reason)."""
     most = max(plan.batches)
     config = minimal_config(model_dir, max_seq_len=plan.max_seq_len, maxBatchSize=most, maxPrefillBatchSize=most,
                             maxPrefillTokens=most * max(plan.prompt_lengths))
@@ -162,6 +178,8 @@ def measure_steps(model_dir: Path, plan: ProfilePlan,
     for round_ in range(plan.rounds):
         if between is not None and round_ == plan.rounds // 2:
             between()
+        if each_round is not None:
+            each_round()
         rng.shuffle(points)
         for batch, prompt_len in points:
             run_point(batch, prompt_len, record=True)
@@ -174,15 +192,15 @@ def measure_steps(model_dir: Path, plan: ProfilePlan,
     return measured
 
 
-# The fit's coordinates: log GB/s and log TFLOP/s (positive, any scale), and a logistic of each host term's share of
-# its bound (so every candidate stays inside the bound the cost model enforces).
-def _decode(u: list[float]) -> tuple[float, float, CostParams]:
+# The fit's coordinates: log TFLOP/s (positive, any scale), and a logistic of each host term's share of its bound (so
+# every candidate stays inside the bound the cost model enforces).
+def _decode(u: list[float]) -> tuple[float, CostParams]:
     def share(x: float) -> float:
         return 1.0 / (1.0 + math.exp(-max(-60.0, min(60.0, x))))
 
-    params = CostParams(launch_us_per_layer=LAUNCH_US_PER_LAYER_BOUND * share(u[2]),
-                        per_seq_host_ms=PER_SEQ_HOST_MS_BOUND * share(u[3]))
-    return math.exp(u[0]), math.exp(u[1]), params
+    params = CostParams(launch_us_per_layer=LAUNCH_US_PER_LAYER_BOUND * share(u[1]),
+                        per_seq_host_ms=PER_SEQ_HOST_MS_BOUND * share(u[2]))
+    return math.exp(u[0]), params
 
 
 def cpu_hardware(bandwidth_gbps: float, tflops: float) -> Hardware:
@@ -195,43 +213,46 @@ def _logit(share: float) -> float:
     return math.log(share / (1.0 - share))
 
 
-def fit_steps(model: ModelSpec, steps: list[MeasuredStep],
+def fit_steps(model: ModelSpec, steps: list[MeasuredStep], bandwidth_gbps: float,
               block_size: int = 128) -> tuple[Hardware, CostParams, list[Residual]]:
     """Least squares on the relative error of `CostModel.step(shape).total_s` against each measured median, over
-    (bandwidth, compute, launch per layer, host per sequence); several starts, the best kept."""
+    (compute, launch per layer, host per sequence) at the measured `bandwidth_gbps`; several starts, the best kept.
+    The bandwidth is measured, not fitted: with one model a decode step's fixed part is layers x launch + weight
+    bytes / bandwidth, and only their sum is seen (docs/simulator.md, "Where it is weak")."""
 
     def predicted(u: list[float]) -> list[float]:
-        bandwidth, tflops, params = _decode(u)
-        cost = CostModel(model, cpu_hardware(bandwidth, tflops), 1, params, block_size=block_size)
+        tflops, params = _decode(u)
+        cost = CostModel(model, cpu_hardware(bandwidth_gbps, tflops), 1, params, block_size=block_size)
         return [cost.step(s.shape).total_s for s in steps]
 
     def loss(u: list[float]) -> float:
         return sum((p / s.seconds - 1.0) ** 2 for p, s in zip(predicted(u), steps, strict=True))
 
     best: tuple[list[float], float] | None = None
-    for bandwidth in (5.0, 50.0):
-        for tflops in (0.02, 0.2):
-            for launch in (0.1, 0.6):
-                start = [math.log(bandwidth), math.log(tflops), _logit(launch), _logit(0.1)]
-                found = nelder_mead(loss, start, step=0.7)
-                if best is None or found[1] < best[1]:
-                    best = found
+    for tflops in (0.02, 0.2):
+        for launch in (0.1, 0.6):
+            found = nelder_mead(loss, [math.log(tflops), _logit(launch), _logit(0.1)], step=0.7)
+            if best is None or found[1] < best[1]:
+                best = found
     assert best is not None
-    bandwidth, tflops, params = _decode(best[0])
+    tflops, params = _decode(best[0])
     residuals = [Residual(s.label, s.seconds, p) for s, p in zip(steps, predicted(best[0]), strict=True)]
-    return cpu_hardware(bandwidth, tflops), params, residuals
+    return cpu_hardware(bandwidth_gbps, tflops), params, residuals
 
 
 def fit_cpu_profile(workdir: Path, plan: ProfilePlan | None = None, *, threads: int = THREADS,
                     overrides: dict[str, object] | None = None,
                     between: Callable[[], object] | None = None) -> CpuProfile:
     """Writes model A under `workdir`, measures `plan` on the real CPU engine with `threads` torch threads (running
-    `between` halfway: `measure_steps`), fits."""
+    `between` halfway: `measure_steps`) and the memory curve once a round, fits."""
     plan = plan or ProfilePlan()
     spec = model_spec(overrides or PROFILE_MODEL)
     model_dir = write_dummy_model(spec, workdir / "cpu-profile-model", seed=plan.seed)
     with torch_threads(threads):
-        steps = measure_steps(model_dir, plan, between)
+        probe = MemoryProbe()
+        steps = measure_steps(model_dir, plan, between, each_round=probe.measure)
+        memory = probe.curve()
+        del probe  # its largest working set (512 MiB) is not kept with the profile
     served = ModelSpec.from_pretrained(model_dir)  # what the engine loaded (the dummy writer fixes special ids)
-    hardware, params, residuals = fit_steps(served, steps)
-    return CpuProfile(hardware, params, residuals, served, threads, plan)
+    hardware, params, residuals = fit_steps(served, steps, memory.at(weight_bytes(served)))
+    return CpuProfile(hardware, params, residuals, served, threads, memory, plan)

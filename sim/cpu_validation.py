@@ -5,8 +5,9 @@ compared with what a client measured.
 Measured as a user would: `npuserve serve` in its own process (torch threads fixed by OMP_NUM_THREADS, so the
 client's interpreter does not share a GIL with the engine) and this project's load generator (`run_benchmark`: the
 code behind `npuserve bench`) against it. Predicted with `simulate()`: accelerator "cpu" with the fitted Hardware and
-host terms, the KV blocks the engine reports on /info, the same schedule, load and requests (each measured request's
-prompt and output token counts, warm-ups first).
+host terms (the bandwidth the fit's memory curve gives at model B's weight bytes: `CpuProfile.hardware_for`),
+the KV blocks the engine reports on /info, the same schedule, load and requests (each measured request's prompt and
+output token counts, warm-ups first).
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ from npuserve.loadgen.metrics import compute_metrics
 from npuserve.loadgen.result import BenchResult
 from npuserve.loadgen.run import run_benchmark
 from npuserve.mindie_config import MindIEConfig, minimal_config
+from npuserve.modelspec import ModelSpec
 
 from .cost_model import LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND, CostParams, Hardware
-from .cpu_profile import THREADS, CpuProfile, fit_cpu_profile, model_spec
+from .cpu_memory import CURVE_ROWS
+from .cpu_profile import THREADS, CpuProfile, fit_cpu_profile, model_spec, weight_bytes
 from .engine import SimulationConfig, SimulationResult, simulate
 from .runner import SimRequest
 
@@ -164,15 +167,15 @@ def measure_served(model_dir: Path, load: LoadPlan, threads: int) -> ServedRun:
 def predict(served: ServedRun, profile: CpuProfile, load: LoadPlan, *, params: CostParams | None = None,
             hardware: Hardware | None = None) -> SimulationResult:
     """The simulator's run of the served one: same engine config, blocks, load and requests (`params`/`hardware`
-    replace the fitted ones: the test's deliberately wrong term)."""
+    replace the fitted ones: the test's deliberately wrong term). The fitted Hardware is model B's
+    (`CpuProfile.hardware_for`)."""
     records = sorted(served.result.records, key=lambda r: r.index)
     requests = [SimRequest(r.prompt_tokens or load.input_len, r.output_tokens or load.output_len,
                            r.output_tokens or load.output_len) for r in records]
-    spec = model_spec(PREDICTED_MODEL).model_copy(update={"bos_token_id": profile.model.bos_token_id,
-                                                          "eos_token_id": profile.model.eos_token_id})
+    spec = predicted_spec(profile)
     config = SimulationConfig(engine=served.config, model=spec, accelerator="cpu", bench=served.result.config,
                               num_kv_blocks=served.kv_blocks, num_host_blocks=served.kv_host_blocks,
-                              cost=params or profile.params, hardware=hardware or profile.hardware)
+                              cost=params or profile.params, hardware=hardware or profile.hardware_for(spec))
     return simulate(config, requests)
 
 
@@ -187,13 +190,23 @@ def cpu_source_rows(served: ServedRun, predicted: SimulationResult, load: LoadPl
             CpuSourceRow(source, "output tok/s", real.output_throughput, sim.output_throughput)]
 
 
+def predicted_spec(profile: CpuProfile) -> ModelSpec:
+    """Model B as the engine loads it (the dummy writer's special ids, which model A's load shows)."""
+    return model_spec(PREDICTED_MODEL).model_copy(update={"bos_token_id": profile.model.bos_token_id,
+                                                          "eos_token_id": profile.model.eos_token_id})
+
+
 def fitted_terms(profile: CpuProfile) -> list[FittedTerm]:
     plan = profile.plan
     on = (f"fitted on model A ({profile.model.num_layers} layers, hidden {profile.model.hidden_size}, "
           f"{profile.model.dtype}), batch {min(plan.batches)}-{max(plan.batches)}, prompts "
           f"{'/'.join(map(str, plan.prompt_lengths))}, {profile.threads} torch thread(s)")
     hw, p = profile.hardware, profile.params
-    return [FittedTerm("bandwidth_gbps", hw.bandwidth_gbps, "GB/s", "> 0", on),
+    model_a, model_b = weight_bytes(profile.model), weight_bytes(predicted_spec(profile))
+    measured = f"measured with the fit: the memory curve at {{:.0f}} MB ({CURVE_ROWS} rows)"
+    return [FittedTerm("bandwidth_gbps", hw.bandwidth_gbps, "GB/s", "> 0", measured.format(model_a / 1e6)),
+            FittedTerm("bandwidth_gbps, model B", profile.hardware_for(predicted_spec(profile)).bandwidth_gbps,
+                       "GB/s", "> 0", measured.format(model_b / 1e6)),
             FittedTerm("tflops", hw.tflops, "TFLOP/s", "> 0", on),
             FittedTerm("launch_us_per_layer", p.launch_us_per_layer, "us", f"<= {LAUNCH_US_PER_LAYER_BOUND:g}", on),
             FittedTerm("per_seq_host_ms", p.per_seq_host_ms, "ms", f"<= {PER_SEQ_HOST_MS_BOUND:g}", on)]
@@ -220,3 +233,27 @@ def run_cpu_calibration(workdir: Path, load: LoadPlan | None = None, *, profile:
 
 def median_abs_error(rows: list[CpuSourceRow]) -> float:
     return statistics.median(abs(r.error) for r in rows)
+
+
+def cpu_report(calibration: CpuCalibration) -> str:
+    profile = calibration.profile
+    lines = ["CPU profile (bandwidth measured, the rest fitted; efficiency 1.0: the figures are the CPU's whole)",
+             f"  {'term':22s} {'value':>10s} {'unit':8s} {'bound':10s} source"]
+    for term in calibration.terms:
+        lines.append(f"  {term.name:22s} {term.value:10.4g} {term.unit:8s} {term.bound:10s} {term.source}")
+    curve = profile.memory
+    points = zip(curve.sizes, curve.gbps, strict=True)
+    lines += ["", f"Memory curve (F.linear of {CURVE_ROWS} rows over 4 MiB float32 matrices, the fit's rounds' median)",
+              "  " + "  ".join(f"{size / 2**20:.0f} MiB {gbps:.1f}" for size, gbps in points) + " GB/s"]
+    lines += ["", f"In sample (model A's steps; median |error| {profile.median_abs_error:.1%})",
+              f"  {'step':26s} {'measured ms':>12s} {'model ms':>10s} {'error':>8s}"]
+    for r in profile.residuals:
+        lines.append(f"  {r.label:26s} {r.measured_s * 1e3:12.2f} {r.predicted_s * 1e3:10.2f} {r.error:+8.1%}")
+    rows = calibration.rows
+    lines += ["", f"Predicted out of sample: {rows[0].source}; KV blocks {calibration.served.kv_blocks} (the "
+              f"engine's /info); median |error| {median_abs_error(rows):.1%}, worst "
+              f"{max(abs(r.error) for r in rows):.1%} (targets 15% / 25%)",
+              f"  {'figure':16s} {'measured':>10s} {'predicted':>10s} {'error':>8s}"]
+    for row in rows:
+        lines.append(f"  {row.figure:16s} {row.measured:10.2f} {row.predicted:10.2f} {row.error:+8.1%}")
+    return "\n".join(lines)

@@ -134,9 +134,10 @@ def test_the_planning_core_imports_only_contracts() -> None:
 # plan --target-users`): one-way, as the simulator never imports the operator (the test below).
 OPERATOR_ASKS_SIM = {"npuserve.sim.capacity": "status.capacity.modelConcurrencyPerReplica (operator/capacity.py)",
                      "npuserve.sim.capacity_cli": "npuserve plan --target-users/--target-rate (operator/plan_cli.py)"}
-# The CPU engine as a calibration source measures the real engine, so these two simulator modules import it; no other
-# simulator module imports them, so `npuserve simulate` stays torch-free.
-SIM_MEASURES_ENGINE = {"npuserve.sim.cpu_profile", "npuserve.sim.cpu_validation"}
+# The CPU engine as a calibration source measures the real engine (and the CPU's memory, with torch), so these
+# simulator modules import it or torch; no other simulator module imports them, so `npuserve simulate` stays
+# torch-free.
+SIM_MEASURES_ENGINE = {"npuserve.sim.cpu_profile", "npuserve.sim.cpu_validation", "npuserve.sim.cpu_memory"}
 
 
 def test_the_operator_imports_only_the_planning_core() -> None:

@@ -8,14 +8,19 @@ it does); it asserts no wall time.
 
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-
 import pytest
 
 from npuserve.sim.cost_model import LAUNCH_US_PER_LAYER_BOUND, PER_SEQ_HOST_MS_BOUND
-from npuserve.sim.cpu_profile import PROFILE_MODEL, cpu_hardware, model_spec
-from npuserve.sim.cpu_validation import CpuCalibration, cpu_source_rows, median_abs_error, predict, run_cpu_calibration
+from npuserve.sim.cpu_profile import cpu_hardware, weight_bytes
+from npuserve.sim.cpu_validation import (
+    CpuCalibration,
+    cpu_report,
+    cpu_source_rows,
+    median_abs_error,
+    predict,
+    predicted_spec,
+    run_cpu_calibration,
+)
 
 MEDIAN_TARGET = 0.15
 EACH_TARGET = 0.25
@@ -23,43 +28,25 @@ EACH_TARGET = 0.25
 pytestmark = [pytest.mark.slow, pytest.mark.wallclock]
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache the kernel reports for cpu0 (sysfs), or None where it reports none."""
-    sizes = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        with contextlib.suppress(OSError, ValueError):
-            text = (index / "size").read_text().strip()
-            unit = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * unit)
-    return max(sizes, default=None)
-
-
 @pytest.fixture(scope="module")
 def calibration(tmp_path_factory: pytest.TempPathFactory) -> CpuCalibration:
-    # The fit's premise (sim/cpu_profile.py PROFILE_MODEL): model A's weights are beyond the last-level cache, so its
-    # decode steps read DRAM as model B's do. A host whose cache holds them measures the cache's bandwidth instead
-    # (one with a 480 MiB L3 fitted 14.6 GB/s on model A and then read model B at half that: TPOT -50%).
-    cache, weights = last_level_cache_bytes(), model_spec(PROFILE_MODEL).step_weight_bytes(1 << 62)
-    if cache is not None and cache >= weights:
-        pytest.skip(f"this CPU's last-level cache ({cache / 2**20:.0f} MiB) holds model A's {weights / 1e6:.0f} MB "
-                    "of weights: a fit on it measures the cache, not the DRAM model B's decode reads")
     return run_cpu_calibration(tmp_path_factory.mktemp("cpu-calibration"))
 
 
 def _report(calibration: CpuCalibration) -> None:
-    from benchmarks.cpu_calibration import cpu_report
-
     print("\n" + cpu_report(calibration))
 
 
 def test_the_fit_is_physical(calibration: CpuCalibration) -> None:
-    """The fitted figures are the cost model's own: a positive bandwidth and compute rate, the host terms inside the
-    bounds every engine profile keeps, and a fit that explains model A's own steps (median within 15%: one bandwidth
-    for weights and KV and a roofline's max are what the CPU's kernels are fitted with)."""
+    """The fitted figures are the cost model's own: the bandwidth the memory curve measured at model A's weights, a
+    positive compute rate, the host terms inside the bounds every engine profile keeps, and a fit that explains
+    model A's own steps (median within 15%: one bandwidth for weights and KV and a roofline's max are what the
+    CPU's kernels are fitted with)."""
     _report(calibration)
     profile = calibration.profile
     assert profile.hardware.source == "fitted" and profile.hardware.name == "cpu"
-    assert profile.hardware.bandwidth_gbps > 0 and profile.hardware.tflops > 0
+    assert profile.hardware.bandwidth_gbps == profile.memory.at(weight_bytes(profile.model)) > 0  # measured
+    assert profile.hardware.tflops > 0
     assert 0 <= profile.params.launch_us_per_layer <= LAUNCH_US_PER_LAYER_BOUND
     assert 0 <= profile.params.per_seq_host_ms <= PER_SEQ_HOST_MS_BOUND
     assert profile.median_abs_error <= MEDIAN_TARGET
@@ -89,11 +76,12 @@ def test_model_b_is_predicted_within_the_targets(calibration: CpuCalibration,
 
 
 def test_a_wrong_bandwidth_is_caught(calibration: CpuCalibration) -> None:
-    """The comparison can fail: the same served run predicted with half the fitted bandwidth. Model B's decode
-    steps read its 157 MB of weights in most of their time (memory-bound on any CPU: a few hundred KB of activations
-    against them), so halving the bandwidth lengthens TPOT by well over the 25% target."""
+    """The comparison can fail: the same served run predicted with half the bandwidth carried to model B. Model B's
+    decode steps read its 157 MB of weights in most of their time (memory-bound on any CPU: a few hundred KB of
+    activations against them), so halving the bandwidth lengthens TPOT by well over the 25% target."""
     profile = calibration.profile
-    slow = cpu_hardware(profile.hardware.bandwidth_gbps / 2, profile.hardware.tflops)
+    model_b = profile.hardware_for(predicted_spec(profile))
+    slow = cpu_hardware(model_b.bandwidth_gbps / 2, model_b.tflops)
     wrong = predict(calibration.served, profile, calibration.load, hardware=slow)
     rows = cpu_source_rows(calibration.served, wrong, calibration.load)
     assert max(abs(r.error) for r in rows) > EACH_TARGET
