@@ -370,6 +370,24 @@ def test_too_few_samples_asks_for_a_repeat_and_the_repeats_pool() -> None:
     assert isinstance(step, NextTrial) and step.repeat_of is None and step.schedule.maxBatchSize != 108
 
 
+def test_a_thin_window_gives_way_to_the_full_windows_at_its_batch() -> None:
+    # The online e2e test's round 1, once: the first window opened as the traffic started and saw 2 requests (10.8 ms,
+    # a tenth of the tok/s), the repeat 69. Pooled, the thin window's tok/s made the noise estimate +-106% and nothing
+    # could be claimed for 12 trials. The full window speaks for the batch alone; a batch with only thin windows
+    # still pools them (the test above).
+    from npuserve.planning.tuner import _digest
+
+    p = problem("decodeLatency", noise=0.10, min_samples=10)
+    [thin, full] = _shaped(p, (108, 10.8, 24.0), (108, 15.9, 240.0))
+    assert thin.metrics is not None
+    thin = thin.model_copy(update={"metrics": thin.metrics.model_copy(update={"samples": 2})})
+    h = _digest(p, [thin, full])
+    point = h.point(108)
+    assert point is not None and point.windows == (full.metrics,) and point.trials == (1,)
+    assert h.noise.throughput < 0.10 and h.noise.latency["tpot"] < 0.10
+    assert h.counts[108] == 2  # both were trials: the thin one counts against maxTrials and the repeats
+
+
 def test_a_measurement_inconsistent_with_its_neighbours_is_repeated() -> None:
     p = problem("decodeLatency", (50, 600, 200), noise=0.05)
     engine = analytic_engine()
@@ -776,6 +794,29 @@ def test_an_adequate_model_proves_a_batch_its_one_window_leaves_uncertain() -> N
     bare = decide(p.model_copy(update={"engine": None, "max_trials": len(trials)}), trials)
     assert isinstance(bare, Verdict) and bare.schedule is not None and bare.schedule.maxBatchSize == 100
     assert "proven by the engine model" in verdict.message
+
+
+def test_the_model_reads_each_window_at_the_batch_the_load_ran() -> None:
+    # A closed loop of 24 users per pod runs 24 sequences at maxBatchSize 64 as at 32 (the online e2e test's heavy
+    # traffic): the in-flight figure the window measured (Little's law) is the batch the model means. At
+    # maxBatchSize 8 under the same 24 users, 8 run and the rest wait: the batch is 8. A window without the figure
+    # (the simulator's, which fill their batch) stays at maxBatchSize.
+    from npuserve.planning.tuner import online_model, running_batch
+
+    p, _ = _model_problem(130, 1.10)
+    shaped = _shaped(p, (64, 140.0, 170.0), (32, 160.0, 150.0), (8, 45.0, 180.0), (100, 60.0, 190.0))
+    trials = [_in_flight(t, f) for t, f in zip(shaped, (24.0, 24.0, 24.0, None), strict=True)]
+    assert [running_batch(t) for t in trials] == [24.0, 24.0, 8, 100]
+    model = online_model(p, trials)
+    assert model is not None
+    assert [e.batch for e in model.calibration.errors] == [24.0, 24.0, 8, 100]
+    # A pod with nothing in flight still ran its windows' requests one at a time: the batch is at least 1.
+    assert running_batch(_in_flight(_shaped(p, (16, 20.0, 50.0))[0], 0.2)) == 1.0
+
+
+def _in_flight(trial: Trial, in_flight: float | None) -> Trial:
+    assert trial.metrics is not None
+    return trial.model_copy(update={"metrics": trial.metrics.model_copy(update={"inFlightPerPod": in_flight})})
 
 
 def test_the_same_model_proves_nothing_once_its_adequacy_test_fails() -> None:
