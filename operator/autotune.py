@@ -467,6 +467,20 @@ class _Look:
             self.event("Normal", "InnerLoop", f"the engines' TPOT controller is {state} under maxBatchSize "
                                               f"{applied.maxBatchSize}")
 
+    def seed_trial(self, m: Measurement, start: str, end: str) -> TuningTrial | None:
+        """In online mode, the window that starts a new round is the new round's first trial: it measured the live
+        traffic at the applied schedule, which is what the round's first trial would measure again (one window
+        saved after a traffic change). Not in benchmark mode, whose trials measure the Job's load, not the live one;
+        nor under the inner loop, whose controller moved the running batch inside the window; nor a window that did
+        not run the applied schedule throughout."""
+        applied = self.tuning.applied
+        if (self.isvc.spec.autotune.mode != "online" or applied is None or m.metrics is None
+                or applied.inner_loop().get(inner_loop.ENABLE) or self.schedule_not_run(m) is not None):
+            return None
+        knobs = applied.knobs()
+        trial = Trial(schedule=TunedSchedule.from_knobs(knobs, "the window that started the round"), metrics=m.metrics)
+        return trial_status(self.problem, 0, trial).model_copy(update={"schedule": knobs, "window": f"{start}/{end}"})
+
     def after_tuning(self) -> None:
         if capacity_part.advance(self):
             return
@@ -501,8 +515,10 @@ class _Look:
         cool_down = window_s(self.isvc) * self.isvc.spec.autotune.maxTrials
         if self.tuning.missedWindows >= MISSED_WINDOWS and self.obs.now - started >= cool_down:
             best = self.tuning.best
+            seed = self.seed_trial(m, rfc3339(start), rfc3339(end))
             self.tuning = TuningStatus(phase="Running", round=self.tuning.round + 1, problem=self.key,
-                                       roundStartedAt=self.now, applied=self.tuning.applied, best=best)
+                                       roundStartedAt=self.now, applied=self.tuning.applied, best=best,
+                                       history=[seed] if seed is not None else [])
             self.status.pop("capacity", None)  # measured again for the new round's best
             self.problem = problem_for(self.isvc, self.plan, best.schedule.maxBatchSize if best else None)
             self.event("Normal", "TuningRestarted", f"the SLO was missed in {MISSED_WINDOWS} consecutive windows: "

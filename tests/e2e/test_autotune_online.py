@@ -180,7 +180,8 @@ def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
             tuning = st["tuning"]
             say("round 1: " + tuning["message"], trials(st))
             # The online model of the CPU engine, as the status records it (issue 33 asks its next-window TPOT
-            # within 15% after three windows on this engine: printed for the record, not asserted).
+            # within 15% after three windows on this engine: printed for the record, here and in round 2, not
+            # asserted).
             say("round 1 model: " + json.dumps(tuning.get("model")))
             assert tuning["phase"] == "Converged" and slo_met(st), tuning["message"]
             assert tuning["verdict"]["sloMet"] and tuning["verdict"]["limit"] == "memory"
@@ -208,6 +209,7 @@ def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
                           interval=2)
             tuning = st["tuning"]
             say("round 2: " + tuning["message"], trials(st))
+            say("round 2 model: " + json.dumps(tuning.get("model")))
             # Converged, or out of trials with a schedule its own windows show to meet the bound.
             assert tuning["phase"] in ("Converged", "Stopped") and slo_met(st), tuning["message"]
             assert tuning["verdict"]["reason"] in ("converged", "maxTrials")

@@ -836,14 +836,23 @@ def test_missed_windows_start_a_new_round_only_after_the_cool_down() -> None:
     assert (loop.condition("SLOMet")["status"], loop.condition("SLOMet")["reason"]) == ("False", "SLOMissed")
     assert ("Normal", "TuningRestarted") not in loop.events(mark)
     assert loop.applies(mark) == [] and loop.status["phase"] == "Ready"
-    # The next window past the cool-down starts round 2, from the best batch.
+    # The next window past the cool-down starts round 2, from the best batch. That window measured the new traffic
+    # at the best schedule, which is what round 2's first trial would measure again: it is round 2's trial 0 (online
+    # mode), and the first window round 2 opens is already the tuner's next move below it.
     loop.run_until(lambda lp: lp.tuning().round == 2)
     restart = loop.ticks[-1]
     assert restart.now - started >= cool_down
     assert all(t.now - started < cool_down for t in loop.ticks[mark:-1] if t.due is not None)
     t = loop.tuning()
     assert t.phase == "Running" and t.roundStartedAt == at.rfc3339(restart.now) and t.missedWindows == 0
-    assert t.history == [] and t.current is not None and t.current.schedule == best
+    assert restart.due is not None and restart.measurement is not None
+    [seed] = t.history
+    assert (seed.trial, seed.schedule, seed.outcome, seed.sloMet) == (0, best, "measured", False)
+    assert seed.metrics == restart.measurement.metrics and seed.failing == ["tpotMs.mean"]
+    assert seed.window == f"{at.rfc3339(restart.due.start)}/{at.rfc3339(restart.due.end)}"
+    assert t.current is not None and t.current.trial == 1
+    assert t.current.schedule.maxBatchSize is not None and best.maxBatchSize is not None
+    assert t.current.schedule.maxBatchSize < best.maxBatchSize
     assert ("Normal", "TuningRestarted") in loop.events(len(loop.ticks) - 1)
     assert loop.status["phase"] == "Tuning"
     # Round 2 settles lower: TPOT is 10 ms higher now, so 25 ms holds 1000 requests.
@@ -852,6 +861,20 @@ def test_missed_windows_start_a_new_round_only_after_the_cool_down() -> None:
     assert t.round == 2 and t.best is not None and t.best.schedule.maxBatchSize is not None
     assert abs(t.best.schedule.maxBatchSize - 1000) <= TOLERANCE * 1000 + 1
     assert len(t.history) <= 20 and t.history[0].schedule == best
+
+
+def test_in_benchmark_mode_a_new_round_measures_the_best_batch_again() -> None:
+    # The windows after tuning measure live traffic; benchmark mode's trials measure its Job's load. The window that
+    # starts the round is not one of them: round 2 opens with the best batch, under the Job.
+    loop = Loop.start(max_trials=8, mode="benchmark")
+    loop.run_until(settled)
+    first = loop.tuning()
+    assert first.best is not None
+    best = first.best.schedule
+    loop.engine = replace(loop.engine, tpot0=20.0)
+    loop.run_until(lambda lp: lp.tuning().round == 2)
+    t = loop.tuning()
+    assert t.history == [] and t.current is not None and t.current.trial == 0 and t.current.schedule == best
 
 
 def test_it_takes_missed_windows_in_a_row_to_start_a_new_round() -> None:
