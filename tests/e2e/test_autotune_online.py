@@ -214,6 +214,9 @@ def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
             assert tuning["phase"] in ("Converged", "Stopped") and slo_met(st), tuning["message"]
             assert tuning["verdict"]["reason"] in ("converged", "maxTrials")
             assert tuning["verdict"]["sloMet"] and tuning["verdict"]["maxBatchSize"] < first_batch
+            # The window that started round 2 is its trial 0 (online mode): round 1's batch, missing the bound.
+            seed = tuning["history"][0]
+            assert seed["schedule"]["maxBatchSize"] == first_batch and seed["sloMet"] is False, seed
             assert demo.verdict_contradiction(st, {"tpotMs": round(bound, 1)}) is None
         finally:
             traffic.stop()
