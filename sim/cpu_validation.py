@@ -236,6 +236,8 @@ def median_abs_error(rows: list[CpuSourceRow]) -> float:
 
 
 def cpu_report(calibration: CpuCalibration) -> str:
+    """The calibration as text: each term with its bound and source, the memory curve, the fit's in-sample residuals
+    and the prediction table (benchmarks/cpu_calibration.py, the test's `-s` output)."""
     profile = calibration.profile
     lines = ["CPU profile (bandwidth measured, the rest fitted; efficiency 1.0: the figures are the CPU's whole)",
              f"  {'term':22s} {'value':>10s} {'unit':8s} {'bound':10s} source"]
