@@ -202,11 +202,14 @@ def fitted_terms(profile: CpuProfile) -> list[FittedTerm]:
           f"{profile.model.dtype}), batch {min(plan.batches)}-{max(plan.batches)}, prompts "
           f"{'/'.join(map(str, plan.prompt_lengths))}, {profile.threads} torch thread(s)")
     hw, p = profile.hardware, profile.params
-    model_a, model_b = weight_bytes(profile.model), weight_bytes(predicted_spec(profile))
-    measured = f"measured with the fit: the memory curve at {{:.0f}} MB ({CURVE_ROWS} rows)"
-    return [FittedTerm("bandwidth_gbps", hw.bandwidth_gbps, "GB/s", "> 0", measured.format(model_a / 1e6)),
-            FittedTerm("bandwidth_gbps, model B", profile.hardware_for(predicted_spec(profile)).bandwidth_gbps,
-                       "GB/s", "> 0", measured.format(model_b / 1e6)),
+    model_b = predicted_spec(profile)
+
+    def measured(spec: ModelSpec) -> str:
+        return f"measured with the fit: the memory curve at {weight_bytes(spec) / 1e6:.0f} MB ({CURVE_ROWS} rows)"
+
+    return [FittedTerm("bandwidth_gbps", hw.bandwidth_gbps, "GB/s", "> 0", measured(profile.model)),
+            FittedTerm("bandwidth_gbps, model B", profile.hardware_for(model_b).bandwidth_gbps, "GB/s", "> 0",
+                       measured(model_b)),
             FittedTerm("tflops", hw.tflops, "TFLOP/s", "> 0", on),
             FittedTerm("launch_us_per_layer", p.launch_us_per_layer, "us", f"<= {LAUNCH_US_PER_LAYER_BOUND:g}", on),
             FittedTerm("per_seq_host_ms", p.per_seq_host_ms, "ms", f"<= {PER_SEQ_HOST_MS_BOUND:g}", on)]
