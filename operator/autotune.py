@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from npuserve.planning.api import (
+    EARLIER_WINDOWS,
     SCHEDULE_NOT_RUN,
     AppliedSchedule,
     FailureReasonName,
@@ -146,7 +147,7 @@ class _Look:
             drop = next((i for i, e in enumerate(self.tuning.history) if e.outcome == "inconclusive"), 0)
             del self.tuning.history[drop]
         self.tuning.trial = len(conclusive(self.tuning.history))
-        self.tuning.model = model_status(self.problem, trials_of(self.tuning.history))
+        self.tuning.model = model_status(self.problem, trials_of(self.tuning.history), trials_of(self.tuning.earlier))
         self.status["tuning"] = self.tuning.model_dump(mode="json", exclude_none=True)
         if self.tuning.applied is not None:
             self.status["schedule"] = {**(self.status.get("schedule") or {}),
@@ -207,7 +208,7 @@ class _Look:
                 self.tuning.message += f"; {WAITING_MESSAGE}"
             self.condition("Tuning", True, REASON_ROLLED_BACK if rolled_back else REASON_WAITING, self.tuning.message)
             return
-        decision = decide(self.problem, trials_of(self.tuning.history))
+        decision = decide(self.problem, trials_of(self.tuning.history), trials_of(self.tuning.earlier))
         if isinstance(decision, NextTrial):
             number = len(self.tuning.history)
             self.open_window("trial", number, self.problem.knobs(decision.schedule), decision.reason)
@@ -378,7 +379,7 @@ class _Look:
         self.rollback(f"trial {current.trial} (maxBatchSize {current.schedule.maxBatchSize}) failed: {why}")
 
     def rollback(self, why: str) -> None:
-        best = best_known(self.problem, self.tuning.history)
+        best = best_known(self.problem, self.tuning.history, self.tuning.earlier)
         self.apply(best)
         self.tuning.message = f"{why}; rolled back to maxBatchSize {best.maxBatchSize}"
         self.condition("Tuning", True, REASON_ROLLED_BACK, self.tuning.message)
@@ -424,8 +425,9 @@ class _Look:
         self.tuning.phase = phase_of(verdict)
         self.tuning.lastCheckAt = self.now
         self.tuning.missedWindows = 0
-        self.apply(best.schedule if best is not None else best_known(self.problem, self.tuning.history),
-                   inner_loop.wanted(self.isvc, self.tuning.verdict, self.tuning.applied))
+        knobs = best.schedule if best is not None else best_known(self.problem, self.tuning.history,
+                                                                  self.tuning.earlier)
+        self.apply(knobs, inner_loop.wanted(self.isvc, self.tuning.verdict, self.tuning.applied))
         said = f"{verdict.reason} after {len(history)} trials: {verdict.message}"
         said += self.inner_loop_said()
         self.tuning.message = said
@@ -516,9 +518,12 @@ class _Look:
         if self.tuning.missedWindows >= MISSED_WINDOWS and self.obs.now - started >= cool_down:
             best = self.tuning.best
             seed = self.seed_trial(m, rfc3339(start), rfc3339(end))
+            # The engine model of the new round reads the last round's windows too (tuner._model says when).
+            measured = [e for e in self.tuning.history if e.outcome == "measured"]
+            earlier = (self.tuning.earlier + measured)[-EARLIER_WINDOWS:]
             self.tuning = TuningStatus(phase="Running", round=self.tuning.round + 1, problem=self.key,
                                        roundStartedAt=self.now, applied=self.tuning.applied, best=best,
-                                       history=[seed] if seed is not None else [])
+                                       history=[seed] if seed is not None else [], earlier=earlier)
             self.status.pop("capacity", None)  # measured again for the new round's best
             self.problem = problem_for(self.isvc, self.plan, best.schedule.maxBatchSize if best else None)
             self.event("Normal", "TuningRestarted", f"the SLO was missed in {MISSED_WINDOWS} consecutive windows: "

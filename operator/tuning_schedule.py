@@ -136,10 +136,11 @@ def with_knobs(schedule: PlanSchedule, knobs: ScheduleKnobs) -> PlanSchedule:
     return schedule.model_copy(update=knobs.pinned())
 
 
-def best_known(problem: TuningProblem, history: Sequence[TuningTrial]) -> ScheduleKnobs:
+def best_known(problem: TuningProblem, history: Sequence[TuningTrial],
+               earlier: Sequence[TuningTrial] = ()) -> ScheduleKnobs:
     """The schedule to roll back to: what the verdict would choose from the history now (certain to meet the SLO,
-    else the closest measured); without any measurement, the plan's."""
-    best = best_so_far(problem, trials_of(history))
+    else the closest measured); without any measurement, the plan's. `earlier`: status.tuning.earlier."""
+    best = best_so_far(problem, trials_of(history), trials_of(earlier))
     if best is None:  # nothing measured well yet: the plan's own schedule (its hot knobs: what /admin/schedule takes)
         return ScheduleKnobs(**{k: v for k, v in problem.base.model_dump().items()
                                 if k in ScheduleKnobs.model_fields and k in HOT_SCHEDULE_FIELDS})

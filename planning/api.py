@@ -960,12 +960,20 @@ class ModelParameter(_Model):
     sd: float | None = None
 
 
+# The previous round's windows a new round's engine model reads (status.tuning.earlier): as many as its adequacy test
+# looks at (engine_model.ADEQUACY_WINDOWS).
+EARLIER_WINDOWS = 8
+
+
 class OnlineModelStatus(_Model):
     """status.tuning.model: the engine model calibrated on this round's windows (docs/operator.md, "The online
     model"): what it says of the engine, how sure it is, and whether it passes its adequacy test (only then does it
     propose trials or prove claims)."""
 
     windows: int = Field(ge=0, description="windows it is fitted to")
+    earlierWindows: int = Field(default=0, ge=0, description="of them, the previous round's (status.tuning.earlier): "
+                                                             "read only while the model passes its adequacy test "
+                                                             "with them")
     parameters: list[ModelParameter] = Field(default_factory=list, max_length=8)
     noise: float = Field(ge=0, description="one window's relative TPOT noise, from its residuals")
     adequate: bool
@@ -992,7 +1000,11 @@ class TuningStatus(_Model):
     lastCheckAt: str | None = Field(default=None, description="after tuning: the last window checked against the SLO")
     missedWindows: int = Field(default=0, ge=0, description="after tuning: consecutive windows that missed the SLO")
     model: OnlineModelStatus | None = Field(default=None, description="the engine model calibrated on this round's "
-                                            "windows")
+                                            "windows (and the previous round's last ones, while it passes its "
+                                            "adequacy test with them)")
+    earlier: list[TuningTrial] = Field(default_factory=list, max_length=EARLIER_WINDOWS,
+                                       description="the previous round's last windows of this problem, which only "
+                                                   "the engine model reads")
 
 
 class CapacityProbe(_Model):

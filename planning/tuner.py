@@ -1,9 +1,10 @@
 """The closed-loop tuner of the ScheduleConfig (docs/operator.md, "Autotuning"): the MindIE tuning guide's three best
 practices, in fewer benchmark runs than the guide's manual +-100 steps.
 
-Pure: `decide(problem, trials)` reads the whole history of trials and returns the next schedule to measure or a
-verdict. It keeps no state, so the operator resumes from `status.tuning.history` (`tuning_status.trial_from_status`),
-and the simulator drives the very same function. No I/O, no clock, no randomness.
+Pure: `decide(problem, trials, earlier)` reads the whole history of trials (and the previous round's last windows,
+which only the engine model reads) and returns the next schedule to measure or a verdict. It keeps no state, so
+the operator resumes from `status.tuning.history` (`tuning_status.trial_from_status`), and the simulator drives the
+very same function. No I/O, no clock, no randomness.
 
 The tuner owns four knobs: it searches maxBatchSize, and derives maxPrefillBatchSize, maxPrefillTokens and
 supportSelectBatch from it by the plan's rules. A knob pinned in `spec.engine.schedule` keeps its value.
@@ -181,6 +182,7 @@ class OnlineModel:
 
     calibration: Calibration
     adequacy: Adequacy
+    earlier: int = 0  # windows of the previous round among those it is fitted to
 
     @property
     def usable(self) -> bool:
@@ -209,7 +211,7 @@ class History:
         return next((p for p in self.points if p.batch == batch), None)
 
 
-def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
+def _digest(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial] = ()) -> History:
     # Trials of another problem (another objective, pinned value or range) say nothing about this one.
     relevant = tuple(i for i, t in enumerate(trials)
                      if problem.floor <= t.schedule.maxBatchSize <= problem.batch_max
@@ -243,23 +245,29 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial]) -> History:
         kept[b] = full or indices
     windows = {b: [_metrics(trials[i]) for i in ix] for b, ix in kept.items()}
     noise = _noise(problem, windows)
-    model = _model(problem, trials, kept, windows, noise)
+    model = _model(problem, trials, kept, windows, noise, earlier)
     noise = _with_model_noise(problem, noise, model)
     points = tuple(Point(b, tuple(ix), tuple(windows[b]), problem.claim(windows[b], noise)) for b, ix in kept.items())
     return History(trials, relevant, _proven(problem, points, model, noise), failed, thin, counts, cap, noise, model)
 
 
 def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list[int]],
-           by_batch: dict[int, list[TrialMetrics]], noise: Noise) -> OnlineModel | None:
+           by_batch: dict[int, list[TrialMetrics]], noise: Noise, earlier: Sequence[Trial]) -> OnlineModel | None:
     """The engine model fitted to every usable window's TPOT at the SLO's statistic, oldest first (the newest weigh
     most). Its adequacy test holds its residuals against the noise the repeats at one batch show (TPOT's or, when
     larger, tok/s's: the machine's noise; pooled with the prior), not against the scatter around a smooth curve: a
-    knee the model cannot follow would inflate that figure and hide itself in it."""
+    knee the model cannot follow would inflate that figure and hide itself in it.
+
+    The previous round's last windows (`earlier`, same problem: same engine, same traffic shape) come first, the
+    oldest, while the model passes its adequacy test with them: a round started by a change of load then knows the
+    engine's TPOT at the old running batch and at the new one from its first window, and the model puts the crossing
+    between them. When the test fails with them (the lengths changed, the engine changed), the round's own windows
+    alone are fitted, as without them."""
     if problem.engine is None:
         return None
-    order = sorted(i for ix in kept.values() for i in ix)
-    windows = [Window(running_batch(trials[i]), problem.latency(_metrics(trials[i]), "tpot"),
-                      len(order) - 1 - n) for n, i in enumerate(order)]
+    this_round = [trials[i] for i in sorted(i for ix in kept.values() for i in ix)]
+    carried = [t for t in earlier if t.metrics is not None and failure_of(problem, t) is None
+               and t.metrics.samples >= problem.min_samples]
     if noise.exact:
         reference = 0.0
     else:
@@ -267,8 +275,19 @@ def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list
                              lambda m: problem.latency(m, "tpot"))
         reference, _ = fits.noise_estimate(problem.noise / math.sqrt(3), [fits.scatter(series, rising=False)])
         reference = max(reference, noise.throughput)  # the machine's noise, as the tok/s repeats measure it
-    calibration = calibrate(problem.engine, windows, reference)
+    if carried:
+        calibration = calibrate(problem.engine, _windows(problem, carried + this_round), reference)
+        adequacy = adequate(calibration)
+        if adequacy.ok:
+            return OnlineModel(calibration, adequacy, earlier=len(carried))
+    calibration = calibrate(problem.engine, _windows(problem, this_round), reference)
     return OnlineModel(calibration, adequate(calibration))
+
+
+def _windows(problem: TuningProblem, trials: Sequence[Trial]) -> list[Window]:
+    """The engine model's windows of these trials (oldest first): TPOT at the SLO's statistic, at the running batch."""
+    return [Window(running_batch(t), problem.latency(_metrics(t), "tpot"), len(trials) - 1 - n)
+            for n, t in enumerate(trials)]
 
 
 def _with_model_noise(problem: TuningProblem, noise: Noise, model: OnlineModel | None) -> Noise:
@@ -337,9 +356,17 @@ def running_batch(trial: Trial) -> float:
     it, else the requests in flight per pod the window measured (Little's law; at least 1). A closed loop of 24 users
     runs 24 sequences at maxBatchSize 64 as at 32: told 64 and 32, the model would fit a TPOT curve that is flat there
     and put the SLO's crossing far off. The simulator's windows fill their batch (no in-flight figure)."""
-    batch = trial.schedule.maxBatchSize
-    in_flight = _metrics(trial).inFlightPerPod
+    return _running(trial.schedule.maxBatchSize, _metrics(trial))
+
+
+def _running(batch: int, metrics: TrialMetrics) -> float:
+    in_flight = metrics.inFlightPerPod
     return batch if in_flight is None else max(1.0, min(float(batch), in_flight))
+
+
+def _ran_at(p: Point) -> float:
+    """The running batch of a point's windows, pooled (the mean): its maxBatchSize when the load fills it."""
+    return sum(_running(p.batch, m) for m in p.windows) / len(p.windows)
 
 
 def _noise(problem: TuningProblem, windows: dict[int, list[TrialMetrics]]) -> Noise:
@@ -381,16 +408,17 @@ def _latency_series(problem: TuningProblem, points: Sequence[Point], key: Latenc
 # --- the search ----------------------------------------------------------------------------------------------------
 
 
-def decide(problem: TuningProblem, trials: Sequence[Trial]) -> Decision:
+def decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial] = ()) -> Decision:
     """The next trial to measure, or the verdict, from the problem and every trial so far (oldest first).
 
     Only the trials of this problem count (the schedule it would set at their batch): after a change of objective
-    or of a pinned knob, the earlier ones are left out, of the fits and of `max_trials` alike."""
+    or of a pinned knob, the earlier ones are left out, of the fits and of `max_trials` alike. `earlier`: the
+    previous round's last windows of this problem, which only the engine model reads (`_model`)."""
     if "maxBatchSize" in problem.pinned:
         which = "every knob the tuner owns is" if set(OWNED_KNOBS) <= set(problem.pinned) else "maxBatchSize is"
         return Verdict(reason="pinned", best=None, schedule=problem.schedule_for(problem.batch_start),
                        slo_met=None, limit="pinned", message=f"{which} pinned in spec.engine.schedule: nothing to tune")
-    h = _digest(problem, trials)
+    h = _digest(problem, trials, earlier)
     decision = _repeat(problem, h) or _search(problem, h)
     if isinstance(decision, NextTrial) and len(h.relevant) >= problem.max_trials:
         return _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {decision.reason})")
@@ -642,11 +670,16 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
         assert br.upper is not None
         low, high = lo, br.upper - 1
         # A tolerance below the fitted crossing: secants from above overshoot a convex latency, and a batch that
-        # meets closes the bracket at once.
-        target = max(min(math.floor(guess * (1 - tol)), br.upper - gap), math.ceil(br.upper / MAX_DROP))
+        # meets closes the bracket at once. The drop is from the batch the miss ran at: a load that does not fill
+        # maxBatchSize runs the same sequences at any maxBatchSize above it. It is at most MAX_DROP while no adequate
+        # model says where the crossing lies; an adequate one is followed there.
+        missed = h.point(br.upper)
+        ran = min(br.upper, math.ceil(_ran_at(missed))) if missed is not None else br.upper
+        least = lo if h.model is not None and h.model.usable and not h.noise.exact else math.ceil(ran / MAX_DROP)
+        target = max(min(math.floor(guess * (1 - tol)), ran - gap), least)
+        why = f"{br.upper} misses the SLO; the fit puts the crossing at {guess:.0f}"
         if guess < lo:  # the fit puts every batch above the bound: the smallest there is says whether any meets it
             target, why = lo, f"{br.upper} misses the SLO; the fit puts the crossing below {lo}"
-        why = f"{br.upper} misses the SLO; the fit puts the crossing at {guess:.0f}"
     b = _unmeasured(h, target, low, high) if low <= high else None
     if b is None:
         return _verdict(problem, h, "converged", f"no batch left to try between {b_lo} and {br.upper}")
@@ -666,7 +699,7 @@ def _uncertain_miss(problem: TuningProblem, h: History, br: _Bracket) -> NextTri
         return None
     if any(r > 1 for k, r in p.claim.judgement.ratios.items() if k != "tpot"):
         return None  # it misses another bound, which the model says nothing of
-    if predict(h.model.calibration, p.batch)[0] > problem.tpot_ms:
+    if predict(h.model.calibration, _ran_at(p))[0] > problem.tpot_ms:
         return None
     if br.certain is not None and p.batch - 1 - br.certain.batch <= _within(problem.tolerance, br.certain.batch):
         return None
@@ -867,15 +900,17 @@ def _proof_of(h: History, best: Point) -> tuple[ClaimBasis | None, tuple[int, ..
                                          f"{len(by.windows)} window(s)) and latency never falls as the batch grows")
 
 
-def online_model(problem: TuningProblem, trials: Sequence[Trial]) -> OnlineModel | None:
+def online_model(problem: TuningProblem, trials: Sequence[Trial],
+                 earlier: Sequence[Trial] = ()) -> OnlineModel | None:
     """The engine model as `decide` calibrates it on these trials (None without `problem.engine`)."""
-    return _digest(problem, trials).model
+    return _digest(problem, trials, earlier).model
 
 
-def best_so_far(problem: TuningProblem, trials: Sequence[Trial]) -> TunedSchedule | None:
+def best_so_far(problem: TuningProblem, trials: Sequence[Trial],
+                earlier: Sequence[Trial] = ()) -> TunedSchedule | None:
     """The schedule to roll back to after a failed trial: the one the verdict would choose now (certain to meet the
     SLO, else the closest measured); None when nothing was measured yet."""
     if "maxBatchSize" in problem.pinned:
         return problem.schedule_for(problem.batch_start)
-    verdict = _verdict(problem, _digest(problem, trials), "converged", "")
+    verdict = _verdict(problem, _digest(problem, trials, earlier), "converged", "")
     return verdict.schedule

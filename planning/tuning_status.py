@@ -78,9 +78,10 @@ def verdict_status(verdict: Verdict, history: Sequence[TuningTrial]) -> TuningVe
                          pooled=verdict.pooled, noise=verdict.noise, message=verdict.message)
 
 
-def model_status(problem: TuningProblem, trials: Sequence[Trial]) -> OnlineModelStatus | None:
+def model_status(problem: TuningProblem, trials: Sequence[Trial],
+                 earlier: Sequence[Trial] = ()) -> OnlineModelStatus | None:
     """status.tuning.model: the engine model as the tuner calibrates it on these trials, in physical units."""
-    model = online_model(problem, trials)
+    model = online_model(problem, trials, earlier)
     if model is None:
         return None
     cal = model.calibration
@@ -90,6 +91,7 @@ def model_status(problem: TuningProblem, trials: Sequence[Trial]) -> OnlineModel
         return x if math.isfinite(x) else None
 
     return OnlineModelStatus(
-        windows=len(cal.errors), noise=cal.noise, adequate=model.adequacy.ok, adequacy=model.adequacy.why,
+        windows=len(cal.errors), earlierWindows=model.earlier, noise=cal.noise, adequate=model.adequacy.ok,
+        adequacy=model.adequacy.why,
         parameters=[ModelParameter(name=name, value=finite(value[name]), sd=finite(sd[name])) for name in value],
         lastErrors=[e.relative for e in cal.errors[-8:]])

@@ -137,7 +137,8 @@ def trials(st: dict[str, Any]) -> str:
         tpot = (m.get("tpotMs") or {}).get("mean")
         batch = (e.get("schedule") or {}).get("maxBatchSize")
         rows.append(f"  {e.get('trial')} maxBatchSize {batch} {e.get('outcome')}: "
-                    f"TPOT {tpot if tpot is None else round(tpot, 1)} ms, {m.get('samples')} requests")
+                    f"TPOT {tpot if tpot is None else round(tpot, 1)} ms, {m.get('samples')} requests, "
+                    f"{m.get('inFlightPerPod')} in flight per pod")
     return "\n".join(rows)
 
 
@@ -217,6 +218,13 @@ def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
             # The window that started round 2 is its trial 0 (online mode): round 1's batch, missing the bound.
             seed = tuning["history"][0]
             assert seed["schedule"]["maxBatchSize"] == first_batch and seed["sloMet"] is False, seed
+            # Round 1's windows went with round 2 for its engine model (read while its adequacy test passes).
+            assert tuning["earlier"] and all(e["outcome"] == "measured" for e in tuning["earlier"]), tuning["earlier"]
+            started = k8s_cluster.kubectl("get", "events", "-n", ns, "--field-selector", "reason=TrialStarted",
+                                          "--sort-by=.lastTimestamp", "-o", "jsonpath={.items[*].message}")
+            say("trials started (both rounds): " + started)
+            met = [e["trial"] for e in tuning["history"] if e.get("sloMet")]
+            say(f"round 2: the first window to meet the SLO is trial {met[0] if met else None} (the seed is 0)")
             assert demo.verdict_contradiction(st, {"tpotMs": round(bound, 1)}) is None
         finally:
             traffic.stop()

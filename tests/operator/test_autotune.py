@@ -27,6 +27,7 @@ from npuserve.operator import look_timing as lt
 from npuserve.operator import tuning_schedule as ts
 from npuserve.operator.crd import PRINTER_COLUMNS
 from npuserve.planning.api import (
+    EARLIER_WINDOWS,
     CapacityStatus,
     InferenceService,
     LatencyStats,
@@ -848,6 +849,9 @@ def test_missed_windows_start_a_new_round_only_after_the_cool_down() -> None:
     assert restart.due is not None and restart.measurement is not None
     [seed] = t.history
     assert (seed.trial, seed.schedule, seed.outcome, seed.sloMet) == (0, best, "measured", False)
+    # Round 1's last measured windows go with it, for round 2's engine model to read.
+    assert t.earlier == [e for e in first.history if e.outcome == "measured"][-EARLIER_WINDOWS:]
+    assert t.earlier and len(t.earlier) <= EARLIER_WINDOWS
     assert seed.metrics == restart.measurement.metrics and seed.failing == ["tpotMs.mean"]
     assert seed.window == f"{at.rfc3339(restart.due.start)}/{at.rfc3339(restart.due.end)}"
     assert t.current is not None and t.current.trial == 1

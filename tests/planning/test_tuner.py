@@ -814,6 +814,48 @@ def test_the_model_reads_each_window_at_the_batch_the_load_ran() -> None:
     assert running_batch(_in_flight(_shaped(p, (16, 20.0, 50.0))[0], 0.2)) == 1.0
 
 
+def _after_a_load_change(earlier_over: float = 1.0) -> tuple[TuningProblem, list[Trial], list[Trial]]:
+    """The online e2e test's traffic change, on the guide's shape: TPOT bound at the model's TPOT at 30; round 1 ran
+    20 sequences at maxBatchSize 130 (two windows, TPOT x `earlier_over`); round 2's first window, at 130 too,
+    ran 120 and missed."""
+    p, shape = _model_problem(30, 1.0)
+    light = [_in_flight(t, 20.0) for t in _shaped(p, (130, _prior_tpot(shape, 20) * 1.02 * earlier_over, 400.0),
+                                                   (130, _prior_tpot(shape, 20) * 0.98 * earlier_over, 410.0))]
+    [heavy] = [_in_flight(t, 120.0) for t in _shaped(p, (130, _prior_tpot(shape, 120) * 1.01, 2400.0))]
+    return p, light, [heavy]
+
+
+def test_a_new_round_jumps_to_the_crossing_its_model_puts_between_the_old_load_and_the_new() -> None:
+    # The previous round's windows (20 running) and the new round's first (120 running) are one engine at two
+    # batches: the model, adequate on them, puts the crossing near 30 and the search goes at once to where a batch
+    # would be certain after a few windows (13 here: TPOT is flat at small batches, and the aim lies the noise's
+    # doubt under the bound).
+    from npuserve.planning.tuner import online_model
+
+    p, light, seed = _after_a_load_change()
+    model = online_model(p, seed, light)
+    assert model is not None and model.usable and model.earlier == 2, model
+    step = decide(p, seed, light)
+    assert isinstance(step, NextTrial) and 10 <= step.schedule.maxBatchSize < 30, step
+    assert "the fit puts the crossing at" in step.reason
+    # Without them, the model has one window and no word: the search drops by MAX_DROP from the batch the window
+    # ran at (120), not from maxBatchSize (130: 65 would run the same 65 sequences as any batch up to 120 would
+    # run 120).
+    alone = decide(p, seed)
+    assert isinstance(alone, NextTrial) and alone.schedule.maxBatchSize == 60, alone
+
+
+def test_a_new_round_leaves_out_earlier_windows_its_model_cannot_explain() -> None:
+    # The previous round's windows measured twice the TPOT the new one's imply (the engine changed between): with
+    # them the model fails its adequacy test, so it is fitted to the round's own windows alone.
+    from npuserve.planning.tuner import online_model
+
+    p, light, seed = _after_a_load_change(earlier_over=2.0)
+    model = online_model(p, seed, light)
+    assert model is not None and model.earlier == 0 and len(model.calibration.errors) == 1
+    assert decide(p, seed, light) == decide(p, seed)
+
+
 def _in_flight(trial: Trial, in_flight: float | None) -> Trial:
     assert trial.metrics is not None
     return trial.model_copy(update={"metrics": trial.metrics.model_copy(update={"inFlightPerPod": in_flight})})
