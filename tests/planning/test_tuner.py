@@ -923,3 +923,26 @@ def test_latency_windows_that_happen_to_agree_are_not_taken_for_a_steadier_machi
     steady = _shaped(p, (100, 98.0, 2000.0), (100, 98.6, 2010.0), (100, 97.4, 1990.0))
     verdict = decide(p, steady)
     assert isinstance(verdict, Verdict) and verdict.slo_met is True
+
+
+def test_a_miss_the_model_disputes_is_judged_at_the_batch_it_ran() -> None:
+    # maxBatchSize 200 under a load that ran 120 sequences missed the bound by 2% in one window. The adequate model
+    # puts TPOT at 120 under the bound (and at 200 well over it): the miss is within the noise where the engine ran,
+    # so it is measured again rather than closing the bracket at 100. Judged at 200, nothing would dispute it.
+    from npuserve.planning.engine_model import predict
+    from npuserve.planning.tuner import _digest
+
+    p, shape = _model_problem(120, 1.04)
+    assert p.tpot_ms is not None
+    trials = _model_windows(p, shape, [60, 80, 100, 60, 80, 100])
+    [miss] = [_in_flight(t, 120.0) for t in _shaped(p, (200, p.tpot_ms * 1.02, 20.0 * 120))]
+    trials.append(miss)
+    h = _digest(p, trials)
+    assert h.model is not None and h.model.usable, h.model
+    assert predict(h.model.calibration, 120)[0] < p.tpot_ms < predict(h.model.calibration, 200)[0]
+    step = decide(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of == 6, step
+    assert "misses the SLO as measured" in step.reason
+    # The same window from a load that filled maxBatchSize 200 is a miss the model agrees with: no repeat.
+    filled = decide(p, [*trials[:6], _in_flight(miss, None)])
+    assert not (isinstance(filled, NextTrial) and filled.repeat_of == 6), filled
