@@ -25,7 +25,7 @@ from npuserve.planning.api import (
     TrialMetrics,
     TuningStatus,
 )
-from npuserve.planning.problem import TuningProblem
+from npuserve.planning.problem import TunedSchedule, TuningProblem
 
 from .autotune_types import Actions, Observation, Status
 
@@ -108,7 +108,13 @@ def model_figure(host: CapacityHost, batch: int) -> tuple[int | None, str]:
     from npuserve.sim.capacity import model_concurrency
 
     spec = host.isvc.spec
-    tuned = host.problem.full_schedule(host.problem.schedule_for(batch))
+    # The verdict's own knobs: firstTokenAndDecode chooses supportSelectBatch too, which schedule_for cannot say.
+    verdict = host.tuning.verdict
+    chosen = next((t.schedule for t in host.tuning.history if verdict is not None and t.trial in verdict.trials
+                   and t.schedule.maxBatchSize == batch), None)
+    knobs = (TunedSchedule.from_knobs(chosen, "the verdict's trial") if chosen is not None
+             else host.problem.schedule_for(batch))
+    tuned = host.problem.full_schedule(knobs)
     try:
         return model_concurrency(spec, host.plan, spec.slo, tuned)
     except (ValueError, KeyError) as e:  # a card without figures (the host CPU), a model the cost model lacks

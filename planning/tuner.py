@@ -6,8 +6,11 @@ which only the engine model reads) and returns the next schedule to measure or a
 the operator resumes from `status.tuning.history` (`tuning_status.trial_from_status`), and the simulator drives the
 very same function. No I/O, no clock, no randomness.
 
-The tuner owns four knobs: it searches maxBatchSize, and derives maxPrefillBatchSize, maxPrefillTokens and
-supportSelectBatch from it by the plan's rules. A knob pinned in `spec.engine.schedule` keeps its value.
+The tuner owns four knobs: it searches maxBatchSize, and derives maxPrefillBatchSize and maxPrefillTokens from it
+by the plan's rules. supportSelectBatch is the plan's for throughput and decodeLatency (on); firstTokenAndDecode
+searches it (`select_batch_arm`): decode first (on) until a batch misses the TTFT bound while meeting TPOT, or the
+search ends with one missing it, then prefill first (off) with the trials left, and the verdict is the better
+proven claim. A knob pinned in `spec.engine.schedule` keeps its value.
 
 Measurements decide, fits only propose. The fits (`fits.py`) choose the next batch to measure; every judgement of a
 batch is the judge's (`TuningProblem.claim`) on the windows measured at that very batch, pooled, against the noise
@@ -211,11 +214,15 @@ class History:
         return next((p for p in self.points if p.batch == batch), None)
 
 
+def _of(problem: TuningProblem, trial: Trial) -> bool:
+    """Whether a trial is one of this problem's: in its range, at the schedule it would set at that batch."""
+    b = trial.schedule.maxBatchSize
+    return problem.floor <= b <= problem.batch_max and trial.schedule == problem.schedule_for(b)
+
+
 def _digest(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial] = ()) -> History:
     # Trials of another problem (another objective, pinned value or range) say nothing about this one.
-    relevant = tuple(i for i, t in enumerate(trials)
-                     if problem.floor <= t.schedule.maxBatchSize <= problem.batch_max
-                     and t.schedule == problem.schedule_for(t.schedule.maxBatchSize))
+    relevant = tuple(i for i, t in enumerate(trials) if _of(problem, t))
     failed: dict[int, str] = {}
     usable: dict[int, list[int]] = {}
     counts: dict[int, int] = {}
@@ -266,7 +273,7 @@ def _model(problem: TuningProblem, trials: Sequence[Trial], kept: dict[int, list
     if problem.engine is None:
         return None
     this_round = [trials[i] for i in sorted(i for ix in kept.values() for i in ix)]
-    carried = [t for t in earlier if t.metrics is not None and failure_of(problem, t) is None
+    carried = [t for t in earlier if _of(problem, t) and t.metrics is not None and failure_of(problem, t) is None
                and t.metrics.samples >= problem.min_samples]
     if noise.exact:
         reference = 0.0
@@ -413,16 +420,97 @@ def decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Tr
 
     Only the trials of this problem count (the schedule it would set at their batch): after a change of objective
     or of a pinned knob, the earlier ones are left out, of the fits and of `max_trials` alike. `earlier`: the
-    previous round's last windows of this problem, which only the engine model reads (`_model`)."""
+    previous round's last windows of this problem, which only the engine model reads (`_model`).
+
+    firstTokenAndDecode searches supportSelectBatch too, unless it is pinned (`select_batch_arm`): decode first
+    (on) until TTFT stops it (`_ttft_bound`), then prefill first (off) with the trials left; the verdict is the
+    better of the two searches' claims."""
     if "maxBatchSize" in problem.pinned:
         which = "every knob the tuner owns is" if set(OWNED_KNOBS) <= set(problem.pinned) else "maxBatchSize is"
         return Verdict(reason="pinned", best=None, schedule=problem.schedule_for(problem.batch_start),
                        slo_met=None, limit="pinned", message=f"{which} pinned in spec.engine.schedule: nothing to tune")
+    if not _searches_select(problem):
+        return _decide(problem, trials, earlier)
+    on, off = _pin_select(problem, True), _pin_select(problem, False)
+    first = _decide(on, trials, earlier)
+    if not _ttft_bound(on, trials, first):
+        return first
+    spent = sum(_of(on, t) for t in trials)
+    second = _decide(off.model_copy(update={"max_trials": problem.max_trials - spent}), trials, earlier)
+    if isinstance(second, NextTrial):
+        return second
+    if isinstance(first, NextTrial):  # decode first left open: its claims as they stand
+        first = _verdict(on, _digest(on, trials, earlier), second.reason, "supportSelectBatch on (decode first) "
+                         "until a batch missed the TTFT bound")
+    return _better(second, first)
+
+
+def _decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial]) -> Decision:
     h = _digest(problem, trials, earlier)
     decision = _repeat(problem, h) or _search(problem, h)
     if isinstance(decision, NextTrial) and len(h.relevant) >= problem.max_trials:
         return _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {decision.reason})")
     return decision
+
+
+def _searches_select(problem: TuningProblem) -> bool:
+    return problem.objective == "firstTokenAndDecode" and "supportSelectBatch" not in problem.pinned
+
+
+def _ttft_bound(on: TuningProblem, trials: Sequence[Trial], decision: Decision) -> bool:
+    """Whether TTFT stops the decode-first search, so that prefill first (TTFT lower, TPOT higher at each batch) may
+    serve more: a batch measured in it misses the TTFT bound while meeting TPOT, as pooled (TTFT binds below where
+    TPOT does), or the search ended before max_trials with a batch missing TTFT. When TPOT alone stops it, prefill
+    first cannot serve more: its TPOT is higher at every batch."""
+    if isinstance(decision, Verdict) and decision.reason == "maxTrials":
+        return False
+    ended = isinstance(decision, Verdict)
+    assert on.ttft_ms is not None and on.tpot_ms is not None
+    by_batch: dict[int, list[TrialMetrics]] = {}
+    for t in trials:
+        if _of(on, t) and t.metrics is not None and failure_of(on, t) is None:
+            by_batch.setdefault(t.schedule.maxBatchSize, []).append(t.metrics)
+    for windows in by_batch.values():
+        window = pooled(windows)
+        if on.latency(window, "ttft") > on.ttft_ms and (ended or on.latency(window, "tpot") <= on.tpot_ms):
+            return True
+    return False
+
+
+def select_batch_arm(problem: TuningProblem, trials: Sequence[Trial],
+                     earlier: Sequence[Trial] = ()) -> TuningProblem:
+    """The problem the search is in now. firstTokenAndDecode without supportSelectBatch pinned searches with it on
+    first (decode first: a lower TPOT at each batch, so a larger batch under the TPOT bound, for a higher TTFT; on
+    the guide's setup maxBatchSize 142 against 119 and 12% more tok/s under TTFT 8 s and TPOT 50 ms), and with it
+    off once TTFT stops that search (`_ttft_bound`). Each arm is the problem with the knob pinned, so each
+    keeps its own trials, fits and claims."""
+    if not _searches_select(problem):
+        return problem
+    on = _pin_select(problem, True)
+    return _pin_select(problem, False) if _ttft_bound(on, trials, _decide(on, trials, earlier)) else on
+
+
+def _pin_select(problem: TuningProblem, select: bool) -> TuningProblem:
+    return problem.model_copy(update={"pinned": {**problem.pinned, "supportSelectBatch": select}})
+
+
+def _better(first: Verdict, second: Verdict) -> Verdict:
+    """Of two searches' verdicts, the one whose schedule is proven to meet the SLO with the most pooled tok/s (the
+    first when neither is better), under the reason the search ended with; its message names the one it beat."""
+    def key(v: Verdict) -> tuple[bool, float]:
+        return v.slo_met is True, v.pooled.outputTokensPerSecond if v.pooled is not None else -math.inf
+
+    if first.schedule is None or (second.schedule is not None and key(second) > key(first)):
+        chosen, beaten = second.model_copy(update={"reason": first.reason}), first
+    else:
+        chosen, beaten = first, second
+    if beaten.schedule is None:
+        return chosen
+    said = (f"maxBatchSize {beaten.schedule.maxBatchSize} with supportSelectBatch "
+            f"{'on' if beaten.schedule.supportSelectBatch else 'off'}"
+            + (f", {beaten.pooled.outputTokensPerSecond:.0f} tok/s" if beaten.pooled is not None else "")
+            + (", proven to meet the SLO" if beaten.slo_met else ", not proven to meet the SLO"))
+    return chosen.model_copy(update={"message": f"{chosen.message}; chosen over {said}"})
 
 
 def _propose(problem: TuningProblem, batch: int, reason: str) -> NextTrial:
@@ -902,8 +990,9 @@ def _proof_of(h: History, best: Point) -> tuple[ClaimBasis | None, tuple[int, ..
 
 def online_model(problem: TuningProblem, trials: Sequence[Trial],
                  earlier: Sequence[Trial] = ()) -> OnlineModel | None:
-    """The engine model as `decide` calibrates it on these trials (None without `problem.engine`)."""
-    return _digest(problem, trials, earlier).model
+    """The engine model as `decide` calibrates it on these trials (None without `problem.engine`): the model of
+    the supportSelectBatch arm in play, for firstTokenAndDecode."""
+    return _digest(select_batch_arm(problem, trials, earlier), trials, earlier).model
 
 
 def best_so_far(problem: TuningProblem, trials: Sequence[Trial],
@@ -912,5 +1001,8 @@ def best_so_far(problem: TuningProblem, trials: Sequence[Trial],
     SLO, else the closest measured); None when nothing was measured yet."""
     if "maxBatchSize" in problem.pinned:
         return problem.schedule_for(problem.batch_start)
-    verdict = _verdict(problem, _digest(problem, trials, earlier), "converged", "")
-    return verdict.schedule
+    if not _searches_select(problem):
+        return _verdict(problem, _digest(problem, trials, earlier), "converged", "").schedule
+    on, off = _pin_select(problem, True), _pin_select(problem, False)
+    verdicts = [_verdict(arm, _digest(arm, trials, earlier), "converged", "") for arm in (off, on)]
+    return _better(*verdicts).schedule
