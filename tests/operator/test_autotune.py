@@ -772,6 +772,34 @@ def test_capacity_without_a_ttft_bound_probes_no_further_than_the_batch() -> Non
     assert cap.measuredConcurrencyPerReplica == (batch if loop.engine.meets(DECODE_SLO, batch, batch) else batch - 1)
 
 
+def test_the_model_figure_prices_the_verdicts_own_schedule() -> None:
+    """firstTokenAndDecode chooses supportSelectBatch too: the model's figure beside the measured capacity runs the
+    verdict's knobs (here decode first, which the plan's rule would turn off), not the plan's rule at its batch."""
+    from types import SimpleNamespace
+
+    from npuserve.planning.api import SLOSpec, TuningVerdict
+    from npuserve.planning.problem import TuningProblem
+    from npuserve.sim.capacity import model_concurrency, preset_spec
+
+    slo = SLOSpec(objective="firstTokenAndDecode", ttftMs=8000, tpotMs=50)
+    spec = preset_spec("llama3-8b", 186, 346).model_copy(update={"slo": slo})
+    planned = plan_spec(spec)
+    problem = TuningProblem.from_plan(planned, slo)
+    rule = problem.schedule_for(140)
+    assert rule.supportSelectBatch is False
+    chosen = rule.model_copy(update={"supportSelectBatch": True})
+    window = TrialMetrics(outputTokensPerSecond=2500.0, ttftMs=LatencyStats(mean=1300, p90=1500, p99=1700),
+                          tpotMs=LatencyStats(mean=49.0, p90=55, p99=60), samples=500)
+    tuning = TuningStatus(history=[TuningTrial(trial=0, schedule=ScheduleKnobs(**chosen.model_dump()),
+                                               outcome="measured", metrics=window)],
+                          verdict=TuningVerdict(reason="converged", sloMet=True, maxBatchSize=140, trials=[0]))
+    host = SimpleNamespace(isvc=SimpleNamespace(spec=spec), plan=planned, tuning=tuning, problem=problem)
+    figure = capacity.model_figure(host, 140)  # type: ignore[arg-type]
+    assert figure == model_concurrency(spec, planned, slo, problem.full_schedule(chosen))
+    # and the plan's rule at that batch is another figure: the test would see the knob dropped
+    assert figure[0] != model_concurrency(spec, planned, slo, problem.full_schedule(rule))[0]
+
+
 def test_a_pod_restarting_during_a_capacity_probe_discards_it_and_probes_again() -> None:
     loop = Loop.start(CAPACITY_SLO, mode="benchmark", capacity={"targetConcurrentUsers": 20000})
     loop.run_until(lambda lp: (lp.current() or {}).get("kind") == "capacity")
