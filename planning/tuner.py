@@ -8,9 +8,10 @@ very same function. No I/O, no clock, no randomness.
 
 The tuner owns four knobs: it searches maxBatchSize, and derives maxPrefillBatchSize and maxPrefillTokens from it
 by the plan's rules. supportSelectBatch is the plan's for throughput and decodeLatency (on); firstTokenAndDecode
-searches it (`select_batch_arm`): decode first (on) until a batch misses the TTFT bound while meeting TPOT, or the
-search ends with one missing it, then prefill first (off) with the trials left, and the verdict is the better
-proven claim. A knob pinned in `spec.engine.schedule` keeps its value.
+searches it (`select_batch_arm`): prefill first (off) alone when MindIE's throughput policy would hold prompts past
+the TTFT bound even at the TPOT bound (`decode_first_ttft_ms`); else decode first (on) until a batch misses the
+TTFT bound while meeting TPOT, or the search ends with one missing it, then prefill first with the trials left, and
+the verdict is the better proven claim. A knob pinned in `spec.engine.schedule` keeps its value.
 
 Measurements decide, fits only propose. The fits (`fits.py`) choose the next batch to measure; every judgement of a
 batch is the judge's (`TuningProblem.claim`) on the windows measured at that very batch, pooled, against the noise
@@ -422,25 +423,23 @@ def decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Tr
     or of a pinned knob, the earlier ones are left out, of the fits and of `max_trials` alike. `earlier`: the
     previous round's last windows of this problem, which only the engine model reads (`_model`).
 
-    firstTokenAndDecode searches supportSelectBatch too, unless it is pinned (`select_batch_arm`): decode first
-    (on) until TTFT stops it (`_ttft_bound`), then prefill first (off) with the trials left; the verdict is the
-    better of the two searches' claims."""
+    firstTokenAndDecode searches supportSelectBatch too, unless it is pinned (`_arms`): decode first (on) until
+    TTFT stops it (`_ttft_bound`), then prefill first (off) with the trials left, the verdict the better of the two
+    searches' claims; or prefill first alone where decode first cannot meet TTFT (`decode_first_ttft_ms`)."""
     if "maxBatchSize" in problem.pinned:
         which = "every knob the tuner owns is" if set(OWNED_KNOBS) <= set(problem.pinned) else "maxBatchSize is"
         return Verdict(reason="pinned", best=None, schedule=problem.schedule_for(problem.batch_start),
                        slo_met=None, limit="pinned", message=f"{which} pinned in spec.engine.schedule: nothing to tune")
-    if not _searches_select(problem):
-        return _decide(problem, trials, earlier)
-    on, off = _pin_select(problem, True), _pin_select(problem, False)
-    first = _decide(on, trials, earlier)
-    if not _ttft_bound(on, trials, first):
+    start, turn = _arms(problem)
+    first = _decide(start, trials, earlier)
+    if turn is None or not _ttft_bound(start, trials, first):
         return first
-    spent = sum(_of(on, t) for t in trials)
-    second = _decide(off.model_copy(update={"max_trials": problem.max_trials - spent}), trials, earlier)
+    spent = sum(_of(start, t) for t in trials)
+    second = _decide(turn.model_copy(update={"max_trials": problem.max_trials - spent}), trials, earlier)
     if isinstance(second, NextTrial):
         return second
     if isinstance(first, NextTrial):  # decode first left open: its claims as they stand
-        first = _verdict(on, _digest(on, trials, earlier), second.reason, "supportSelectBatch on (decode first) "
+        first = _verdict(start, _digest(start, trials, earlier), second.reason, "supportSelectBatch on (decode first) "
                          "until a batch missed the TTFT bound")
     return _better(second, first)
 
@@ -453,8 +452,35 @@ def _decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[T
     return decision
 
 
-def _searches_select(problem: TuningProblem) -> bool:
-    return problem.objective == "firstTokenAndDecode" and "supportSelectBatch" not in problem.pinned
+def _arms(problem: TuningProblem) -> tuple[TuningProblem, TuningProblem | None]:
+    """The search's first problem, and the one it turns to when TTFT stops the first (None: it never turns).
+    firstTokenAndDecode without supportSelectBatch pinned: decode first, then prefill first; or prefill first alone
+    when decode first would hold prompts past the TTFT bound even at the TPOT bound (`decode_first_ttft_ms`)."""
+    if problem.objective != "firstTokenAndDecode" or "supportSelectBatch" in problem.pinned:
+        return problem, None
+    on, off = _pin_select(problem, True), _pin_select(problem, False)
+    assert problem.ttft_ms is not None
+    wait = decode_first_ttft_ms(problem)
+    return (off, None) if wait is not None and wait > problem.ttft_ms else (on, off)
+
+
+def decode_first_ttft_ms(problem: TuningProblem) -> float | None:
+    """The mean wait before a prompt's prefill under MindIE's throughput policy (supportSelectBatch on,
+    docs/engine.md) with TPOT at its bound, in a saturated engine (None without the engine's shape or a TPOT bound).
+
+    The policy prefills once the accumulated decodeTimeMsPerReq x (maxBatchSize - running) over the decode steps
+    since the last prefill reaches prefillTimeMsPerReq x running. Of b running sequences, b / mean output finish per
+    step, so after s steps the empty slots have summed to b s^2 / (2 x mean output): a prefill every
+    s = sqrt(2 x mean output x prefillTimeMsPerReq / decodeTimeMsPerReq) steps, whatever b, and a prompt arriving
+    in between waits s / 2 steps of TPOT on average. The guide's workload (346 tokens out, 150 / 50 ms): every 46
+    steps, 1.1 s at 50 ms, which the simulator shows (1.26 s mean TTFT at maxBatchSize 145, prefills included)."""
+    if problem.engine is None or problem.tpot_ms is None:
+        return None
+    base = problem.base
+    if base.decodeTimeMsPerReq <= 0:
+        return math.inf  # the empty slots never add up: the policy never prefills while anything runs
+    steps = math.sqrt(2 * problem.engine.mean_output_tokens * base.prefillTimeMsPerReq / base.decodeTimeMsPerReq)
+    return steps / 2 * problem.tpot_ms
 
 
 def _ttft_bound(on: TuningProblem, trials: Sequence[Trial], decision: Decision) -> bool:
@@ -481,13 +507,11 @@ def select_batch_arm(problem: TuningProblem, trials: Sequence[Trial],
                      earlier: Sequence[Trial] = ()) -> TuningProblem:
     """The problem the search is in now. firstTokenAndDecode without supportSelectBatch pinned searches with it on
     first (decode first: a lower TPOT at each batch, so a larger batch under the TPOT bound, for a higher TTFT; on
-    the guide's setup maxBatchSize 142 against 119 and 12% more tok/s under TTFT 8 s and TPOT 50 ms), and with it
-    off once TTFT stops that search (`_ttft_bound`). Each arm is the problem with the knob pinned, so each
-    keeps its own trials, fits and claims."""
-    if not _searches_select(problem):
-        return problem
-    on = _pin_select(problem, True)
-    return _pin_select(problem, False) if _ttft_bound(on, trials, _decide(on, trials, earlier)) else on
+    the guide's setup maxBatchSize 145 against 122 and 11% more tok/s under TTFT 8 s and TPOT 50 ms), and with it
+    off once TTFT stops that search (`_ttft_bound`), or from the start where decode first cannot meet TTFT
+    (`_arms`). Each arm is the problem with the knob pinned, so each keeps its own trials, fits and claims."""
+    start, turn = _arms(problem)
+    return turn if turn is not None and _ttft_bound(start, trials, _decide(start, trials, earlier)) else start
 
 
 def _pin_select(problem: TuningProblem, select: bool) -> TuningProblem:
@@ -1001,8 +1025,8 @@ def best_so_far(problem: TuningProblem, trials: Sequence[Trial],
     SLO, else the closest measured); None when nothing was measured yet."""
     if "maxBatchSize" in problem.pinned:
         return problem.schedule_for(problem.batch_start)
-    if not _searches_select(problem):
-        return _verdict(problem, _digest(problem, trials, earlier), "converged", "").schedule
-    on, off = _pin_select(problem, True), _pin_select(problem, False)
-    verdicts = [_verdict(arm, _digest(arm, trials, earlier), "converged", "") for arm in (off, on)]
-    return _better(*verdicts).schedule
+    start, turn = _arms(problem)
+    verdict = _verdict(start, _digest(start, trials, earlier), "converged", "")
+    if turn is not None:
+        verdict = _better(_verdict(turn, _digest(turn, trials, earlier), "converged", ""), verdict)
+    return verdict.schedule

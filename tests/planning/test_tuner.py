@@ -1003,3 +1003,22 @@ def test_first_token_and_decode_stays_decode_first_when_tpot_stops_it() -> None:
     verdict, trials = drive(pinned, analytic_engine())
     assert not any(t.schedule.supportSelectBatch for t in trials)
     assert verdict.schedule is not None and abs(verdict.schedule.maxBatchSize - 100) <= 3
+
+
+def test_prefill_first_alone_where_decode_first_would_hold_prompts_past_the_ttft_bound() -> None:
+    # MindIE's throughput policy on the guide's workload (346 tokens out; prefillTimeMsPerReq 150, decodeTimeMsPerReq
+    # 50): a prefill every sqrt(2 x 346 x 150 / 50) = 45.56 decode steps, so a prompt waits 22.78 steps, 1139 ms at
+    # TPOT 50 ms. Under a TTFT bound of 8 s the search starts decode first; under 1 s, prefill first alone.
+    from npuserve.planning.tuner import decode_first_ttft_ms
+
+    p, _ = _model_problem(130, 1.0)
+    p = p.model_copy(update={"objective": "firstTokenAndDecode", "ttft_ms": 8000.0, "tpot_ms": 50.0})
+    assert decode_first_ttft_ms(p) == pytest.approx(1139.1, abs=0.1)
+    first = decide(p, [])
+    assert isinstance(first, NextTrial) and first.schedule.supportSelectBatch is True
+    tight = p.model_copy(update={"ttft_ms": 1000.0})
+    first = decide(tight, [])
+    assert isinstance(first, NextTrial) and first.schedule.supportSelectBatch is False
+    # Without the engine's shape (no mean output) the search starts decode first and turns when TTFT stops it.
+    bare = decide(tight.model_copy(update={"engine": None}), [])
+    assert isinstance(bare, NextTrial) and bare.schedule.supportSelectBatch is True

@@ -20,7 +20,7 @@ import pytest
 
 from npuserve.planning.api import EARLIER_WINDOWS, LatencyStats, SLOSpec, TrialMetrics
 from npuserve.planning.problem import TunedSchedule, TuningProblem
-from npuserve.planning.tuner import Trial, Verdict, decide, online_model
+from npuserve.planning.tuner import Trial, Verdict, decide, decode_first_ttft_ms, online_model
 from npuserve.sim import calibration as cal
 from npuserve.sim import tune_cli
 from npuserve.sim.engine import SimulationConfig
@@ -291,8 +291,27 @@ def test_first_token_and_decode_ends_at_the_largest_batch_meeting_both(setup: Se
           f"maxBatchSize {answer} with supportSelectBatch {select} (tok/s, batch by supportSelectBatch: {answers})")
     trials, verdict = _tune(benchmark, problem)
     assert verdict.slo_met and verdict.schedule is not None and verdict.schedule.supportSelectBatch is select
-    assert len(trials) <= 10
+    # The policy's wait at the TPOT bound (a lower bound on decode first's TTFT: the prefills and any wait for a
+    # slot come on top) says where to search: on the guide it is 14% of the TTFT bound, and TPOT stops decode first
+    # before TTFT does; on the 32B past the bound, and the search is prefill first alone. On the 72B it is 84% of
+    # the bound: decode first is tried, its TTFT misses, and the search turns to prefill first.
+    wait = decode_first_ttft_ms(problem)
+    assert wait is not None
+    arms = {t.schedule.supportSelectBatch for t in trials}
+    if guide:
+        assert wait <= ttft and arms == {True}
+    if wait > ttft:
+        assert arms == {False}
+    assert len(trials) <= (5 if len(arms) == 1 else 10)
     assert abs(_chosen(verdict) - answer) <= 0.03 * answer + 1
+    if guide:  # the wait as the simulated engine shows it: its mean TTFT at the answer, prefills included
+        m = verdict.pooled
+        assert m is not None
+        at_answer = decode_first_ttft_ms(problem.model_copy(update={"tpot_ms": m.tpotMs.mean}))
+        assert at_answer is not None
+        print(f"  decode first's mean wait at the answer's TPOT: {at_answer:.0f} ms; simulated mean TTFT "
+              f"{m.ttftMs.mean:.0f} ms")
+        assert 0.8 * m.ttftMs.mean <= at_answer <= m.ttftMs.mean
 
 
 # --- noise ---------------------------------------------------------------------------------------------------------
