@@ -1022,3 +1022,22 @@ def test_prefill_first_alone_where_decode_first_would_hold_prompts_past_the_ttft
     # Without the engine's shape (no mean output) the search starts decode first and turns when TTFT stops it.
     bare = decide(tight.model_copy(update={"engine": None}), [])
     assert isinstance(bare, NextTrial) and bare.schedule.supportSelectBatch is True
+
+
+def test_a_new_rounds_model_reads_only_the_earlier_windows_of_its_own_supportselectbatch() -> None:
+    # firstTokenAndDecode searches supportSelectBatch, each setting its own engine: the previous round's windows at
+    # the other setting are not this arm's, whatever the model would make of them.
+    from npuserve.planning.tuner import online_model
+
+    p, shape = _model_problem(30, 1.0)
+    p = p.model_copy(update={"objective": "firstTokenAndDecode", "ttft_ms": 8000.0})
+    assert p.schedule_for(130).supportSelectBatch is False  # the plan's rule; the search starts decode first
+    on = p.model_copy(update={"pinned": {"supportSelectBatch": True}})
+    off = p.model_copy(update={"pinned": {"supportSelectBatch": False}})
+    [seed] = _shaped(on, (130, _prior_tpot(shape, 130) * 1.01, 2400.0))
+    same = _shaped(on, (100, _prior_tpot(shape, 100) * 1.02, 2000.0), (60, _prior_tpot(shape, 60) * 0.98, 1500.0))
+    other = _shaped(off, (100, _prior_tpot(shape, 100) * 1.02, 2000.0), (60, _prior_tpot(shape, 60) * 0.98, 1500.0))
+    with_same = online_model(p, [seed], same)
+    assert with_same is not None and with_same.earlier == 2
+    with_other = online_model(p, [seed], other)
+    assert with_other is not None and with_other.earlier == 0
