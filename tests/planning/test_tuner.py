@@ -1041,3 +1041,14 @@ def test_a_new_rounds_model_reads_only_the_earlier_windows_of_its_own_supportsel
     assert with_same is not None and with_same.earlier == 2
     with_other = online_model(p, [seed], other)
     assert with_other is not None and with_other.earlier == 0
+
+
+def test_the_rollback_schedule_is_the_better_arms() -> None:
+    # After the turn, the schedule to roll back to after a failed trial is the verdict's: prefill first at 120,
+    # which beats anything decode first proved (the engine of the two-arm test above).
+    from npuserve.planning.tuner import best_so_far
+
+    p = problem("firstTokenAndDecode", (20, 400, 100), ttft_ms=1000, tpot_ms=50, noise=0.0, max_trials=16)
+    verdict, trials = drive(p, _two_arm_engine(0.25))
+    assert verdict.schedule is not None and verdict.schedule.supportSelectBatch is False
+    assert best_so_far(p, trials) == verdict.schedule
