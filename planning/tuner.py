@@ -431,25 +431,25 @@ def decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Tr
         return Verdict(reason="pinned", best=None, schedule=problem.schedule_for(problem.batch_start),
                        slo_met=None, limit="pinned", message=f"{which} pinned in spec.engine.schedule: nothing to tune")
     start, turn = _arms(problem)
-    first = _decide(start, trials, earlier)
-    if turn is None or not _ttft_bound(start, trials, first):
+    h, first = _decide(start, trials, earlier)
+    if turn is None or not _ttft_bound(h, first):
         return first
-    spent = sum(_of(start, t) for t in trials)
-    second = _decide(turn.model_copy(update={"max_trials": problem.max_trials - spent}), trials, earlier)
+    _, second = _decide(turn.model_copy(update={"max_trials": problem.max_trials - len(h.relevant)}), trials,
+                        earlier)
     if isinstance(second, NextTrial):
         return second
     if isinstance(first, NextTrial):  # decode first left open: its claims as they stand
-        first = _verdict(start, _digest(start, trials, earlier), second.reason, "supportSelectBatch on (decode first) "
-                         "until a batch missed the TTFT bound")
+        first = _verdict(start, h, second.reason, "supportSelectBatch on (decode first) until a batch missed the "
+                         "TTFT bound")
     return _better(second, first)
 
 
-def _decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial]) -> Decision:
+def _decide(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[Trial]) -> tuple[History, Decision]:
     h = _digest(problem, trials, earlier)
     decision = _repeat(problem, h) or _search(problem, h)
     if isinstance(decision, NextTrial) and len(h.relevant) >= problem.max_trials:
-        return _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {decision.reason})")
-    return decision
+        return h, _verdict(problem, h, "maxTrials", f"{problem.max_trials} trials spent (next: {decision.reason})")
+    return h, decision
 
 
 def _arms(problem: TuningProblem) -> tuple[TuningProblem, TuningProblem | None]:
@@ -483,24 +483,16 @@ def decode_first_ttft_ms(problem: TuningProblem) -> float | None:
     return steps / 2 * problem.tpot_ms
 
 
-def _ttft_bound(on: TuningProblem, trials: Sequence[Trial], decision: Decision) -> bool:
+def _ttft_bound(h: History, decision: Decision) -> bool:
     """Whether TTFT stops the decode-first search, so that prefill first (TTFT lower, TPOT higher at each batch) may
     serve more: a batch measured in it misses the TTFT bound while meeting TPOT, as pooled (TTFT binds below where
     TPOT does), or the search ended before max_trials with a batch missing TTFT. When TPOT alone stops it, prefill
-    first cannot serve more: its TPOT is higher at every batch."""
+    first cannot serve more: its TPOT is higher at every batch. `h`: the decode-first search's digest, whose points
+    are judged by the judge on their pooled windows."""
     if isinstance(decision, Verdict) and decision.reason == "maxTrials":
         return False
     ended = isinstance(decision, Verdict)
-    assert on.ttft_ms is not None and on.tpot_ms is not None
-    by_batch: dict[int, list[TrialMetrics]] = {}
-    for t in trials:
-        if _of(on, t) and t.metrics is not None and failure_of(on, t) is None:
-            by_batch.setdefault(t.schedule.maxBatchSize, []).append(t.metrics)
-    for windows in by_batch.values():
-        window = pooled(windows)
-        if on.latency(window, "ttft") > on.ttft_ms and (ended or on.latency(window, "tpot") <= on.tpot_ms):
-            return True
-    return False
+    return any(r["ttft"] > 1 and (ended or r["tpot"] <= 1) for r in (p.claim.judgement.ratios for p in h.points))
 
 
 def select_batch_arm(problem: TuningProblem, trials: Sequence[Trial],
@@ -511,7 +503,7 @@ def select_batch_arm(problem: TuningProblem, trials: Sequence[Trial],
     off once TTFT stops that search (`_ttft_bound`), or from the start where decode first cannot meet TTFT
     (`_arms`). Each arm is the problem with the knob pinned, so each keeps its own trials, fits and claims."""
     start, turn = _arms(problem)
-    return turn if turn is not None and _ttft_bound(start, trials, _decide(start, trials, earlier)) else start
+    return turn if turn is not None and _ttft_bound(*_decide(start, trials, earlier)) else start
 
 
 def _pin_select(problem: TuningProblem, select: bool) -> TuningProblem:
@@ -1027,6 +1019,6 @@ def best_so_far(problem: TuningProblem, trials: Sequence[Trial],
         return problem.schedule_for(problem.batch_start)
     start, turn = _arms(problem)
     verdict = _verdict(start, _digest(start, trials, earlier), "converged", "")
-    if turn is not None:
+    if turn is not None:  # both searches' claims, as `decide` ranks them
         verdict = _better(_verdict(turn, _digest(turn, trials, earlier), "converged", ""), verdict)
     return verdict.schedule
