@@ -99,19 +99,25 @@ def current(st: dict[str, Any]) -> dict[str, Any] | None:
 
 
 class Seen:
-    """What the tests see across the module: the first pod, and each trial's maxBatchSize as /info showed it."""
+    """What the tests see across the module: the first pod, each trial's maxBatchSize as /info showed it, and the
+    load Job each open trial named, seen in the cluster."""
 
     pod_uid = ""
     template_hash = ""
     info_batches: ClassVar[dict[int, int]] = {}
+    trial_jobs: ClassVar[dict[int, str]] = {}
 
 
 def _watch_current_trial(cluster: localk8s.Cluster, namespace: str) -> dict[str, Any] | None:
-    """While a trial is open, the engines' /info must run its maxBatchSize: recorded per trial number."""
+    """While a trial is open, the engines' /info must run its maxBatchSize and the Job it names must exist: both
+    recorded per trial number (the Job is deleted when the trial closes)."""
     st = status(cluster, namespace)
     cur = current(st)
     if cur is None or cur.get("kind") != "trial":
         return None
+    if cur.get("job") and any(j["metadata"]["name"] == cur["job"]
+                              for j in cluster.kubectl_json("get", "jobs", "-n", namespace)["items"]):
+        Seen.trial_jobs[cur["trial"]] = cur["job"]
     pods = [p for p in engine_pods(cluster, namespace) if ready(p)]
     if pods and all(info(p)["schedule"]["maxBatchSize"] == cur["schedule"]["maxBatchSize"] for p in pods):
         Seen.info_batches[cur["trial"]] = cur["schedule"]["maxBatchSize"]
@@ -138,8 +144,7 @@ def test_the_service_comes_up_and_its_first_trial_runs_through_admin_schedule(
     assert Seen.info_batches.get(first["trial"]) == first["schedule"]["maxBatchSize"]
     assert first["metrics"]["samples"] >= 1 and first["metrics"]["tpotMs"]["mean"] > 0
     assert st["phase"] in ("Tuning", "Ready")
-    jobs = k8s_cluster.kubectl_json("get", "jobs", "-n", namespace)["items"]
-    assert isinstance(jobs, list) and jobs, "benchmark mode: a load-generator Job per trial"
+    assert Seen.trial_jobs.get(first["trial"]), "benchmark mode: a load-generator Job per trial"
 
 
 def test_prometheus_down_mid_trial_is_inconclusive_and_tuning_resumes(
