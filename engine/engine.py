@@ -33,6 +33,7 @@ from npuserve.engine.detokenizer import Tokenizer, TokenizerLike
 from npuserve.engine.kvcache import KVCacheManager
 from npuserve.engine.model.served_scheme import served_spec
 from npuserve.engine.output_processor import OutputProcessor, RequestOutput
+from npuserve.engine.parallel.comm import master_store
 from npuserve.engine.parallel.ranks import WorkerArgs, WorkerRanks
 from npuserve.engine.parallel.step_message import Op, StepMessage
 from npuserve.engine.rank_runner import build_rank_runner
@@ -150,6 +151,7 @@ class LLMEngine:
         world_size = config.model.worldSize
         per_pod = world_size // self.nnodes
         self.workers: WorkerRanks | None = None
+        store = group.store if group is not None else None  # the world's TCPStore where this process made it
         self._threads_before = torch.get_num_threads()
         if world_size > 1:  # one process per other rank, started first: every rank joins the world while it builds
             import torch.distributed as dist
@@ -160,8 +162,9 @@ class LLMEngine:
             torch.set_num_threads(rank_threads(per_pod))
             if group is not None:
                 workers = WorkerRanks(world_size, init_method=group.local_init_method, cards_per_pod=per_pod)
-            else:
-                workers = WorkerRanks(world_size)
+            else:  # rank 0 holds the store's port before the workers look for it
+                store, port = master_store("127.0.0.1", world_size)
+                workers = WorkerRanks(world_size, init_method=f"tcp://127.0.0.1:{port}")
             self.workers = workers
             resolved, level = config.to_dict(), logging.getLogger().getEffectiveLevel()
             workers.start(lambda rank: WorkerArgs(
@@ -172,7 +175,7 @@ class LLMEngine:
             built = build_rank_runner(config, folder, seed=seed,
                                       init_method=self.workers.init_method if self.workers else None,
                                       env=self.env, num_kv_blocks=num_kv_blocks, num_host_blocks=num_host_blocks,
-                                      cards_per_pod=per_pod, store=group.store if group is not None else None)
+                                      cards_per_pod=per_pod, store=store)
         except BaseException:
             self._abandon_workers()  # they would wait in a collective for a rank 0 that is not coming
             raise

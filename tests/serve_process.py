@@ -3,8 +3,10 @@ test process (signals, probe latency, third-party clients)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,9 +15,15 @@ from typing import IO
 
 import httpx
 
-from npuserve.engine.parallel.ranks import free_port
-
 SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
+
+
+def free_port() -> int:
+    """A port free now; the process given it binds it later, so another may take it first (rare; serve_process then
+    starts again on another)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_ready(base_url: str, proc: subprocess.Popen[str], timeout: float = 90) -> None:
@@ -30,22 +38,48 @@ def wait_ready(base_url: str, proc: subprocess.Popen[str], timeout: float = 90) 
         time.sleep(0.2)
 
 
+def _tail(log: IO[str], lines: int = 40) -> str:
+    log.seek(0)
+    return "".join(log.readlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 @contextmanager
-def serve_process(*args: str, stdout: int | IO[str] | None = subprocess.DEVNULL,
+def serve_process(*args: str, stdout: int | IO[str] | None = None,
                   ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """`npuserve serve ARGS --host 127.0.0.1 --port P`, ready; yields (base URL, process); terminated after."""
-    port = free_port()
-    proc = subprocess.Popen([*SERVE, *args, "--host", "127.0.0.1", "--port", str(port)], stdout=stdout,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+    """`npuserve serve ARGS --host 127.0.0.1 --port P`, ready; yields (base URL, process); terminated after. Without
+    `stdout`, its output goes to a file whose last lines a start that fails shows (CI keeps nothing else of it), and
+    a start that fails because another process took the port first is made again, once, on another port."""
+    for attempt in (1, 2):
+        port = free_port()
+        log = tempfile.TemporaryFile("w+") if stdout is None else None  # noqa: SIM115 (lives past this block)
+        proc = subprocess.Popen([*SERVE, *args, "--host", "127.0.0.1", "--port", str(port)],
+                                stdout=stdout if log is None else log, stderr=subprocess.STDOUT, text=True)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base, proc)
+            break
+        except AssertionError as e:
+            _stop(proc)
+            if log is None:
+                raise
+            tail = _tail(log)
+            log.close()
+            if attempt == 1 and "address already in use" in tail:
+                continue
+            raise AssertionError(f"{e} (exit code {proc.returncode}); its output ends:\n{tail}") from None
     try:
-        wait_ready(base, proc)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+        _stop(proc)
+        if log is not None:
+            log.close()

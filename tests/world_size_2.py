@@ -48,7 +48,7 @@ def serve_world_size_2(model_dir: Path, texts: list[str]) -> list[tuple[int | No
     text) each; checks `/info` says worldSize 2 and that the server ends cleanly on SIGTERM."""
     from openai import OpenAI
 
-    from npuserve.engine.parallel.ranks import free_port
+    from tests.serve_process import free_port
 
     port = free_port()
     proc = subprocess.Popen([NPUSERVE, "serve", "--model", str(model_dir), "--host", "127.0.0.1", "--port",

@@ -1,8 +1,8 @@
 """The collectives a tensor-parallel model makes: one all-reduce after each row-parallel projection (and the
 vocab-parallel embedding), and the logits gather to rank 0, the only rank that samples.
 
-`connect` joins the world (every rank, from `rank_runner`). `SINGLE_RANK` is the world of one: every call is the
-identity, so the model's code has no `if world_size > 1`.
+`connect` joins the world (every rank, from `rank_runner`); rank 0 makes the world's store first (`master_store`).
+`SINGLE_RANK` is the world of one: every call is the identity, so the model's code has no `if world_size > 1`.
 The step messages (engine/parallel/step_message.py) go over a separate gloo group on the host (`control`): the
 device group (nccl, hccl) carries only tensors the model computes, and an idle server does not hold a device
 collective open between steps.
@@ -22,6 +22,17 @@ from npuserve.engine.parallel.layout import TPLayout
 # Long on purpose: an idle server waits between steps as long as it likes; liveness is the rank watchers' job
 # (parallel/ranks.py) and the step watchdog's.
 COLLECTIVE_TIMEOUT = timedelta(days=365)
+
+
+def master_store(host: str, world_size: int, timeout: timedelta = COLLECTIVE_TIMEOUT) -> tuple[Any, int]:
+    """The world's TCPStore, bound by rank 0 on an ephemeral port before any other rank starts, and held from then
+    on: a port found free and bound later can be taken in between, and the engine would not start. Returns the
+    store as rank 0 passes it to `connect`, and its port; the other ranks join through `tcp://HOST:PORT`, and torch
+    puts such a rank's keys under the prefix "default_pg" (distributed_c10d.init_process_group), so rank 0's store
+    carries the same prefix."""
+    store = dist.TCPStore(host, 0, world_size=world_size, is_master=True, timeout=timeout,  # type: ignore[attr-defined]
+                          wait_for_workers=False)
+    return dist.PrefixStore("default_pg", store), int(store.port)  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)

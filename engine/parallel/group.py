@@ -265,15 +265,9 @@ class LeaderGroup:
     def start_store(self) -> None:
         """The world's TCPStore on an ephemeral port; each pod is told the init method to reach it at, and the
         links are watched from now on."""
-        from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+        from npuserve.engine.parallel.comm import master_store
 
-        store_host = self.host
-        store = TCPStore(store_host, 0, world_size=self.layout.world_size, is_master=True,
-                              timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
-        port = int(store.port)
-        # The other ranks join through `tcp://`, and torch puts its keys under this prefix of such a store
-        # (distributed_c10d.init_process_group); rank 0, given the store itself, must use the same.
-        self.store = PrefixStore("default_pg", store)
+        self.store, port = master_store(self.host, self.layout.world_size, timedelta(seconds=self.timeout_s))
         first = next(iter(self.pods.values()))
         own = first.link.sock.getsockname()[0]  # the leader's address as the pods reach it
         self.local_init_method = f"tcp://{own}:{port}"

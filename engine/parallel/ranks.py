@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +28,6 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _JOIN_SECONDS = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +72,7 @@ class WorkerRanks:
     (rank 0 gone, however it went) is what tells the worker to exit."""
 
     world_size: int
-    init_method: str = field(default_factory=lambda: f"tcp://127.0.0.1:{free_port()}")
+    init_method: str  # tcp://HOST:PORT of the store rank 0 holds (comm.master_store)
     on_death: Callable[[str], None] = _exit_process
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     first_rank: int = 0  # the pod's first rank: the process that holds this handle

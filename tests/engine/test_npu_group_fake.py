@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from npuserve.engine.parallel.ranks import free_port
 from tests.fake_hccl import CONNECT_TIMEOUT_RANGE_S, NODE_ENV, check_environment
 from tests.fake_npu_attention import FakeNPUError
+from tests.serve_process import free_port
 
 POD = Path(__file__).with_name("fake_hccl_pod.py")
 REPO = Path(__file__).resolve().parents[2]

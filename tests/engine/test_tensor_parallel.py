@@ -242,8 +242,8 @@ def _allowed_cpus(pid: int) -> set[int]:
 
 def test_each_rank_binds_to_its_numa_node_and_a_rank_that_dies_takes_the_server_down(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    from npuserve.engine.parallel.ranks import free_port
     from npuserve.engine_contract import CPU_BINDING_ENV
+    from tests.serve_process import free_port
 
     cpus = sorted(os.sched_getaffinity(0))
     env = dict(os.environ)
@@ -314,8 +314,8 @@ def _ends(pid: int, timeout: float = 10.0) -> bool:
 
 def _serve_2_ranks(command: list[str], model_dir: Path, termination: Path,
                    *extra: str) -> tuple[subprocess.Popen[str], str]:
-    from npuserve.engine.parallel.ranks import free_port
     from npuserve.engine_contract import TERMINATION_LOG_ENV
+    from tests.serve_process import free_port
 
     port = free_port()
     proc = subprocess.Popen([*command, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),

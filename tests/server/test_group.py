@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from npuserve.engine.parallel.group import GroupError, GroupLayout, LeaderGroup, WorkerLink, expected_worker_address
-from npuserve.engine.parallel.ranks import free_port
 from npuserve.engine_contract import (
     FLAG_GROUP_CONNECT_TIMEOUT,
     FLAG_MASTER_ADDR,
@@ -36,7 +35,7 @@ from npuserve.engine_contract import (
     EngineInfo,
 )
 from npuserve.modelspec import ModelSpec
-from tests.serve_process import SERVE, wait_ready
+from tests.serve_process import SERVE, free_port, wait_ready
 from tests.world_size_2 import MAX_TOKENS, in_process
 
 LEADER = "127.0.0.2"
