@@ -364,7 +364,7 @@ def _arms(problem: TuningProblem) -> list[TuningProblem]:
     return [problem.model_copy(update={"pinned": {**problem.pinned, "supportSelectBatch": s}}) for s in (True, False)]
 
 
-SWEEP_FLOOR = 8  # the optimum sweep's first batch: a batch below it takes 2-5x as long to simulate (more steps)
+SWEEP_FLOOR = 8  # the optimum sweep's first batch: a batch below it takes 2-8x as long to simulate (more steps)
 
 
 def _optimum(setup: Setup, problem: TuningProblem) -> float:
