@@ -53,30 +53,43 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.communicate()
 
 
+class PortTaken(AssertionError):
+    """The server could not bind the port it was given: another process took it after `free_port` found it free."""
+
+
+def _start(args: tuple[str, ...], stdout: int | IO[str] | None,
+           ) -> tuple[str, subprocess.Popen[str], IO[str] | None]:
+    """One start on a fresh port, ready: (base URL, process, the file its output goes to when `stdout` is None). A
+    start that fails raises with the output's last lines (CI keeps nothing else of it); PortTaken when the port was
+    taken."""
+    port = free_port()
+    log = tempfile.TemporaryFile("w+") if stdout is None else None  # noqa: SIM115 (closed by the caller)
+    proc = subprocess.Popen([*SERVE, *args, "--host", "127.0.0.1", "--port", str(port)],
+                            stdout=stdout if log is None else log, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+    except AssertionError as e:
+        _stop(proc)
+        if log is None:
+            raise
+        tail = _tail(log)
+        log.close()
+        failed = PortTaken if "address already in use" in tail else AssertionError
+        raise failed(f"{e} (exit code {proc.returncode}); its output ends:\n{tail}") from None
+    return base, proc, log
+
+
 @contextmanager
 def serve_process(*args: str, stdout: int | IO[str] | None = None,
                   ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """`npuserve serve ARGS --host 127.0.0.1 --port P`, ready; yields (base URL, process); terminated after. Without
-    `stdout`, its output goes to a file whose last lines a start that fails shows (CI keeps nothing else of it), and
-    a start that fails because another process took the port first is made again, once, on another port."""
-    for attempt in (1, 2):
-        port = free_port()
-        log = tempfile.TemporaryFile("w+") if stdout is None else None  # noqa: SIM115 (lives past this block)
-        proc = subprocess.Popen([*SERVE, *args, "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=stdout if log is None else log, stderr=subprocess.STDOUT, text=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_ready(base, proc)
-            break
-        except AssertionError as e:
-            _stop(proc)
-            if log is None:
-                raise
-            tail = _tail(log)
-            log.close()
-            if attempt == 1 and "address already in use" in tail:
-                continue
-            raise AssertionError(f"{e} (exit code {proc.returncode}); its output ends:\n{tail}") from None
+    `stdout`, its output goes to a file whose last lines a start that fails shows, and a start whose port another
+    process took first is made again, once, on another port."""
+    try:
+        base, proc, log = _start(args, stdout)
+    except PortTaken:
+        base, proc, log = _start(args, stdout)
     try:
         yield base, proc
     finally:

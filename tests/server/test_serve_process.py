@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from npuserve.engine_contract import CPU_BINDING_ENV, NUMA_NODE_ENV
+from tests import serve_process as harness
 from tests.serve_process import free_port, wait_ready
 
 SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
@@ -106,3 +108,23 @@ def test_serve_refuses_what_it_cannot_serve_before_loading(tiny_model_dir: Path,
     proc = subprocess.run([*SERVE, "--config", str(config)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert named in proc.stderr
+
+
+def test_the_harness_shows_a_failed_starts_output(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match=r"(?s)exit code 1\).*no config.json in model folder"), \
+            harness.serve_process("--model", str(tmp_path / "missing")):
+        pass
+
+
+def test_the_harness_starts_again_on_another_port_when_its_port_was_taken(tiny_model_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # The race serve_process answers: a port found free, then taken before the server binds it.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port, free_port()])
+        monkeypatch.setattr(harness, "free_port", lambda: next(ports))
+        with harness.serve_process("--model", str(tiny_model_dir), "--log-level", "warning") as (base, _):
+            assert not base.endswith(f":{port}")
+            assert httpx.get(base + "/ready", timeout=5).status_code == 200
