@@ -688,18 +688,27 @@ def _bracket(problem: TuningProblem, h: History, top: int) -> _Bracket:
     return _Bracket(certain, upper, why if upper is not None else "memory", opened)  # type: ignore[arg-type]
 
 
-def _aim(problem: TuningProblem, h: History) -> dict[LatencyName, float]:
-    """The log ratio a batch must measure to be certain after PLANNED_WINDOWS windows: 0 (the bound) when exact."""
+def _aim(problem: TuningProblem, h: History, first_below_a_miss: bool = False) -> dict[LatencyName, float]:
+    """The log ratio a batch must measure to be certain after PLANNED_WINDOWS windows: 0 (the bound) when exact.
+    `first_below_a_miss`: the drop from a miss while no batch is certain. Before any repeat has measured the noise,
+    its quantile is at the degrees of freedom the estimate will have after the point's PLANNED_WINDOWS windows, which
+    measure it: at the prior's one, t(1) = 12.7 aimed 17% under the bound, at half the answer (the 32B setup's 256
+    to 128-133, where 219 meets it), and the climb back spent the budget. Only there: a climb from a certain batch
+    aimed so near the bound proposes points that stay uncertain after their repeats (the guide's decodeLatency row
+    fell from 17 to 13 of 20 within 5%), and so does a drop after repeats at the miss (two MoE runs of 20 ended
+    without a claim)."""
     if h.noise.exact:
         return {k: 0.0 for k in problem.bounds()}
-    spread = t_quantile(h.noise.df) / math.sqrt(PLANNED_WINDOWS)
+    unmeasured = first_below_a_miss and h.noise.df <= fits.PRIOR_DF  # no repeat has measured the noise yet
+    df = h.noise.df + (PLANNED_WINDOWS - 1 if unmeasured else 0)
+    spread = t_quantile(df) / math.sqrt(PLANNED_WINDOWS)
     return {k: min(0.0, math.log(1 + problem.tolerance) - spread * h.noise.latency[k]) for k in problem.bounds()}
 
 
-def _target(problem: TuningProblem, h: History, pts: Sequence[Point]) -> float:
+def _target(problem: TuningProblem, h: History, pts: Sequence[Point], first_below_a_miss: bool = False) -> float:
     """The batch the smoothed latencies put at the aimed level: the lowest over the bounds. For TPOT, while the
     engine model is adequate, the largest batch the model would prove (the model proposes; the windows confirm)."""
-    aim = _aim(problem, h)
+    aim = _aim(problem, h, first_below_a_miss)
     crossings = {k: fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds()}
     if "tpot" in crossings and h.model is not None and h.model.usable and not h.noise.exact:
         crossings["tpot"] = _model_crossing(problem, h.model, aim["tpot"])
@@ -746,7 +755,7 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
         return _verdict(problem, h, "converged", f"{b_lo} meets the SLO and {br.upper} does not: within {tol:.0%}")
     if b_lo is None and br.upper is not None and br.upper <= lo:
         return _verdict(problem, h, "sloUnreachable", f"even maxBatchSize {lo}, the smallest there is, misses the SLO")
-    guess = _target(problem, h, pts)
+    guess = _target(problem, h, pts, first_below_a_miss=b_lo is None and br.upper is not None)
     gap = max(1, math.floor(tol * (b_lo or br.upper or lo)))  # the least move from a measured batch
     if b_lo is not None and br.upper is not None:
         low, high = b_lo + 1, br.upper - 1

@@ -745,6 +745,30 @@ def test_a_noisy_latency_search_never_claims_a_miss_and_finds_the_throughput_pea
         chosen.append(truth(verdict.schedule).outputTokensPerSecond / best)
     assert sum(c >= 0.90 for c in chosen) >= 9, chosen
 
+def _tpot_window(p: TuningProblem, batch: int, tpot: float, tps: float) -> Trial:
+    return Trial(schedule=p.schedule_for(batch),
+                 metrics=TrialMetrics(outputTokensPerSecond=tps, ttftMs=LatencyStats(mean=1000, p90=1300, p99=1600),
+                                      tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=500))
+
+
+def test_the_first_drop_from_a_miss_does_not_price_the_unmeasured_noise_at_one_degree_of_freedom() -> None:
+    # The 32B setup's first window: maxBatchSize 256 at 1.067x the TPOT bound, nothing else measured. The noise is
+    # the prior's (0.05 / sqrt(3) = 0.02887), one pseudo-degree of freedom. The aim, where a batch would be certain
+    # after 3 windows, takes its t quantile at the 3 degrees of freedom those windows will give:
+    # log(1.03) - t(3) / sqrt(3) x 0.02887 = 0.02956 - 3.1824 / 1.7321 x 0.02887 = -0.02348, and one point extrapolates
+    # along the prior elasticity 0.4: 256 x exp((-0.02348 - log 1.067) / 0.4) = 256 x exp(-0.22083) = 205.3, less the
+    # tolerance: floor(205.3 x 0.97) = 199. At t(1) = 12.706 the aim was -0.18221 and the drop 133.
+    p = problem("decodeLatency", (50, 600, 256))
+    step = decide(p, [_tpot_window(p, 256, 53.35, 1500)])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 199, step
+    # Once a second window has measured the noise, its own quantile stands: 53.35 and 58 ms pool to
+    # sqrt((0.02887^2 + 2 x 0.041785^2) / 2) = 0.046505 at 2 degrees of freedom, the aim
+    # 0.02956 - 4.3027 / 1.7321 x 0.046505 = -0.08597, the crossing 256 x exp((-0.08597 - 0.106635) / 0.4) = 158.2,
+    # the drop floor(158.2 x 0.97) = 153 (at t(4), as if the windows were still to come, 169).
+    step = decide(p, [_tpot_window(p, 256, 53.35, 1500), _tpot_window(p, 256, 58.0, 1400)])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 153, step
+
+
 
 # --- the online engine model: it proposes and, only while adequate, proves ---------------------------------------
 # The guide's engine shape (LLaMA3-8B on 2 x 910B4, GSM8K lengths). Windows are drawn from the model's own prior
