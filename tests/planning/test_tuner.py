@@ -751,6 +751,29 @@ def _tpot_window(p: TuningProblem, batch: int, tpot: float, tps: float) -> Trial
                                       tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=500))
 
 
+def test_under_noise_the_throughput_verdict_is_the_smallest_batch_within_tolerance_of_the_most_measured() -> None:
+    # 300 measured 2850 tok/s, 200 measured 2800: log(2850 / 2800) = 0.0177, within log(1.03) = 0.0296. The same
+    # throughput as far as the tolerance tells, and 200 serves each request faster: 200 is the answer.
+    def verdict(noise: float, tps_at_200: float) -> Verdict:
+        p = problem("throughput", (50, 600, 200), noise=noise, max_trials=3)
+        trials = [_tpot_window(p, b, tpot, tps) for b, tpot, tps in
+                  ((200, 60.0, tps_at_200), (300, 80.0, 2850.0), (400, 110.0, 2500.0))]
+        step = decide(p, trials)
+        assert isinstance(step, Verdict) and step.reason == "maxTrials" and step.schedule is not None, step
+        return step
+
+    alike = verdict(0.05, 2800.0)
+    assert alike.schedule is not None and alike.schedule.maxBatchSize == 200, alike
+    assert alike.limit == "throughputPeak"
+    assert "(maxBatchSize 300 measured 2850 tok/s): the smaller batch, for its lower latency" in alike.message
+    # 2760: log(2850 / 2760) = 0.0321, past the tolerance: 300 measured more.
+    behind = verdict(0.05, 2760.0)
+    assert behind.schedule is not None and behind.schedule.maxBatchSize == 300, behind
+    # Exact measurements: the most measured is the most there is.
+    exact = verdict(0.0, 2800.0)
+    assert exact.schedule is not None and exact.schedule.maxBatchSize == 300, exact
+
+
 def test_the_first_drop_from_a_miss_does_not_price_the_unmeasured_noise_at_one_degree_of_freedom() -> None:
     # The 32B setup's first window: maxBatchSize 256 at 1.067x the TPOT bound, nothing else measured. The noise is
     # the prior's (0.05 / sqrt(3) = 0.02887), one pseudo-degree of freedom. The aim, where a batch would be certain
