@@ -700,7 +700,7 @@ def _bracket(problem: TuningProblem, h: History, top: int) -> _Bracket:
     return _Bracket(certain, upper, why if upper is not None else "memory", opened)  # type: ignore[arg-type]
 
 
-def _aim(problem: TuningProblem, h: History, first_below_a_miss: bool = False) -> dict[LatencyName, float]:
+def _aim(problem: TuningProblem, h: History, first_below_a_miss: bool) -> dict[LatencyName, float]:
     """The log ratio a batch must measure to be certain after PLANNED_WINDOWS windows: 0 (the bound) when exact.
     `first_below_a_miss`: the drop from a miss while no batch is certain. Before any repeat has measured the noise,
     its quantile is at the degrees of freedom the estimate will have after the point's PLANNED_WINDOWS windows, which
@@ -717,7 +717,7 @@ def _aim(problem: TuningProblem, h: History, first_below_a_miss: bool = False) -
     return {k: min(0.0, math.log(1 + problem.tolerance) - spread * h.noise.latency[k]) for k in problem.bounds()}
 
 
-def _target(problem: TuningProblem, h: History, pts: Sequence[Point], first_below_a_miss: bool = False) -> float:
+def _target(problem: TuningProblem, h: History, pts: Sequence[Point], first_below_a_miss: bool) -> float:
     """The batch the smoothed latencies put at the aimed level: the lowest over the bounds. For TPOT, while the
     engine model is adequate, the largest batch the model would prove (the model proposes; the windows confirm)."""
     aim = _aim(problem, h, first_below_a_miss)
@@ -997,7 +997,7 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
     nearest = min((p for p in pts if p.batch > best.batch), key=lambda p: p.batch, default=None)
     slo = "is not certain to meet the SLO" if nearest is not None and nearest.claim.meets else "misses the SLO"
     peak = "; throughput falls past it"
-    if problem.objective not in LATENCY_OBJECTIVES and most is not None and most is not best:
+    if most is not None and most is not best:  # the throughput objective's tie-break chose a smaller batch
         peak = (f"; throughput rises no more than {problem.tolerance:.0%} past it (maxBatchSize {most.batch} "
                 f"measured {most.throughput:.0f} tok/s): the smaller batch, for its lower latency")
     if edge is not None and edge is not best:

@@ -792,6 +792,16 @@ def test_the_first_drop_from_a_miss_does_not_price_the_unmeasured_noise_at_one_d
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 153, step
 
 
+def test_a_climb_from_a_certain_batch_keeps_the_noises_own_quantile() -> None:
+    # One window at 100, 0.70x the bound: certain at once (log 0.7 + t(1) x 0.02887 = -0.35667 + 0.36683 = 0.0102,
+    # under log 1.03). The climb aims at the prior's own quantile, log(1.03) - 12.706 / 1.7321 x 0.02887 = -0.18221:
+    # 100 x exp((-0.18221 + 0.35667) / 0.4) = 154.7, so 155. At the first drop's t(3) it would aim at -0.02348 and
+    # propose 100 x exp(0.83298) = 230, capped at twice the certain batch: 200, points too near the bound to prove.
+    p = problem("decodeLatency", (50, 600, 100))
+    step = decide(p, [_tpot_window(p, 100, 35.0, 1500)])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 155, step
+
+
 
 # --- the online engine model: it proposes and, only while adequate, proves ---------------------------------------
 # The guide's engine shape (LLaMA3-8B on 2 x 910B4, GSM8K lengths). Windows are drawn from the model's own prior
