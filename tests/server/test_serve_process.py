@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -14,9 +13,7 @@ import pytest
 
 from npuserve.engine_contract import CPU_BINDING_ENV, NUMA_NODE_ENV
 from tests import serve_process as harness
-from tests.serve_process import free_port, wait_ready
-
-SERVE = [str(Path(sys.executable).parent / "npuserve"), "serve"]
+from tests.serve_process import SERVE, free_port, wait_ready
 
 
 def _allowed_cpus(pid: int) -> set[int]:
