@@ -1,9 +1,10 @@
-"""The noise table's ceiling (docs/operator.md, "Under noise"): how many of its seeds could end with a certain claim
-at a batch within 5% of the optimum, had the search known that batch from its first trial and spent every window of
-its budget there. It runs the noise table's own setups, noise (`_noisy`: +-noise per window and the batch's fixed
-jitter) and judge (the tuner's `_digest`: the pooled claim, its noise estimate, the engine model's proof), one batch
-at a time; no search. A row whose ceiling at its best batch is under 18 of 20 within the budget cannot reach
-issue 33's target by any search.
+"""The noise table's ceiling (docs/operator.md, "How the tuner decides, under noise"): how many of its seeds could end
+with a certain claim at a batch within 5% of the optimum, had the search known that batch from its first trial and
+spent every window of its budget there. It runs the noise table's own setups, noise (`_noisy`: +-noise per window and
+the batch's fixed jitter) and judge (the tuner's `_digest`: the pooled claim, its noise estimate, the engine model's
+proof), one batch at a time; no search. A search spends windows finding the batch (the plan's start first), so a row
+needs its ceiling well above issue 33's 18 of 20 at fewer windows than the budget; windows elsewhere add a search
+only degrees of freedom to the noise estimate and the engine model's proof.
 
     .venv/bin/python tests/sim/tuner_oracle.py 32b firstTokenAndDecode --noise 0.1 --batches 195,200,205
 
