@@ -802,7 +802,6 @@ def test_a_climb_from_a_certain_batch_keeps_the_noises_own_quantile() -> None:
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 155, step
 
 
-
 # --- the online engine model: it proposes and, only while adequate, proves ---------------------------------------
 # The guide's engine shape (LLaMA3-8B on 2 x 910B4, GSM8K lengths). Windows are drawn from the model's own prior
 # prediction (so the model is right), times a fixed +-4% pattern per window: the model passes its adequacy test.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import replace
 
 import test_tuner_on_simulator as table  # type: ignore[import-not-found]
 
@@ -26,14 +25,13 @@ from npuserve.planning.problem import TuningProblem
 from npuserve.planning.tuner import Trial
 
 
-def first_certain(setup: table.Setup, arm: TuningProblem, batch: int, noise: float, seed: int,
-                  budget: int) -> float:
+def first_certain(setup: table.Setup, arm: TuningProblem, batch: int, noise: float, seed: int) -> float:
     """The windows at `batch` after which the judge first finds it certain (inf: not within the budget)."""
-    noisy = arm.model_copy(update={"noise": 0.05, "max_trials": budget})
+    noisy = table._under_noise(arm, noise)
     measure = table._noisy(setup, noisy, noise, seed)
     schedule = arm.schedule_for(batch)
     trials: list[Trial] = []
-    for n in range(1, budget + 1):
+    for n in range(1, noisy.max_trials + 1):
         trials.append(Trial(schedule=schedule, metrics=measure(schedule)))
         if tuner._digest(noisy, trials).points[0].proof is not None:
             return n
@@ -47,11 +45,7 @@ def main() -> None:
     parser.add_argument("--noise", type=float, default=0.10, choices=sorted(table.BUDGET))
     parser.add_argument("--batches", required=True, help="maxBatchSize values, comma-separated")
     args = parser.parse_args()
-    setup = table._setup(args.setup)
-    if args.objective == "firstTokenAndDecode" and not setup.benchmark_load:  # as the noise table
-        benchmark = replace(setup, benchmark_load=True)
-        benchmark.cache = setup.cache
-        setup = benchmark
+    setup = table._for_objective(table._setup(args.setup), args.objective)
     exact = table._problem(setup, args.objective, **table._noise_bounds(setup)[args.objective])
     best = table._optimum(setup, exact)
     budget = table.BUDGET[args.noise]
@@ -62,9 +56,8 @@ def main() -> None:
         setup.prefetch(arm.schedule_for(b) for b in batches)
         for b in batches:
             truth = setup.cached(arm.schedule_for(b))
-            ratios = {k: (truth.ttftMs if k == "ttft" else truth.tpotMs).mean / bound
-                      for k, bound in arm.bounds().items()}
-            firsts = [first_certain(setup, arm, b, args.noise, seed, budget) for seed in range(table.NOISE_SEEDS)]
+            ratios = {k: arm.latency(truth, k) / bound for k, bound in arm.bounds().items()}
+            firsts = [first_certain(setup, arm, b, args.noise, seed) for seed in range(table.NOISE_SEEDS)]
             certain = ", ".join(f"{n}: {sum(f <= n for f in firsts)}" for n in range(2, budget + 1))
             select = arm.pinned.get("supportSelectBatch", arm.schedule_for(b).supportSelectBatch)
             print(f"maxBatchSize {b} (supportSelectBatch {select}): {truth.outputTokensPerSecond / best:.3f} of the "
