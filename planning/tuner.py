@@ -28,10 +28,12 @@ estimated from the data (repeats, the isotonic fit's residuals). A batch never m
   the boundary measured more tok/s than the boundary beyond the noise and `tolerance` (a KV-starved cache, a CPU
   engine), the throughput search runs within [floor, boundary]. The plan's minimum is no floor: the search goes down
   to 1.
-- `throughput`: the most output tokens/s, which rises then falls past a peak; under noise the verdict is the smallest
-  batch within `tolerance` of the most measured. The tuner moves out until the peak is
-  bracketed, then jumps to the vertex of the parabola through the best point and its neighbours, and stops when that
-  vertex promises less than a third of `tolerance` more throughput, or lies within `tolerance` of the best batch.
+- `throughput`: the most output tokens/s, which rises then falls past a peak; under noise the verdict is the batch
+  where a parabola in log batch through every batch's pooled tok/s peaks, among those not behind the most measured
+  beyond the noise and `tolerance` (through fewer than four batches: the smallest within `tolerance` of the most
+  measured). The tuner moves out until the peak is bracketed, then jumps to the vertex of the parabola through the
+  best point and its neighbours, and stops when that vertex promises less than a third of `tolerance` more
+  throughput, or lies within `tolerance` of the best batch; under noise, not before four batches are measured.
   Any TTFT/TPOT bounds cap the batch; under them, only a batch certain to meet them can be the verdict.
 - Failures (errors, KV exhaustion, a preemption storm, engines restarting or losing readiness, a failed load Job) cap
   the search below the failed batch; a failure at the smallest batch tried sends it lower, halving, down to 1.
@@ -599,15 +601,28 @@ def _throughput_below(problem: TuningProblem, h: History, edge: Point) -> Point:
     return below if _lead(below, edge) > max(_lead_doubt(h, below, edge), problem.tolerance) else edge
 
 
-def _smallest_alike(problem: TuningProblem, h: History, meeting: Sequence[Point], most: Point) -> Point:
-    """The throughput objective's answer under noise: the smallest batch whose pooled tok/s lies within `tolerance`
-    of the most measured. Past the peak a curve falls slowly, less than one window's noise (the 32B setup's 384 gives
-    1720 tok/s and 576 gives 1596, and 576 out-measured 384 in 6 of 20 runs at +-10%): the most measured is often a
-    batch past the peak, and a smaller batch that measured as much, within `tolerance`, also serves each request at a
-    lower latency. Exact measurements (a deterministic engine) need no such doubt: the most is the answer."""
+def _most_throughput(problem: TuningProblem, h: History, shape: Sequence[Point], meeting: Sequence[Point],
+                     most: Point) -> tuple[Point, Literal["most", "alike", "parabola"]]:
+    """The throughput objective's answer, and the rule that chose it. Exact measurements (a deterministic engine):
+    the most measured. Under noise, pooled over batches: of the batches that meet any bounds and whose own windows
+    are not behind the most measured beyond the noise and `tolerance`, the one where the parabola in log batch
+    through every batch's pooled tok/s (`shape`: those below any miss or failure) peaks. The most measured is
+    often a batch past the peak or below it by luck: past the peak a curve falls slowly, less than one window's noise
+    (the 32B setup's 384 gives 1720 tok/s and 576 gives 1596; 576 out-measured 384 in 6 of 20 runs at +-10%), and a
+    batch's fixed bias (some batches run faster kernels than their neighbours) no repeat averages away; the parabola
+    pools every batch's windows. Through fewer than four batches, or a parabola that does not bend down: the
+    smallest batch whose tok/s lies within `tolerance` of the most, which also serves each request at a lower
+    latency."""
     if h.noise.exact:
-        return most
-    return min((p for p in meeting if _lead(most, p) <= math.log(1 + problem.tolerance)), key=lambda p: p.batch)
+        return most, "most"
+    series = _log_series({p.batch: list(p.windows) for p in shape}, lambda m: m.outputTokensPerSecond)
+    smoothed = fits.parabola(series)
+    if smoothed is None:
+        alike = min((p for p in meeting if _lead(most, p) <= math.log(1 + problem.tolerance)), key=lambda p: p.batch)
+        return alike, "alike"
+    fitted = dict(zip(series.batches, smoothed, strict=True))
+    level = [p for p in meeting if _lead(most, p) <= math.log(1 + problem.tolerance) + _lead_doubt(h, most, p)]
+    return max(level, key=lambda p: fitted[p.batch]), "parabola"
 
 
 def _lead(a: Point, b: Point) -> float:
@@ -912,9 +927,12 @@ def _peak(problem: TuningProblem, h: History, top: int | None = None) -> Decisio
         said = f"{m} is within {max(gain, 0):.1%} of the fitted peak ({peak:.0f} tok/s at {v:.0f})"
         # Stop when the best point sits at the fitted peak, or the fit promises little more; but a parabola across
         # a wide gap misses a peak that falls off a cliff past it (KV pressure): then look into the gap first.
-        if abs(v / m - 1) < tol or (gain < tol / 3 and max(upper / m, m / below) <= OUTWARD):
+        few = not h.noise.exact and len(h.points) < fits.PEAK_FIT_POINTS
+        if not few and (abs(v / m - 1) < tol or (gain < tol / 3 and max(upper / m, m / below) <= OUTWARD)):
             return _verdict(problem, h, "converged", said)
-        if gain < tol / 3:
+        if few and (abs(v / m - 1) < tol or gain < tol / 3):
+            target, why = halve, f"{said}, but {len(h.points)} batches are too few to pool: halving the wider side"
+        elif gain < tol / 3:
             target, why = halve, f"{said}, but the gap around it is wide: halving it"
         else:
             target, why = round(v), f"the fitted peak: {peak:.0f} tok/s at {v:.0f}"
@@ -951,6 +969,7 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
     limit: BatchLimit
     edge: Point | None = None  # latency objectives: the largest batch certain to meet the bounds
     most: Point | None = None  # throughput: the batch that measured the most tok/s
+    rule = "most"  # throughput: what chose the best batch (`_most_throughput`)
     if problem.objective in LATENCY_OBJECTIVES:
         # Throughput is the objective under the bounds too: the most tok/s among the batches certain to meet them,
         # which is the largest of them only while throughput rises with the batch.
@@ -965,7 +984,8 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
             top = min(missing) - 1
         meeting = [p for p in pts if p.batch <= top and (p.proof is not None if problem.bounds() else p.claim.meets)]
         most = max(meeting, key=lambda p: p.throughput, default=None)
-        best = _smallest_alike(problem, h, meeting, most) if most is not None else None
+        best, rule = (_most_throughput(problem, h, [p for p in pts if p.batch <= top], meeting, most)
+                      if most is not None else (None, "most"))
         limit = "none"
         if best is not None:
             # What lies next above the best batch: a failure, a miss of a bound, or a batch with less throughput.
@@ -997,9 +1017,12 @@ def _verdict(problem: TuningProblem, h: History, reason: StopReason, why: str) -
     nearest = min((p for p in pts if p.batch > best.batch), key=lambda p: p.batch, default=None)
     slo = "is not certain to meet the SLO" if nearest is not None and nearest.claim.meets else "misses the SLO"
     peak = "; throughput falls past it"
-    if most is not None and most is not best:  # the throughput objective's tie-break chose a smaller batch
+    if most is not None and most is not best and rule == "alike":
         peak = (f"; throughput rises no more than {problem.tolerance:.0%} past it (maxBatchSize {most.batch} "
                 f"measured {most.throughput:.0f} tok/s): the smaller batch, for its lower latency")
+    elif most is not None and most is not best:
+        peak = (f"; the parabola through every batch's tok/s peaks there, of the batches measured (maxBatchSize "
+                f"{most.batch} measured {most.throughput:.0f} tok/s, within the noise)")
     if edge is not None and edge is not best:
         peak += (f" (maxBatchSize {edge.batch}, the largest batch certain to meet the SLO, gives "
                  f"{edge.throughput:.0f} tok/s)")

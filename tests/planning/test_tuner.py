@@ -774,6 +774,49 @@ def test_under_noise_the_throughput_verdict_is_the_smallest_batch_within_toleran
     assert exact.schedule is not None and exact.schedule.maxBatchSize == 300, exact
 
 
+def _throughput_verdict(tps: dict[int, float]) -> Verdict:
+    """The verdict of a noisy throughput search whose budget ran out on one window at each batch of `tps`."""
+    p = problem("throughput", (50, 600, 200), noise=0.05, max_trials=len(tps))
+    trials = [_tpot_window(p, b, 50.0 + b / 10, t) for b, t in tps.items()]
+    step = decide(p, trials)
+    assert isinstance(step, Verdict) and step.reason == "maxTrials" and step.schedule is not None, step
+    return step
+
+
+def test_under_noise_the_throughput_verdict_is_where_a_parabola_through_every_batch_peaks() -> None:
+    # 200 measured the most, 2900 tok/s, and every other batch is behind it by less than the noise (one window each:
+    # the prior's 0.02887 at one degree of freedom, t(1) = 12.706, a doubt of 12.706 x 0.02887 x sqrt(2) = 0.519 in
+    # log). The parabola in log batch fitted to the five, log tok/s = -0.29096 x^2 + 3.33467 x - 1.57445, peaks at
+    # exp(3.33467 / 0.58191) = 308 and puts 2768, 2922, 2865 and 2568 tok/s at 200, 300, 400 and 600: 300 is the
+    # answer. The smallest batch within 3% of the most measured would be 200 itself.
+    pooled = _throughput_verdict({100: 2000.0, 200: 2900.0, 300: 2800.0, 400: 2850.0, 600: 2600.0})
+    assert pooled.schedule is not None and pooled.schedule.maxBatchSize == 300, pooled
+    assert "the parabola through every batch's tok/s peaks there" in pooled.message
+    assert "(maxBatchSize 200 measured 2900 tok/s, within the noise)" in pooled.message
+    # A parabola that does not bend down places no peak (0.00727 x^2 - 0.00920 x + 7.78763: its largest value is
+    # at 600, the largest batch): the smallest batch within 3% of the most measured, 400 (log(3050 / 2980) = 0.0232).
+    rising = _throughput_verdict({100: 2700.0, 200: 2800.0, 300: 2900.0, 400: 2980.0, 600: 3050.0})
+    assert rising.schedule is not None and rising.schedule.maxBatchSize == 400, rising
+    assert "(maxBatchSize 600 measured 3050 tok/s): the smaller batch, for its lower latency" in rising.message
+
+
+def test_a_noisy_throughput_search_does_not_stop_on_three_batches() -> None:
+    # Through 171, 256 and 384 the parabola peaks at 278, and promises 0.2% more than the best measured (256), with
+    # neighbours within 1.5x: exact measurements stop there. Under noise three batches are too few to pool (a batch's
+    # fixed bias shows only against a fourth): the search halves the wider side around 256, geometrically
+    # sqrt(256 x 384) = 313.5, so 314.
+    def step(noise: float) -> NextTrial | Verdict:
+        p = problem("throughput", (50, 600, 256), noise=noise, max_trials=8)
+        return decide(p, [_tpot_window(p, b, 50.0 + b / 10, t) for b, t in ((256, 1580.0), (384, 1561.0),
+                                                                           (171, 1466.0))])
+
+    noisy = step(0.05)
+    assert isinstance(noisy, NextTrial) and noisy.schedule.maxBatchSize == 314, noisy
+    assert "3 batches are too few to pool" in noisy.reason
+    exact = step(0.0)
+    assert isinstance(exact, Verdict) and exact.reason == "converged", exact
+
+
 def test_the_first_drop_from_a_miss_does_not_price_the_unmeasured_noise_at_one_degree_of_freedom() -> None:
     # The 32B setup's first window: maxBatchSize 256 at 1.067x the TPOT bound, nothing else measured. The noise is
     # the prior's (0.05 / sqrt(3) = 0.02887), one pseudo-degree of freedom. The aim, where a batch would be certain
