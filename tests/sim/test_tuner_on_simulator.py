@@ -499,8 +499,8 @@ def test_under_noise_no_verdict_is_false_and_the_budget_holds(name: str) -> None
     """20 seeds at 10% and 20% noise with jitter, each objective: no run ends with SLOMet=True for a schedule whose
     noise-free latency exceeds a bound by more than 5%; at most 8 trials at 10%, 12 at 20%; at 10%, the verdict
     were the search stopped there is a true SLOMet after a median of at most 4 trials. How close the verdicts come
-    to the noise-free optimum is printed (`pytest -s`); the throughput objective's on the guide is held to 18 of 20
-    within 5% at 10% noise."""
+    to the noise-free optimum is printed (`pytest -s`); the throughput objective's is held to 18 of 20 within 5% at
+    10% noise."""
     setup = _setup(name)
     print("\n| setup | objective | noise | false SLOMet | SLOMet | within 5% of the optimum | max trials | "
           "median trials | median trials to the first true claim |")
@@ -511,8 +511,9 @@ def test_under_noise_no_verdict_is_false_and_the_budget_holds(name: str) -> None
         assert max(row.trials) <= BUDGET[row.noise], row
         if row.noise == 0.10:  # issue 33: the first true claim within a median of 4 live trials
             assert statistics.median(row.first_true) <= 4, row
-    if name == "guide":
-        assert rows[0].within_5 >= 18, rows[0]
+    for row in rows:  # issue 33: 18 of 20 within 5% of the optimum at 10% noise, met for throughput
+        if row.objective == "throughput" and row.noise == 0.10:
+            assert row.within_5 >= 18, row
 
 
 DRIFT_PROMPTS = 0.25  # the traffic change of the drift test: every prompt a quarter as long
