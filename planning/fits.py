@@ -73,12 +73,9 @@ def scatter(series: Series, rising: bool) -> tuple[float, float]:
     points = len(series.batches)
     if rising and points >= 3:
         degree = 1 if points == 3 else 2
-        xs = np.log(np.array(series.batches, dtype=float))
-        ys = np.array(series.means)
-        weights = np.array(series.counts, dtype=float)
-        coefficients = np.polyfit(xs, ys, degree, w=np.sqrt(weights))
-        residuals = ys - np.polyval(coefficients, xs)
-        ss += float(np.sum(weights * residuals**2))
+        xs, coefficients = _curve(series, degree)
+        residuals = np.array(series.means) - np.polyval(coefficients, xs)
+        ss += float(np.sum(np.array(series.counts, dtype=float) * residuals**2))
         df += points - degree - 1
     return ss, df
 
@@ -91,11 +88,17 @@ def parabola(series: Series) -> list[float] | None:
     away (some batches run faster kernels than their neighbours); the parabola pools every batch's."""
     if len(series.batches) < PEAK_FIT_POINTS:
         return None
-    xs = np.log(np.array(series.batches, dtype=float))
-    coefficients = np.polyfit(xs, np.array(series.means), 2, w=np.sqrt(np.array(series.counts, dtype=float)))
+    xs, coefficients = _curve(series, 2)
     if coefficients[0] >= 0:
         return None
     return [float(v) for v in np.polyval(coefficients, xs)]
+
+
+def _curve(series: Series, degree: int) -> tuple[np.ndarray, np.ndarray]:
+    """(log batches, coefficients): the polynomial in log batch through the per-batch means, each weighted by its
+    windows."""
+    xs = np.log(np.array(series.batches, dtype=float))
+    return xs, np.polyfit(xs, np.array(series.means), degree, w=np.sqrt(np.array(series.counts, dtype=float)))
 
 
 def noise_estimate(prior: float, parts: Sequence[tuple[float, float]]) -> tuple[float, float]:
