@@ -106,6 +106,26 @@ def free_params() -> list[Param]:
     return params
 
 
+def corner(slowest: bool) -> Fit:
+    """Every free parameter at the end of its bound that makes a run slowest (the least achieved fractions, the most
+    all-reduce latency and host time) or fastest. Every term of a step adds time, so a figure moves one way with each
+    parameter and the two corners' figures bound what any fit within BOUNDS can reach (`reach`)."""
+    fit = Fit.prior()
+    for p in free_params():
+        low, high = BOUNDS[p.name]
+        fit = fit.with_value(p, (low if slowest else high) if p.kind == "eff" else (high if slowest else low))
+    return fit
+
+
+def out_of_reach(measured: float, slowest: float, fastest: float, within: float) -> float | None:
+    """The least error (simulated / measured - 1) any fit within BOUNDS makes on a figure, when that is more than
+    `within`; None when some fit can come within it. The corners' figures bound the reachable range."""
+    low, high = sorted((slowest, fastest))
+    nearest = min(max(measured, low), high)
+    error = nearest / measured - 1
+    return error if abs(error) > within else None
+
+
 @dataclass(frozen=True)
 class Case:
     """One measured run: what it ran on and the figures it reports."""
