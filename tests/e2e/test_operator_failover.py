@@ -16,7 +16,6 @@ import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,8 @@ import localk8s
 import pytest
 import yaml
 from operator_harness import REPO, helm_install, scratch_namespace, wait_for
+
+from tests.serve_process import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
@@ -52,12 +53,6 @@ def manifest(namespace: str, model: Path) -> dict[str, Any]:
     spec["autotune"].update(window="20s", maxTrials=4, minSamples=10)
     assert spec["autotune"].get("mode", "benchmark") == "benchmark"
     return obj
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from npuserve.operator.prometheus import (
 )
 from npuserve.planning.api import LatencyStats, PlanSchedule, TrialMetrics
 from npuserve.planning.problem import TuningProblem
+from tests.serve_process import free_port
 
 URL = "http://prometheus.test:9090"
 SEL = Selection(namespace="ns1", inference_service="tiny")
@@ -468,12 +468,6 @@ ENGINE_LABELS = {"namespace": "ns1", "npuserve_io_inferenceservice": "tiny", "po
 TWIN_LABELS = {"namespace": "ns2", "npuserve_io_inferenceservice": "twin", "pod": "twin-0"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(what: str, ready: Callable[[], bool], timeout: float, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -518,7 +512,7 @@ class Stack:
 
 @pytest.fixture
 def stack(tiny_model_dir: Path, tmp_path: Path) -> Iterator[Stack]:
-    engine_port, prom_port = _free_port(), _free_port()
+    engine_port, prom_port = free_port(), free_port()
     engine_url = f"http://127.0.0.1:{engine_port}"
     engine = subprocess.Popen([str(Path(sys.executable).parent / "npuserve"), "serve", "--model", str(tiny_model_dir),
                                "--host", "127.0.0.1", "--port", str(engine_port)],
