@@ -108,8 +108,9 @@ def free_params() -> list[Param]:
 
 def corner(slowest: bool) -> Fit:
     """Every free parameter at the end of its bound that makes a run slowest (the least achieved fractions, the most
-    all-reduce latency and host time) or fastest. Every term of a step adds time, so a figure moves one way with each
-    parameter and the two corners' figures bound what any fit within BOUNDS can reach (`reach`)."""
+    all-reduce latency and host time) or fastest. Every term of a step adds time, so each figure moves one way with
+    each parameter, and the two corners' figures bound what any fit within BOUNDS can reach (`out_of_reach`;
+    tests/sim/test_calibration.py checks that the committed fit's figures lie between them)."""
     fit = Fit.prior()
     for p in free_params():
         low, high = BOUNDS[p.name]
