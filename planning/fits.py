@@ -80,6 +80,22 @@ def scatter(series: Series, rising: bool) -> tuple[float, float]:
     return ss, df
 
 
+def batch_bias(series: Series, window_sd: float) -> float:
+    """The variance of the batches' true means around a smooth curve through them, beyond what their windows' noise
+    (`window_sd`, one window's) explains; 0 when it explains it all, or through fewer than three batches. A batch
+    whose every window runs slower or faster than its neighbours' (its kernels) shares that bias across its
+    repeats: the drift test's seed 15 claimed maxBatchSize 178, 5.4% over the TPOT bound, from three windows that
+    agreed within 4% and measured 9.7% under the truth."""
+    points = len(series.batches)
+    if points < 3:
+        return 0.0
+    degree = 1 if points == 3 else 2
+    xs, coefficients = _curve(series, degree)
+    residuals = np.array(series.means) - np.polyval(coefficients, xs)
+    excess = sum(float(r) ** 2 - window_sd**2 / n for r, n in zip(residuals, series.counts, strict=True))
+    return max(0.0, excess / (points - degree - 1))
+
+
 def parabola(series: Series) -> list[float] | None:
     """The per-batch means of a figure that rises then falls (throughput), smoothed by the parabola in log batch
     fitted to them, each weighted by its windows; None through fewer than PEAK_FIT_POINTS batches, or when the

@@ -121,6 +121,10 @@ class Noise:
     latency: Mapping[LatencyName, float] = field(default_factory=dict)
     throughput: float = 0.0
     df: float = math.inf
+    # Each latency's bias that every window at one batch shares (a variance in log units, `fits.batch_bias`): some
+    # batches run slower or faster kernels than their neighbours every time, and no repeat at that batch averages it
+    # away, so a claim on many windows is no surer than it.
+    batch_bias: Mapping[LatencyName, float] = field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
@@ -317,12 +321,15 @@ class TuningProblem(_Model):
 
     def claim(self, windows: Sequence[TrialMetrics], noise: Noise) -> Claim:
         """The windows measured at one schedule, judged together: their pooled figures, and how far the noise lets
-        each true ratio lie above the measured one (a t interval on the mean of `len(windows)` windows)."""
+        each true ratio lie above the measured one (a t interval on the mean of `len(windows)` windows, whose
+        variance is the windows' own over their count plus the batch's bias, which they all share)."""
         judgement = self.judge(pooled(windows))
         n = len(windows)
-        spread = 0.0 if noise.exact else t_quantile(noise.df) / math.sqrt(n)
-        upper = {k: r * math.exp(spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
-        lower = {k: r * math.exp(-spread * noise.latency.get(k, 0.0)) for k, r in judgement.ratios.items()}
+        t = 0.0 if noise.exact else t_quantile(noise.df)
+        spread = {k: t * math.sqrt(noise.latency.get(k, 0.0) ** 2 / n + noise.batch_bias.get(k, 0.0))
+                  for k in judgement.ratios}
+        upper = {k: r * math.exp(spread[k]) for k, r in judgement.ratios.items()}
+        lower = {k: r * math.exp(-spread[k]) for k, r in judgement.ratios.items()}
         return Claim(judgement, n, upper, self.tolerance, lower)
 
     # -- schedules --

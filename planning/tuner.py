@@ -15,7 +15,8 @@ the verdict is the better proven claim. A knob pinned in `spec.engine.schedule` 
 
 Measurements decide, fits only propose. The fits (`fits.py`) choose the next batch to measure; every judgement of a
 batch is the judge's (`TuningProblem.claim`) on the windows measured at that very batch, pooled, against the noise
-estimated from the data (repeats, the isotonic fit's residuals). A batch never measured is never best or converged.
+estimated from the data (repeats, the isotonic fit's residuals) and the bias the windows at one batch share (the
+batches' scatter around a smooth curve beyond that noise). A batch never measured is never best or converged.
 
 - `decodeLatency` / `firstTokenAndDecode`: the most pooled output tokens/s among the batches whose windows meet every
   bound with no more than `tolerance` of doubt left by the noise ("certain"), as the MindIE guide defines its
@@ -258,6 +259,7 @@ def _digest(problem: TuningProblem, trials: Sequence[Trial], earlier: Sequence[T
     noise = _noise(problem, windows)
     model = _model(problem, trials, kept, windows, noise, earlier)
     noise = _with_model_noise(problem, noise, model)
+    noise = replace(noise, batch_bias=_batch_bias(problem, windows, noise))
     points = tuple(Point(b, tuple(ix), tuple(windows[b]), problem.claim(windows[b], noise)) for b, ix in kept.items())
     return History(trials, relevant, _proven(problem, points, model, noise), failed, thin, counts, cap, noise, model)
 
@@ -401,6 +403,16 @@ def _noise(problem: TuningProblem, windows: dict[int, list[TrialMetrics]]) -> No
         latency[key] = max(estimate, floor)
         dfs.append(df)
     return Noise(latency=latency, throughput=throughput, df=min(dfs, default=tps_df))
+
+
+def _batch_bias(problem: TuningProblem, windows: dict[int, list[TrialMetrics]],
+                noise: Noise) -> dict[LatencyName, float]:
+    """Each bound's latency bias shared by the windows at one batch (`fits.batch_bias`), against the noise the claims
+    use: none for a deterministic engine."""
+    if noise.exact:
+        return {}
+    return {k: fits.batch_bias(_log_series(windows, functools.partial(problem.latency, key=k)), noise.latency[k])
+            for k in problem.bounds()}
 
 
 def _log_series(windows: dict[int, list[TrialMetrics]], figure: Callable[[TrialMetrics], float]) -> fits.Series:

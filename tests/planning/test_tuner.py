@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from npuserve.planning import fits
 from npuserve.planning.api import (
     InferenceServiceSpec,
     LatencyStats,
@@ -26,7 +27,7 @@ from npuserve.planning.api import (
     TuningTrial,
 )
 from npuserve.planning.planner import plan
-from npuserve.planning.problem import TunedSchedule, TuningProblem, pooled
+from npuserve.planning.problem import Noise, TunedSchedule, TuningProblem, pooled
 from npuserve.planning.tuner import NextTrial, Trial, Verdict, decide, failure_of
 from npuserve.planning.tuning_status import trial_from_status, trial_status, trials_of, verdict_status
 
@@ -591,6 +592,32 @@ def test_a_batch_that_meets_in_one_window_but_not_beyond_the_noise_is_measured_a
     assert out_of_trials.schedule is not None and out_of_trials.schedule.maxBatchSize == 100
     assert out_of_trials.slo_met is True and out_of_trials.evidence == (0, 1, 2)
     assert out_of_trials.pooled is not None and out_of_trials.pooled.tpotMs.mean == pytest.approx(45.0)
+
+
+def test_a_batch_bias_is_what_the_batch_means_scatter_around_a_line_beyond_their_windows_noise() -> None:
+    # Batches 50, 100, 200 (equal steps in log batch), their log means 0, d, 0: the weighted line through them is flat
+    # at d/3, its residuals -d/3, 2d/3, -d/3, their squares 2d^2/3 over one degree of freedom; less the windows' own
+    # variance, sd^2 / n at each batch.
+    d = 0.06
+    one = fits.Series((50, 100, 200), ((0.0,), (d,), (0.0,)))
+    assert fits.batch_bias(one, 0.0) == pytest.approx(2 * d * d / 3)  # 0.0024
+    assert fits.batch_bias(one, 0.03) == 0.0  # 0.0024 - 3 x 0.0009 < 0: the windows' noise explains it
+    four = fits.Series((50, 100, 200), ((0.0,) * 4, (d,) * 4, (0.0,) * 4))
+    assert fits.batch_bias(four, 0.03) == pytest.approx(0.0024 - 3 * 0.0009 / 4)  # 0.001725
+    assert fits.batch_bias(fits.Series((50, 100), ((0.0,), (d,))), 0.0) == 0.0  # two batches: no curve to leave
+
+
+def test_a_claim_on_many_windows_at_one_batch_is_no_surer_than_the_batch_bias_allows() -> None:
+    # Four windows at 45 ms against a 50 ms bound (ratio 0.9); one window's noise 5%, 10 degrees of freedom
+    # (t = 2.2281 at 97.5%). Alone the windows put the true ratio under 0.9 x exp(2.2281 x 0.05 / 2) = 0.9516; a
+    # batch bias of variance 0.0004 (2% sd) shared by all four widens it to 0.9 x exp(2.2281 x sqrt(0.000625 +
+    # 0.0004)) = 0.9665.
+    p = problem("decodeLatency", noise=0.05)
+    windows = [w.metrics for w in _windows(p, *[(100, 45.0)] * 4) if w.metrics is not None]
+    alone = p.claim(windows, Noise(latency={"tpot": 0.05}, throughput=0.05, df=10))
+    shared = p.claim(windows, Noise(latency={"tpot": 0.05}, throughput=0.05, df=10, batch_bias={"tpot": 0.0004}))
+    assert alone.upper["tpot"] == pytest.approx(0.9516, abs=1e-4)
+    assert shared.upper["tpot"] == pytest.approx(0.9665, abs=1e-4)
 
 
 def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
