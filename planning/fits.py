@@ -70,13 +70,11 @@ def scatter(series: Series, rising: bool) -> tuple[float, float]:
         mean = sum(values) / len(values)
         ss += sum((v - mean) ** 2 for v in values)
         df += len(values) - 1
-    points = len(series.batches)
-    if rising and points >= 3:
-        degree = 1 if points == 3 else 2
-        xs, coefficients = _curve(series, degree)
-        residuals = np.array(series.means) - np.polyval(coefficients, xs)
+    smooth = _smooth_residuals(series) if rising else None
+    if smooth is not None:
+        residuals, residual_df = smooth
         ss += float(np.sum(np.array(series.counts, dtype=float) * residuals**2))
-        df += points - degree - 1
+        df += residual_df
     return ss, df
 
 
@@ -86,14 +84,12 @@ def batch_bias(series: Series, window_sd: float) -> float:
     whose every window runs slower or faster than its neighbours' (its kernels) shares that bias across its
     repeats: the drift test's seed 15 claimed maxBatchSize 178, 5.4% over the TPOT bound, from three windows that
     agreed within 4% and measured 9.7% under the truth."""
-    points = len(series.batches)
-    if points < 3:
+    smooth = _smooth_residuals(series)
+    if smooth is None:
         return 0.0
-    degree = 1 if points == 3 else 2
-    xs, coefficients = _curve(series, degree)
-    residuals = np.array(series.means) - np.polyval(coefficients, xs)
+    residuals, residual_df = smooth
     excess = sum(float(r) ** 2 - window_sd**2 / n for r, n in zip(residuals, series.counts, strict=True))
-    return max(0.0, excess / (points - degree - 1))
+    return max(0.0, excess / residual_df)
 
 
 def parabola(series: Series) -> list[float] | None:
@@ -108,6 +104,17 @@ def parabola(series: Series) -> list[float] | None:
     if coefficients[0] >= 0:
         return None
     return [float(v) for v in np.polyval(coefficients, xs)]
+
+
+def _smooth_residuals(series: Series) -> tuple[np.ndarray, int] | None:
+    """(the per-batch means' residuals, their degrees of freedom) around a smooth curve in log batch: a line through
+    three batches, a parabola through more; None through fewer than three."""
+    points = len(series.batches)
+    if points < 3:
+        return None
+    degree = 1 if points == 3 else 2
+    xs, coefficients = _curve(series, degree)
+    return np.array(series.means) - np.polyval(coefficients, xs), points - degree - 1
 
 
 def _curve(series: Series, degree: int) -> tuple[np.ndarray, np.ndarray]:
