@@ -108,6 +108,11 @@ def advance(isvc: InferenceService, plan: Plan, status: Mapping[str, Any], obs: 
     return look.actions
 
 
+def unproven_reason(reason: str) -> str:
+    """The SLOMet=False reason after a verdict that did not prove the SLO met."""
+    return "SLOUnreachable" if reason == "sloUnreachable" else "SLOMissed"
+
+
 class _Look:
     def __init__(self, isvc: InferenceService, plan: Plan, status: Mapping[str, Any], obs: Observation) -> None:
         self.isvc, self.plan, self.obs = isvc, plan, obs
@@ -438,7 +443,7 @@ class _Look:
             self.condition("SLOMet", True, "SLOMet", f"the tuned schedule is proven to meet the SLO by {proof}: "
                                                      f"{verdict.message}")
         else:
-            self.condition("SLOMet", False, "SLOUnreachable" if verdict.reason == "sloUnreachable" else "SLOMissed",
+            self.condition("SLOMet", False, unproven_reason(verdict.reason),
                            f"{verdict.message}. No maxBatchSize from {self.problem.floor} to the memory bound "
                            f"{self.problem.batch_max} was shown to meet it: relax spec.slo, add cards "
                            "(spec.accelerator.cards) or replicas, or shorten spec.workload")
@@ -498,9 +503,17 @@ class _Look:
         applied = self.tuning.applied  # what the window ran: the verdict's schedule, applied when tuning concluded
         self.observe(m.metrics, rfc3339(start), rfc3339(end), applied.maxBatchSize if applied is not None else None)
         judgement = self.problem.judge(m.metrics)
+        verdict = self.tuning.verdict
         if judgement.meets:
             self.tuning.missedWindows = 0
-            self.condition("SLOMet", True, "SLOMet", "the last window met the SLO")
+            if verdict is None or verdict.sloMet is not False:  # proven, or nothing searched (a pinned batch)
+                self.condition("SLOMet", True, "SLOMet", "the last window met the SLO")
+            else:
+                # One window is no proof: SLOMet=True says the schedule meets the SLO beyond the noise, which the
+                # round could not show (a noisy machine, the trials spent); its own windows said more than this one.
+                self.condition("SLOMet", False, unproven_reason(verdict.reason),
+                               f"the last window met the SLO as measured, but the tuning's verdict ({verdict.reason}) "
+                               "did not show that the schedule meets it beyond the noise; a new spec.slo tunes again")
             return
         missed = ", ".join(judgement.failing)
         if self.tuning.phase != "Converged":
