@@ -800,9 +800,15 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
         low, high = b_lo + 1, br.upper - 1
         if guess <= b_lo and not h.noise.exact:
             # The fit sees nothing provable above b_lo yet: halve the bracket (geometrically), which either proves a
-            # higher batch or closes the bracket.
-            target = round(math.sqrt(b_lo * br.upper))
-            why = f"between {b_lo} (meets) and {br.upper} (does not), the fit proposes nothing: halving"
+            # higher batch or closes the bracket. Its upper end is what the miss ran: a load that did not fill its
+            # maxBatchSize runs the same sequences at any batch above (the online e2e's round 2, 24 users a pod,
+            # halved between 11 and 64, whose windows ran 20.5 sequences, to 27, which ran them again). Only here:
+            # the fit's own target may lie above it, where a load that nearly fills (turnover keeps the mean in
+            # flight under the batch) runs more sequences than it.
+            upper = _ran_upper(h, br.upper)
+            target = round(math.sqrt(b_lo * upper))
+            why = f"between {b_lo} (meets) and {_upper_text(br.upper, upper)} (does not), the fit proposes nothing: " \
+                  "halving"
         else:
             target = min(max(round(guess), b_lo + gap), br.upper - gap)
             # A batch that closes the bracket whichever way it falls, when there is one: from it to the upper end,
@@ -825,8 +831,7 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
         # meets closes the bracket at once. The drop is from the batch the miss ran at: a load that does not fill
         # maxBatchSize runs the same sequences at any maxBatchSize above it. It is at most MAX_DROP while no adequate
         # model says where the crossing lies; an adequate one is followed there.
-        missed = h.point(br.upper)
-        ran = min(br.upper, math.ceil(_ran_at(missed))) if missed is not None else br.upper
+        ran = _ran_upper(h, br.upper)
         least = lo if h.model is not None and h.model.usable and not h.noise.exact else math.ceil(ran / MAX_DROP)
         target = max(min(math.floor(guess * (1 - tol)), ran - gap), least)
         why = f"{br.upper} misses the SLO; the fit puts the crossing at {guess:.0f}"
@@ -836,6 +841,17 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
     if b is None:
         return _verdict(problem, h, "converged", f"no batch left to try between {b_lo} and {br.upper}")
     return _propose(problem, b, why)
+
+
+def _ran_upper(h: History, upper: int) -> int:
+    """The batch the bracket's upper end ran at: its maxBatchSize, or fewer when its load did not fill it (a failure
+    or a batch not measured: `upper`)."""
+    missed = h.point(upper)
+    return min(upper, math.ceil(_ran_at(missed))) if missed is not None else upper
+
+
+def _upper_text(upper: int, ran: int) -> str:
+    return str(upper) if ran >= upper else f"{upper} (ran at {ran})"
 
 
 def _uncertain_miss(problem: TuningProblem, h: History, br: _Bracket) -> NextTrial | None:

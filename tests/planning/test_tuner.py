@@ -620,6 +620,27 @@ def test_a_claim_on_many_windows_at_one_batch_is_no_surer_than_the_batch_bias_al
     assert shared.upper["tpot"] == pytest.approx(0.9665, abs=1e-4)
 
 
+
+def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_below_what_the_miss_ran() -> None:
+    # The online e2e's round 2 (24 users a pod, the TPOT bound 69.1 ms): 64 missed at 177 ms with 20.55 requests in
+    # flight per pod, so every maxBatchSize from 21 up runs those sequences; 11 meets in four windows (0.94x). The
+    # search halves between 11 and what 64 ran (21): 15, where halving to 64 measured 27, a second 64.
+    p = TuningProblem.model_validate({
+        "objective": "decodeLatency", "tpot_ms": 69.1, "batch_min": 1, "batch_max": 64, "batch_start": 32,
+        "base": BASE, "mean_input_tokens": 64, "max_input_tokens": 2048})
+
+    def window(batch: int, tpot: float, in_flight: float, tokens_per_s: float) -> Trial:
+        m = TrialMetrics(outputTokensPerSecond=tokens_per_s, ttftMs=LatencyStats(mean=100, p90=120, p99=150),
+                         tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=90,
+                         inFlightPerPod=in_flight)
+        return Trial(schedule=p.schedule_for(batch), metrics=m)
+
+    trials = [window(64, 177.3, 20.55, 230), window(11, 59.5, 22.25, 290), window(11, 65.8, 22, 285),
+              window(11, 68.7, 23, 280), window(11, 67.0, 21.75, 282)]
+    step = decide(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of is None, step
+    assert 11 < step.schedule.maxBatchSize <= 20 and "64 (ran at 21)" in step.reason, step
+
 def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
     # 120 misses (50.5 ms) and 130 meets (48.5 ms) in one window each: smoothed so that latency cannot fall, both sit
     # at 49.5 ms, under the bound; measured, 120 misses, so 130 above it is no answer either. The verdict: 100.
