@@ -831,12 +831,15 @@ def _boundary(problem: TuningProblem, h: History, top: int) -> Decision:
         # meets closes the bracket at once. The drop is from the batch the miss ran at: a load that does not fill
         # maxBatchSize runs the same sequences at any maxBatchSize above it. It is at most MAX_DROP while no adequate
         # model says where the crossing lies; an adequate one is followed there.
+        missed = h.point(br.upper)
         ran = _ran_upper(h, br.upper)
         least = lo if h.model is not None and h.model.usable and not h.noise.exact else math.ceil(ran / MAX_DROP)
         target = max(min(math.floor(guess * (1 - tol)), ran - gap), least)
-        why = f"{br.upper} misses the SLO; the fit puts the crossing at {guess:.0f}"
+        said = (f"{br.upper} meets the SLO as measured but not beyond the noise after {MAX_REPEATS} windows"
+                if missed is not None and missed.claim.meets else f"{br.upper} misses the SLO")
+        why = f"{said}; the fit puts the crossing at {guess:.0f}"
         if guess < lo:  # the fit puts every batch above the bound: the smallest there is says whether any meets it
-            target, why = lo, f"{br.upper} misses the SLO; the fit puts the crossing below {lo}"
+            target, why = lo, f"{said}; the fit puts the crossing below {lo}"
     b = _unmeasured(h, target, low, high) if low <= high else None
     if b is None:
         return _verdict(problem, h, "converged", f"no batch left to try between {b_lo} and {br.upper}")

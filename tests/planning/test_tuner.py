@@ -640,6 +640,12 @@ def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_b
     step = decide(p, trials)
     assert isinstance(step, NextTrial) and step.repeat_of is None, step
     assert 11 < step.schedule.maxBatchSize <= 20 and "64 (ran at 21)" in step.reason, step
+    # Four windows at 11 that scatter (60-75 ms, 0.97x) leave it uncertain: the search goes below it, and says why
+    # (not that 11 missed).
+    scattered = trials[:1] + [window(11, tpot, 22, 285) for tpot in (60, 75, 62, 72)]
+    step = decide(p, scattered)
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize < 11, step
+    assert step.reason.startswith("11 meets the SLO as measured but not beyond the noise after 4 windows"), step
 
 def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
     # 120 misses (50.5 ms) and 130 meets (48.5 ms) in one window each: smoothed so that latency cannot fall, both sit
