@@ -81,6 +81,13 @@ def evidence(tuning: dict[str, Any]) -> set[int]:
     return set((tuning.get("verdict") or {}).get("trials") or [])
 
 
+def pooled_by_requests(entries: list[dict[str, Any]], figure: str, statistic: str = "mean") -> float:
+    """One latency figure (`tpotMs`, `ttftMs`) of measured status.tuning.history entries, pooled by their requests
+    (computed here, not taken from the operator's pooled figures)."""
+    weights = [max(e["metrics"]["samples"], 1) for e in entries]
+    return sum(e["metrics"][figure][statistic] * w for e, w in zip(entries, weights, strict=True)) / sum(weights)
+
+
 def verdict_contradiction(status: dict[str, Any], slo: dict[str, Any]) -> str | None:
     """Why the final status contradicts its own measurements, or None: SLOMet=True while the windows measured at the
     chosen schedule, pooled by requests (computed here from the history, not taken from the operator's figures),
@@ -95,12 +102,11 @@ def verdict_contradiction(status: dict[str, Any], slo: dict[str, Any]) -> str | 
     if not windows:
         return "SLOMet is True but no window was measured at the best schedule"
     statistic = slo.get("statistic", "mean")
-    weights = [max(e["metrics"]["samples"], 1) for e in windows]
     for figure, bound_key in (("tpotMs", "tpotMs"), ("ttftMs", "ttftMs")):
         bound = slo.get(bound_key)
         if bound is None:
             continue
-        pooled = sum(e["metrics"][figure][statistic] * w for e, w in zip(windows, weights, strict=True)) / sum(weights)
+        pooled = pooled_by_requests(windows, figure, statistic)
         if pooled > bound:
             return (f"SLOMet is True but the {len(windows)} window(s) measured at maxBatchSize "
                     f"{best.get('maxBatchSize')} give {figure} {statistic} {pooled:.1f} ms, over the bound {bound:g}")

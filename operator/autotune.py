@@ -503,9 +503,9 @@ class _Look:
         applied = self.tuning.applied  # what the window ran: the verdict's schedule, applied when tuning concluded
         self.observe(m.metrics, rfc3339(start), rfc3339(end), applied.maxBatchSize if applied is not None else None)
         judgement = self.problem.judge(m.metrics)
-        verdict = self.tuning.verdict
         if judgement.meets:
             self.tuning.missedWindows = 0
+            verdict = self.tuning.verdict
             if verdict is None or verdict.sloMet is not False:  # proven, or nothing searched (a pinned batch)
                 self.condition("SLOMet", True, "SLOMet", "the last window met the SLO")
             else:

@@ -143,15 +143,6 @@ def trials(st: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def pooled_tpot(tuning: dict[str, Any], chosen: list[int]) -> float:
-    """The mean TPOT of the history's windows at these trials, pooled by requests (from the history, not from the
-    operator's own pooled figure)."""
-    windows = [e["metrics"] for e in tuning["history"] if e["trial"] in chosen and e.get("metrics")]
-    assert windows, (chosen, tuning["history"])
-    weights = [max(m["samples"], 1) for m in windows]
-    return sum(m["tpotMs"]["mean"] * w for m, w in zip(windows, weights, strict=True)) / sum(weights)
-
-
 def slo_met(st: dict[str, Any]) -> bool:
     return any(c["type"] == "SLOMet" and c["status"] == "True" for c in st.get("conditions") or [])
 
@@ -233,7 +224,8 @@ def test_online_tuning_follows_live_traffic_and_tunes_again_when_it_changes(
             assert verdict["reason"] in ("converged", "maxTrials") and verdict["maxBatchSize"] < first_batch, verdict
             if verdict["reason"] == "converged" or verdict["sloMet"]:
                 assert verdict["sloMet"] and slo_met(st), tuning["message"]
-            assert pooled_tpot(tuning, verdict["trials"]) <= round(bound, 1), trials(st)
+            chosen = [e for e in tuning["history"] if e["trial"] in verdict["trials"] and e.get("metrics")]
+            assert chosen and demo.pooled_by_requests(chosen, "tpotMs") <= round(bound, 1), trials(st)
             # The window that started round 2 is its trial 0 (online mode): round 1's batch, missing the bound.
             seed = tuning["history"][0]
             assert seed["schedule"]["maxBatchSize"] == first_batch and seed["sloMet"] is False, seed

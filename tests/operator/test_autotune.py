@@ -933,10 +933,6 @@ def test_a_window_meeting_the_slo_resets_the_missed_count() -> None:
     assert loop.tuning().missedWindows == 0 and loop.condition("SLOMet")["status"] == "True"
 
 
-# --- the printer columns -------------------------------------------------------------------------------------------
-
-
-
 def test_a_window_meeting_the_slo_after_a_verdict_that_could_not_show_it_leaves_slo_met_false() -> None:
     """SLOMet=True says the schedule meets the SLO beyond the noise: one live window that meets it after a round
     that did not show it (out of trials above an SLO no batch meets; in the e2e, on a noisy machine) is not that
@@ -952,6 +948,10 @@ def test_a_window_meeting_the_slo_after_a_verdict_that_could_not_show_it_leaves_
     found = loop.condition("SLOMet")
     assert (found["status"], found["reason"]) == ("False", "SLOMissed"), found
     assert "the last window met the SLO as measured" in found["message"]
+
+
+# --- the printer columns -------------------------------------------------------------------------------------------
+
 
 def column(status: dict[str, Any], name: str) -> Any:
     """What `kubectl get` shows in the printer column `name` (a plain .status path) for this status."""
