@@ -6,8 +6,11 @@ How the latency is judged on a shared 2-core machine: a prober of its own (anoth
 work does not delay it) starts a probe every 20 ms on a fresh connection, whether the last one has answered or not
 (as the kubelet's periodic probes), while the load runs, and records each probe's time from connect to the last
 byte; a stall fails every probe started during it. The prompt: the 90th percentile within 100 ms (so a probe delayed
-by the machine's other tenants does not fail the test) and none over 1 s (the kubelet's default timeout). Measured
-here: p90 1-5 ms, max 0.25-0.45 s (before: 8.5 s).
+by the machine's other tenants does not fail the test) and none over the operator's 5 s probe timeout. Measured here:
+p90 1-5 ms, max 0.25-0.45 s (before: 8.5 s, every probe of the 15 s stall). It held the longest to the kubelet's
+default 1 s until CI's shared machine answered one probe of 656 in 1.34 s (median 1.6 ms, p90 37 ms): a lone probe,
+likely a SYN retransmitted after the kernel's 1 s, which no design of the server removes. A stall on the loop lasts
+the prompt's whole tokenization (13.7 s there), past both bounds.
 
 The burst is held to less, and the test says so: its median within 100 ms and none over the 5 s timeout the
 operator renders for the engine's probes (operator/render.py; a pod leaves service after 3 failures in a row).
@@ -40,7 +43,6 @@ from tests.serve_process import serve_process
 pytestmark = pytest.mark.wallclock  # probe latencies on the shared machine
 
 BUDGET_S = 0.100
-KUBELET_DEFAULT_TIMEOUT_S = 1.0  # a probe's timeoutSeconds when a manifest gives none
 PROBE_TIMEOUT_S = 5.0  # operator/render.py's timeoutSeconds for the engine's liveness and readiness probes
 
 PROBER = r"""
@@ -134,7 +136,7 @@ def test_probes_answer_while_a_maximal_prompt_is_tokenized(serve: int, tmp_path:
     assert "maxInputTokenLen" in answer[0].json()["error"]["message"]
     assert took > 1.0, f"the prompt was handled in {took:.2f} s: too fast to show a stall"
     _judge(seen, f"15 MB prompt ({took:.1f} s to tokenize and refuse)", percentile=0.9, budget_s=BUDGET_S,
-           longest_s=KUBELET_DEFAULT_TIMEOUT_S)
+           longest_s=PROBE_TIMEOUT_S)
 
 
 async def _burst(port: int, n: int) -> dict[int, int]:
