@@ -37,7 +37,7 @@ PEAK_FIT_POINTS = 4
 class Series:
     """One figure's windows at each batch, in logarithms: batches ascending, each with its windows' values."""
 
-    batches: tuple[int, ...]
+    batches: tuple[float, ...]  # a latency's: where the tuner places each batch (`_placed_at`)
     values: tuple[tuple[float, ...], ...]  # log of the figure (over its bound, for latencies), per window
 
     @property

@@ -620,7 +620,6 @@ def test_a_claim_on_many_windows_at_one_batch_is_no_surer_than_the_batch_bias_al
     assert shared.upper["tpot"] == pytest.approx(0.9665, abs=1e-4)
 
 
-
 def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_below_what_the_miss_ran() -> None:
     # The online e2e's round 2 (24 users a pod, the TPOT bound 69.1 ms): 64 missed at 177 ms with 20.55 requests in
     # flight per pod, so every maxBatchSize from 21 up runs those sequences; 11 meets in four windows (0.94x). The
@@ -646,6 +645,34 @@ def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_b
     step = decide(p, scattered)
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize < 11, step
     assert step.reason.startswith("11 meets the SLO as measured but not beyond the noise after 4 windows"), step
+
+
+def test_the_fit_places_a_batch_whose_load_did_not_fill_it_at_the_sequences_it_ran() -> None:
+    # Another run of that round (24 users a pod, the bound 66.7 ms): 64 missed at 148 ms with 18.75 requests in
+    # flight per pod; 10 met in three windows, 11 in one (53.6 ms, certain with 10's). The search went to 17, the
+    # crossing with 64 placed at 64, and 17 missed (84 ms), then 12 (64.1 and 71.6 ms). Placed at the 18.75
+    # sequences it ran, 64 puts the crossing at 12.
+    p = TuningProblem.model_validate({
+        "objective": "decodeLatency", "tpot_ms": 66.7, "batch_min": 1, "batch_max": 64, "batch_start": 32,
+        "base": BASE, "mean_input_tokens": 64, "max_input_tokens": 2048})
+
+    def window(batch: int, tpot: float, in_flight: float) -> Trial:
+        m = TrialMetrics(outputTokensPerSecond=24 * 1000 / tpot, ttftMs=LatencyStats(mean=100, p90=120, p99=150),
+                         tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=90,
+                         inFlightPerPod=in_flight)
+        return Trial(schedule=p.schedule_for(batch), metrics=m)
+
+    trials = [window(64, 148.0, 18.75), window(10, 52.5, 23), window(10, 61.9, 23), window(10, 57.4, 22.5),
+              window(11, 53.6, 22)]
+    step = decide(p, trials)
+    assert isinstance(step, NextTrial) and step.repeat_of is None, step
+    assert step.schedule.maxBatchSize == 12, step
+    # A load that fills every batch (no in-flight figure, as the simulator's windows): 64 is placed at 64, as before.
+    filled = [t.model_copy(update={"metrics": t.metrics.model_copy(update={"inFlightPerPod": None})})
+              for t in trials if t.metrics is not None]
+    step = decide(p, filled)
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize > 14, step
+
 
 def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
     # 120 misses (50.5 ms) and 130 meets (48.5 ms) in one window each: smoothed so that latency cannot fall, both sit
