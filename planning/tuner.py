@@ -433,16 +433,29 @@ def _placed_at(p: Point) -> float:
     return ran if ran < FILLED * p.batch else float(p.batch)
 
 
-def _latency_series(problem: TuningProblem, points: Sequence[Point], key: LatencyName) -> fits.Series:
-    """A latency over its bound, in logs, by where each point is placed (`_placed_at`). A load that does not fill a
-    batch runs its sequences at any batch above: the online e2e's round 2 (24 users a pod) placed 64, which ran
-    18.75 sequences, at 64, and the crossing between 11 (53.6 ms) and it at 17, which missed at 84 ms; at 18.75 the
-    crossing is at 12. Below the sequences such a load sends, a batch fills, so the crossing is a maxBatchSize."""
+def _latency_series(problem: TuningProblem, points: Sequence[Point], key: LatencyName,
+                    place: Callable[[Point], float]) -> fits.Series:
+    """A latency over its bound, in logs, by where `place` puts each point."""
     bound = problem.bounds()[key]
-    ordered = sorted(points, key=_placed_at)
-    return fits.Series(tuple(_placed_at(p) for p in ordered),
+    ordered = sorted(points, key=place)
+    return fits.Series(tuple(place(p) for p in ordered),
                        tuple(tuple(math.log(max(problem.latency(m, key), 1e-9) / bound) for m in p.windows)
                              for p in ordered))
+
+
+def _latency_crossing(problem: TuningProblem, points: Sequence[Point], key: LatencyName, level: float) -> float:
+    """The maxBatchSize where a latency's fit reaches `level`. A load that does not fill a batch runs its sequences
+    at any batch above, so such a point is placed at what it ran (`_placed_at`): the online e2e's round 2 (24 users a
+    pod) placed 64, which ran 18.75 sequences, at 64, and the crossing between 11 (53.6 ms) and it at 17, which
+    missed at 84 ms; at 18.75 the crossing is at 12. Below the sequences such a load sends, a batch fills, so that
+    crossing is a maxBatchSize. Past them, no batch runs more under this load, and the sequences say nothing of
+    where a batch would cross: the fit by maxBatchSize decides (round 1's 2 users a pod, where every batch ran 1.3-1.9
+    sequences, crept up one batch a trial on a crossing at 38 sequences)."""
+    crossing = fits.level_crossing(_latency_series(problem, points, key, _placed_at), level, key)
+    short = [_ran_at(p) for p in points if _placed_at(p) < p.batch]
+    if short and crossing > max(short):
+        return fits.level_crossing(_latency_series(problem, points, key, lambda p: float(p.batch)), level, key)
+    return crossing
 
 
 # --- the search ----------------------------------------------------------------------------------------------------
@@ -765,7 +778,7 @@ def _target(problem: TuningProblem, h: History, pts: Sequence[Point], first_belo
     """The batch the smoothed latencies put at the aimed level: the lowest over the bounds. For TPOT, while the
     engine model is adequate, the largest batch the model would prove (the model proposes; the windows confirm)."""
     aim = _aim(problem, h, first_below_a_miss)
-    crossings = {k: fits.level_crossing(_latency_series(problem, pts, k), aim[k], k) for k in problem.bounds()}
+    crossings = {k: _latency_crossing(problem, pts, k, aim[k]) for k in problem.bounds()}
     if "tpot" in crossings and h.model is not None and h.model.usable and not h.noise.exact:
         crossings["tpot"] = _model_crossing(problem, h.model, aim["tpot"])
     return min(crossings.values())

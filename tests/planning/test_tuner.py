@@ -672,6 +672,12 @@ def test_the_fit_places_a_batch_whose_load_did_not_fill_it_at_the_sequences_it_r
               for t in trials if t.metrics is not None]
     step = decide(p, filled)
     assert isinstance(step, NextTrial) and step.schedule.maxBatchSize > 14, step
+    # Light traffic (round 1, 2 users a pod, the bound 54.3 ms): 32 ran 1.75 sequences at 16 ms and 33 ran 1.8 at
+    # 17.3 ms. No batch runs more than the load sends, so the sequences cannot say where a batch crosses: the search
+    # climbs by maxBatchSize (to 64, twice 32), not one batch a trial on a crossing at 38 sequences.
+    light = p.model_copy(update={"tpot_ms": 54.3})
+    step = decide(light, [window(32, 16.0, 1.75), window(33, 17.3, 1.8)])
+    assert isinstance(step, NextTrial) and step.schedule.maxBatchSize == 64, step
 
 
 def test_the_verdict_is_never_a_batch_whose_own_windows_miss_whatever_the_fit_says() -> None:
