@@ -452,7 +452,7 @@ def _latency_crossing(problem: TuningProblem, points: Sequence[Point], key: Late
     where a batch would cross: the fit by maxBatchSize decides (round 1's 2 users a pod, where every batch ran 1.3-1.9
     sequences, crept up one batch a trial on a crossing at 38 sequences)."""
     crossing = fits.level_crossing(_latency_series(problem, points, key, _placed_at), level, key)
-    short = [_ran_at(p) for p in points if _placed_at(p) < p.batch]
+    short = [x for p in points if (x := _placed_at(p)) < p.batch]  # the sequences of the points left short
     if short and crossing > max(short):
         return fits.level_crossing(_latency_series(problem, points, key, lambda p: float(p.batch)), level, key)
     return crossing

@@ -620,6 +620,11 @@ def test_a_claim_on_many_windows_at_one_batch_is_no_surer_than_the_batch_bias_al
     assert shared.upper["tpot"] == pytest.approx(0.9665, abs=1e-4)
 
 
+def _live_window(p: TuningProblem, batch: int, tpot: float, in_flight: float, tokens_per_s: float) -> Trial:
+    """A live-traffic window written out: `_shaped`'s, with the requests in flight per pod it measured."""
+    return _in_flight(_shaped(p, (batch, tpot, tokens_per_s))[0], in_flight)
+
+
 def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_below_what_the_miss_ran() -> None:
     # The online e2e's round 2 (24 users a pod, the TPOT bound 69.1 ms): 64 missed at 177 ms with 20.55 requests in
     # flight per pod, so every maxBatchSize from 21 up runs those sequences; 11 meets in four windows (0.94x). The
@@ -629,10 +634,7 @@ def test_between_a_meet_and_a_miss_whose_load_did_not_fill_it_the_search_stays_b
         "base": BASE, "mean_input_tokens": 64, "max_input_tokens": 2048})
 
     def window(batch: int, tpot: float, in_flight: float, tokens_per_s: float) -> Trial:
-        m = TrialMetrics(outputTokensPerSecond=tokens_per_s, ttftMs=LatencyStats(mean=100, p90=120, p99=150),
-                         tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=90,
-                         inFlightPerPod=in_flight)
-        return Trial(schedule=p.schedule_for(batch), metrics=m)
+        return _live_window(p, batch, tpot, in_flight, tokens_per_s)
 
     trials = [window(64, 177.3, 20.55, 230), window(11, 59.5, 22.25, 290), window(11, 65.8, 22, 285),
               window(11, 68.7, 23, 280), window(11, 67.0, 21.75, 282)]
@@ -657,10 +659,7 @@ def test_the_fit_places_a_batch_whose_load_did_not_fill_it_at_the_sequences_it_r
         "base": BASE, "mean_input_tokens": 64, "max_input_tokens": 2048})
 
     def window(batch: int, tpot: float, in_flight: float) -> Trial:
-        m = TrialMetrics(outputTokensPerSecond=24 * 1000 / tpot, ttftMs=LatencyStats(mean=100, p90=120, p99=150),
-                         tpotMs=LatencyStats(mean=tpot, p90=1.2 * tpot, p99=1.5 * tpot), samples=90,
-                         inFlightPerPod=in_flight)
-        return Trial(schedule=p.schedule_for(batch), metrics=m)
+        return _live_window(p, batch, tpot, in_flight, 24 * 1000 / tpot)
 
     trials = [window(64, 148.0, 18.75), window(10, 52.5, 23), window(10, 61.9, 23), window(10, 57.4, 22.5),
               window(11, 53.6, 22)]
